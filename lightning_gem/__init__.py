@@ -1,0 +1,25 @@
+"""lightning_gem: GEM-style training efficiency for PyTorch Lightning recommendation models.
+
+Importing the package is cheap: it imports torch only. Submodules that pull Lightning, torchrec or
+Triton (``lightning_gem.components``, ``lightning_gem.data``, ``lightning_gem.strategies``) load when
+first used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_SUBMODULES = {"callbacks", "cli", "components", "data", "jagged", "metrics", "ops", "strategies", "testing"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_SUBMODULES))

@@ -1,0 +1,5 @@
+"""Lightning callbacks: throughput and training reports."""
+
+from lightning_gem.callbacks.report import ThroughputReport
+
+__all__ = ["ThroughputReport"]

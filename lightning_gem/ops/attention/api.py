@@ -1,0 +1,255 @@
+"""The public GDPA function: validation, defaults and ``impl=`` dispatch.
+
+GDPA (generalized dot-product attention) is the one attention op of the kit. Jagged Flash Attention,
+HSTU pointwise attention, target-aware candidate attention and BlockAttention are modes of it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from lightning_gem import jagged
+from lightning_gem.ops.attention.impl.reference import ACTIVATIONS
+
+__all__ = ["IMPLS", "block_attention", "gdpa", "hstu_attention", "jagged_flash_attention", "resolve_impl"]
+
+IMPLS = ("auto", "reference", "triton")
+
+
+def gdpa(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_offsets: Tensor,
+    kv_offsets: Tensor | None = None,
+    *,
+    kv_index: Tensor | None = None,
+    activation: str = "softmax",
+    causal: bool = False,
+    window: int | None = None,
+    block_size: int | None = None,
+    num_targets: Tensor | None = None,
+    scale: float | None = None,
+    max_seq_len_q: int | None = None,
+    max_seq_len_kv: int | None = None,
+    impl: str = "auto",
+    check_offsets: bool = True,
+) -> Tensor:
+    r"""Generalized dot-product attention over jagged sequences.
+
+    Legend: ``B`` query segments, ``Tq`` / ``Tk`` total query / key tokens, ``H`` heads, ``D`` q/k head
+    dim, ``Dv`` value head dim. Segment ``b`` has queries ``q[q_offsets[b]:q_offsets[b+1]]`` (``Lq``
+    of them) and attends to kv segment ``j = kv_index[b]`` (default ``j = b``), the keys
+    ``k[kv_offsets[j]:kv_offsets[j+1]]`` (``Lk`` of them). Several query segments may share one kv
+    segment (many candidates of a user over one history): nothing is copied.
+
+    **Which pairs attend** (``i`` a query's index in its segment, ``t`` a key's):
+
+    - Self-attention (``kv_offsets`` omitted, or equal lengths everywhere): ``h = Lk - num_targets[b]``
+      history tokens followed by ``num_targets[b]`` targets; a query's position is ``p(i) = min(i, h)``.
+      Cross-attention: no targets (``h = Lk``) and ``p(i) = i + Lk - Lq`` (bottom-right alignment, as
+      FlashAttention's causal cross-attention).
+    - ``(i, t)`` is allowed iff ``t == i >= h`` (a target sees itself) or ``t < h`` and every enabled
+      rule holds: ``causal``: ``t <= p(i)``; ``window=w``: ``|p(i) - t| <= w``; ``block_size=s``:
+      ``p(i) // s == t // s`` (BlockAttention, blocks aligned to the segment start: cost linear in
+      length). So targets see the history and themselves, never each other; history never sees targets.
+
+    **What is computed**, with ``s_it = scale * <q_i, k_t>`` (``scale`` defaults to ``1 / sqrt(D)``):
+
+    - ``activation="softmax"``: ``o_i = sum_t softmax_t(s_it) v_t`` over allowed ``t``; a query with no
+      allowed key (e.g. an empty kv segment) outputs zeros. Kernels keep an fp32 running max and
+      log-sum-exp.
+    - pointwise ``"silu" | "gelu" | "relu" | "sigmoid"`` (``gelu`` is the exact erf form):
+      ``o_i = (1 / Lk) * sum_t act(s_it) v_t`` over allowed ``t``, where ``Lk`` is the length of the kv
+      segment itself (history plus targets), never a batch maximum: a sample's output does not depend on
+      its batch. An empty kv segment outputs zeros.
+
+    Output is ``[Tq, H, Dv]`` in q's dtype; accumulation is in fp32 (fp64 for fp64 inputs).
+
+    Args:
+        q: ``[Tq, H, D]`` queries. k: ``[Tk, H, D]`` keys. v: ``[Tk, H, Dv]`` values; same float dtype
+            and device.
+        q_offsets: ``[B + 1]`` int32/int64 offsets of the query segments.
+        kv_offsets: ``[Bkv + 1]`` offsets of the kv segments; omitted: self-attention (``k``/``v`` share
+            ``q_offsets``).
+        kv_index: ``[B]`` int kv segment of each query segment, in ``[0, Bkv)``; omitted: ``B == Bkv``
+            and segment ``b`` attends to kv segment ``b``.
+        activation: ``"softmax"`` or a pointwise activation (above).
+        causal: keys at positions after the query's are masked.
+        window: max attention distance ``|p(i) - t|`` (``>= 0``), or None for unlimited.
+        block_size: BlockAttention block length (``>= 1``), or None.
+        num_targets: ``[B]`` int targets at the end of each self-attention segment, ``0 <= n <= L``.
+        scale: score scale; default ``1 / sqrt(D)``.
+        max_seq_len_q, max_seq_len_kv: upper bounds on ``Lq`` / ``Lk`` (kernels use them as runtime
+            hints to size grids without a device sync); checked when ``check_offsets``.
+        impl: ``"reference"`` (pure PyTorch), ``"triton"`` (GPU kernels), or ``"auto"`` (Triton when it
+            is available for these inputs, else the reference). A named impl never falls back.
+        check_offsets: validate offsets, indices and targets by reading their values (a device sync).
+            Pass False only for offsets already validated upstream. Skipped under ``torch.compile``.
+
+    Returns:
+        ``[Tq, H, Dv]`` attention output.
+
+    Example:
+        >>> import torch
+        >>> from lightning_gem.ops import gdpa
+        >>> offsets = torch.tensor([0, 3, 3, 7])  # lengths 3, 0, 4
+        >>> q, k, v = (torch.randn(7, 2, 8) for _ in range(3))
+        >>> gdpa(q, k, v, offsets, activation="silu", causal=True).shape
+        torch.Size([7, 2, 8])
+    """
+    _check_qkv(q, k, v)
+    # Reading offsets' values is a data-dependent branch that a compiled graph cannot hold.
+    check_offsets = check_offsets and not torch.compiler.is_compiling()
+    self_attention = kv_offsets is None
+    if self_attention:
+        if k.shape[0] != q.shape[0]:
+            raise ValueError(
+                f"`k` and `v` must have as many rows as `q` ({q.shape[0]}) for self-attention (no `kv_offsets`), "
+                f"got {k.shape[0]}"
+            )
+        kv_offsets = q_offsets
+    num_segments = _check_offsets(q_offsets, "q_offsets", q, check_offsets)
+    num_kv_segments = _check_offsets(kv_offsets, "kv_offsets", k, check_offsets)
+    if kv_index is None:
+        if num_kv_segments != num_segments:
+            raise ValueError(
+                f"`kv_offsets` must describe as many segments as `q_offsets` ({num_segments}) when `kv_index` is "
+                f"omitted, got {num_kv_segments}"
+            )
+    else:
+        _check_index(kv_index, "kv_index", num_segments, q.device)
+        if check_offsets and kv_index.numel() and (int(kv_index.min()) < 0 or int(kv_index.max()) >= num_kv_segments):
+            raise ValueError(f"`kv_index` entries must lie in [0, {num_kv_segments}) (the kv segments)")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"`activation` must be one of {ACTIVATIONS}, got {activation!r}")
+    if window is not None and (not isinstance(window, int) or window < 0):
+        raise ValueError(f"`window` must be a non-negative int or None, got {window!r}")
+    if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
+        raise ValueError(f"`block_size` must be a positive int or None, got {block_size!r}")
+    if num_targets is not None:
+        _check_targets(num_targets, q_offsets, kv_offsets, kv_index, num_segments, q.device, check_offsets)
+    if check_offsets:
+        _check_hint(max_seq_len_q, q_offsets, "max_seq_len_q")
+        _check_hint(max_seq_len_kv, kv_offsets, "max_seq_len_kv")
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+
+    chosen = resolve_impl(impl, q)
+    if chosen == "triton":
+        raise NotImplementedError(
+            "impl='triton': the GDPA Triton kernels are not part of this build yet; use impl='reference' or 'auto'"
+        )
+    from lightning_gem.ops.attention.ops import gdpa_reference_op
+
+    return gdpa_reference_op(
+        q,
+        k,
+        v,
+        q_offsets,
+        kv_offsets,
+        kv_index,
+        num_targets,
+        activation,
+        causal,
+        window,
+        block_size,
+        float(scale),
+    )
+
+
+def resolve_impl(impl: str, q: Tensor) -> str:
+    """The implementation ``impl`` names for inputs like ``q``: ``"reference"`` or ``"triton"``."""
+    if impl not in IMPLS:
+        raise ValueError(f"`impl` must be one of {IMPLS}, got {impl!r}")
+    if impl != "auto":
+        return impl
+    return "reference"
+
+
+def jagged_flash_attention(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, **kwargs) -> Tensor:  # noqa: ANN003
+    """Jagged Flash Attention: causal softmax self-attention. Same arguments as :func:`gdpa`."""
+    kwargs.setdefault("causal", True)
+    return gdpa(q, k, v, offsets, activation="softmax", **kwargs)
+
+
+def hstu_attention(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, **kwargs) -> Tensor:  # noqa: ANN003
+    """HSTU attention: causal pointwise SiLU self-attention normalised by each sequence's length.
+
+    Same arguments as :func:`gdpa`; ``num_targets`` makes the last tokens of each sequence targets.
+    """
+    kwargs.setdefault("causal", True)
+    kwargs.setdefault("activation", "silu")
+    return gdpa(q, k, v, offsets, **kwargs)
+
+
+def block_attention(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, *, block_size: int, **kwargs) -> Tensor:  # noqa: ANN003
+    """BlockAttention: attention only inside fixed ``block_size`` blocks of each sequence (linear cost).
+
+    Same arguments as :func:`gdpa`; softmax and bidirectional unless ``activation`` / ``causal`` say otherwise.
+    """
+    return gdpa(q, k, v, offsets, block_size=block_size, **kwargs)
+
+
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        jagged.check_floating(t, name)
+        if t.dim() != 3:
+            raise ValueError(f"`{name}` must be 3-D [tokens, heads, head_dim], got shape {tuple(t.shape)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"`{name}` must have q's dtype {q.dtype}, got {t.dtype}")
+        jagged.check_device(t, name, q.device)
+        if t.shape[1] != q.shape[1]:
+            raise ValueError(f"`{name}` must have q's {q.shape[1]} heads in dim 1, got {t.shape[1]}")
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"`k` must have q's head dim {q.shape[2]} in dim 2, got {k.shape[2]}")
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"`v` must have as many rows as `k` ({k.shape[0]}), got {v.shape[0]}")
+
+
+def _check_offsets(offsets: Tensor, name: str, values: Tensor, check_values: bool) -> int:
+    jagged.validate_offsets(offsets, name, num_values=values.shape[0] if check_values else None,
+                            device=values.device, check_values=check_values)
+    return offsets.numel() - 1
+
+
+def _check_index(index: Tensor, name: str, size: int, device: torch.device) -> None:
+    if not isinstance(index, Tensor) or index.dtype not in jagged.INDEX_DTYPES:
+        raise TypeError(f"`{name}` must be an int32/int64 tensor, got {getattr(index, 'dtype', type(index))}")
+    if index.dim() != 1 or index.numel() != size:
+        raise ValueError(f"`{name}` must have shape [{size}] (one entry per query segment), got {tuple(index.shape)}")
+    jagged.check_device(index, name, device)
+
+
+def _check_targets(
+    num_targets: Tensor,
+    q_offsets: Tensor,
+    kv_offsets: Tensor,
+    kv_index: Tensor | None,
+    num_segments: int,
+    device: torch.device,
+    check_values: bool,
+) -> None:
+    _check_index(num_targets, "num_targets", num_segments, device)
+    if not check_values:
+        return
+    len_q = q_offsets[1:] - q_offsets[:-1]
+    len_k = kv_offsets[1:] - kv_offsets[:-1]
+    if kv_index is not None:
+        len_k = len_k[kv_index.to(torch.int64)]
+    if not torch.equal(len_q.to(torch.int64), len_k.to(torch.int64)):
+        raise ValueError("`num_targets` needs self-attention: every query segment must be as long as its kv segment")
+    if num_targets.numel() and (bool((num_targets < 0).any()) or bool((num_targets > len_q).any())):
+        raise ValueError("`num_targets` entries must lie in [0, segment length]")
+
+
+def _check_hint(hint: int | None, offsets: Tensor, name: str) -> None:
+    if hint is None:
+        return
+    longest = jagged.max_length(offsets)
+    if hint < longest:
+        raise ValueError(f"`{name}` ({hint}) must be >= the longest segment ({longest})")

@@ -1,0 +1,209 @@
+"""Pure-PyTorch GDPA: the oracle every kernel is tested against. CPU or GPU, any float dtype.
+
+Segments are grouped by the powers of two above their query and key lengths and padded only inside a
+group, so memory is at most ~4x the sum over segments of ``Lq * Lk`` (times heads), never the padded
+batch. Scores are computed in float32 (float64 for float64 inputs) and cast back at the end.
+
+:func:`gdpa_reference` is differentiable by autograd; :func:`gdpa_reference_backward` is the explicit
+backward (the formulas a kernel implements), used by the registered custom op.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_gem.ops.attention.masks import allowed_mask
+
+__all__ = ["ACTIVATIONS", "gdpa_reference", "gdpa_reference_backward"]
+
+
+def _gelu_grad(x: Tensor) -> Tensor:
+    cdf = 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
+    pdf = torch.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+    return cdf + x * pdf
+
+
+def _silu_grad(x: Tensor) -> Tensor:
+    sig = torch.sigmoid(x)
+    return sig * (1.0 + x * (1.0 - sig))
+
+
+def _sigmoid_grad(x: Tensor) -> Tensor:
+    sig = torch.sigmoid(x)
+    return sig * (1.0 - sig)
+
+
+# activation -> (function, derivative)
+POINTWISE = {
+    "silu": (F.silu, _silu_grad),
+    "gelu": (F.gelu, _gelu_grad),
+    "relu": (F.relu, lambda x: (x > 0).to(x.dtype)),
+    "sigmoid": (torch.sigmoid, _sigmoid_grad),
+}
+ACTIVATIONS = ("softmax", *POINTWISE)
+_MIN_BUCKET = 16
+
+
+@dataclass
+class _Bucket:
+    q_idx: Tensor  # [N, Lq] row of q for each padded query slot (clamped; see q_valid)
+    k_idx: Tensor  # [N, Lk] row of k/v for each padded key slot (clamped; see k_valid)
+    q_valid: Tensor  # [N, Lq]
+    k_valid: Tensor  # [N, Lk]
+    mask: Tensor  # [N, 1, Lq, Lk] allowed pairs
+    len_k: Tensor  # [N, 1, 1, 1] kv segment lengths (pointwise normaliser)
+
+
+def _pow2_bucket(length: Tensor) -> Tensor:
+    length = length.clamp_min(_MIN_BUCKET)
+    return torch.pow(2, torch.ceil(torch.log2(length.to(torch.float64)))).to(torch.int64)
+
+
+def _buckets(
+    num_q: int,
+    num_k: int,
+    q_offsets: Tensor,
+    kv_offsets: Tensor,
+    kv_index: Tensor | None,
+    num_targets: Tensor | None,
+    causal: bool,
+    window: int | None,
+    block_size: int | None,
+) -> Iterator[_Bucket]:
+    """Groups of segments with similar lengths, padded to the group's longest; skips empty work."""
+    device = q_offsets.device
+    q_offsets = q_offsets.to(torch.int64)
+    kv_offsets = kv_offsets.to(torch.int64)
+    q_start, len_q = q_offsets[:-1], q_offsets[1:] - q_offsets[:-1]
+    kv_seg = torch.arange(len_q.numel(), device=device) if kv_index is None else kv_index.to(torch.int64)
+    k_start = kv_offsets[:-1][kv_seg]
+    len_k = (kv_offsets[1:] - kv_offsets[:-1])[kv_seg]
+    num_history = len_k if num_targets is None else len_k - num_targets.to(torch.int64)
+    keys = _pow2_bucket(len_q) * (1 << 32) + _pow2_bucket(len_k)
+    for key in torch.unique(keys).tolist():
+        seg = torch.nonzero(keys == key).squeeze(1)
+        pad_q, pad_k = int(len_q[seg].max()), int(len_k[seg].max())
+        if pad_q == 0 or pad_k == 0:
+            continue  # no query, or no key: those outputs stay zero
+        q_pos = torch.arange(pad_q, device=device)
+        k_pos = torch.arange(pad_k, device=device)
+        lq, lk, hist = len_q[seg, None], len_k[seg, None], num_history[seg, None]
+        mask = allowed_mask(
+            q_pos[None, :, None],
+            k_pos[None, None, :],
+            lq[:, :, None],
+            lk[:, :, None],
+            hist[:, :, None],
+            causal=causal,
+            window=window,
+            block_size=block_size,
+        )
+        yield _Bucket(
+            q_idx=(q_start[seg, None] + q_pos).clamp_max(num_q - 1),
+            k_idx=(k_start[seg, None] + k_pos).clamp_max(num_k - 1),
+            q_valid=q_pos[None, :] < lq,
+            k_valid=k_pos[None, :] < lk,
+            mask=mask[:, None],
+            len_k=lk[:, :, None, None],
+        )
+
+
+def _probabilities(scores: Tensor, b: _Bucket, activation: str) -> Tensor:
+    """``P`` of ``O = P V`` for one bucket: masked softmax, or masked ``act(S) / Lk``."""
+    if activation == "softmax":
+        scores = scores.masked_fill(~b.mask, float("-inf"))
+        row_max = scores.amax(dim=-1, keepdim=True).detach()
+        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        weights = torch.exp(scores - row_max)
+        denom = weights.sum(dim=-1, keepdim=True)
+        return weights / torch.where(denom > 0, denom, torch.ones_like(denom))
+    act = POINTWISE[activation][0](scores)
+    return torch.where(b.mask, act, torch.zeros_like(act)) / b.len_k
+
+
+def gdpa_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_offsets: Tensor,
+    kv_offsets: Tensor,
+    kv_index: Tensor | None,
+    num_targets: Tensor | None,
+    *,
+    activation: str,
+    causal: bool,
+    window: int | None,
+    block_size: int | None,
+    scale: float,
+) -> Tensor:
+    """GDPA forward on validated inputs (see :func:`lightning_gem.ops.gdpa` for the contract).
+
+    Shapes: q ``[Tq, H, D]``, k ``[Tk, H, D]``, v ``[Tk, H, Dv]``, q_offsets ``[B + 1]``,
+    kv_offsets ``[Bkv + 1]``, kv_index ``[B]`` or None, num_targets ``[B]`` or None. Returns ``[Tq, H, Dv]``.
+    """
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2], dtype=compute)
+    rows, values = [], []
+    for b in _buckets(q.shape[0], k.shape[0], q_offsets, kv_offsets, kv_index, num_targets, causal, window, block_size):
+        qb, kb, vb = q[b.q_idx].to(compute), k[b.k_idx].to(compute), v[b.k_idx].to(compute)
+        scores = torch.einsum("nqhd,nkhd->nhqk", qb, kb) * scale
+        probs = _probabilities(scores, b, activation)
+        ob = torch.einsum("nhqk,nkhd->nqhd", probs, vb)
+        rows.append(b.q_idx[b.q_valid])
+        values.append(ob[b.q_valid])
+    if rows:
+        out = out.index_put((torch.cat(rows),), torch.cat(values))
+    return out.to(q.dtype)
+
+
+def gdpa_reference_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_offsets: Tensor,
+    kv_offsets: Tensor,
+    kv_index: Tensor | None,
+    num_targets: Tensor | None,
+    *,
+    activation: str,
+    causal: bool,
+    window: int | None,
+    block_size: int | None,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dv)`` of :func:`gdpa_reference`, written out as a kernel computes them.
+
+    With ``S = scale Q K^T`` and ``O = P V``: ``dV = P^T dO``, ``dP = dO V^T``; softmax:
+    ``dS = P * (dP - rowsum(dO * O))``; pointwise: ``dS = mask * act'(S) * dP / Lk``; then
+    ``dQ = scale dS K`` and ``dK = scale dS^T Q``. dk and dv add up over query segments sharing a kv segment.
+    """
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq = torch.zeros(q.shape, dtype=compute, device=q.device)
+    dk = torch.zeros(k.shape, dtype=compute, device=k.device)
+    dv = torch.zeros(v.shape, dtype=compute, device=v.device)
+    for b in _buckets(q.shape[0], k.shape[0], q_offsets, kv_offsets, kv_index, num_targets, causal, window, block_size):
+        qb, kb, vb = q[b.q_idx].to(compute), k[b.k_idx].to(compute), v[b.k_idx].to(compute)
+        gb = grad_out[b.q_idx].to(compute) * b.q_valid[:, :, None, None]
+        scores = torch.einsum("nqhd,nkhd->nhqk", qb, kb) * scale
+        probs = _probabilities(scores, b, activation)
+        dv_b = torch.einsum("nhqk,nqhd->nkhd", probs, gb)
+        dprobs = torch.einsum("nqhd,nkhd->nhqk", gb, vb)
+        if activation == "softmax":
+            delta = (dprobs * probs).sum(dim=-1, keepdim=True)
+            dscores = probs * (dprobs - delta)
+        else:
+            derivative = POINTWISE[activation][1](scores)
+            dscores = torch.where(b.mask, derivative * dprobs, torch.zeros_like(dprobs)) / b.len_k
+        dq_b = torch.einsum("nhqk,nkhd->nqhd", dscores, kb) * scale
+        dk_b = torch.einsum("nhqk,nqhd->nkhd", dscores, qb) * scale
+        dq.index_put_((b.q_idx[b.q_valid],), dq_b[b.q_valid])
+        dk.index_put_((b.k_idx[b.k_valid],), dk_b[b.k_valid], accumulate=True)
+        dv.index_put_((b.k_idx[b.k_valid],), dv_b[b.k_valid], accumulate=True)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

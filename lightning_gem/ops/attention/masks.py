@@ -1,0 +1,120 @@
+"""Which (query, key) pairs GDPA lets attend: the one definition every implementation follows.
+
+Notation for one query segment ``b`` attending to kv segment ``j = kv_index[b]``: ``Lq`` queries,
+``Lk`` keys, query ``i`` in ``[0, Lq)``, key ``t`` in ``[0, Lk)``.
+
+- Self-attention (``Lq == Lk`` segment by segment, the same offsets): ``h = Lk - num_targets[b]``
+  history tokens, then targets. A query's position is ``p(i) = min(i, h)``: every target sits at the
+  position right after the history.
+- Cross-attention: no targets (``h = Lk``); queries are aligned to the end of the keys, so
+  ``p(i) = i + Lk - Lq`` (FlashAttention's bottom-right causal alignment).
+
+``allowed(i, t)`` holds iff ``t == i and t >= h`` (a target sees itself), or ``t < h`` and all of:
+    causal:          ``t <= p(i)``
+    window w:        ``|p(i) - t| <= w``
+    block_size s:    ``p(i) // s == t // s`` (blocks aligned to the segment start)
+So a target never sees another target, and no history query sees a target.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["allowed_mask", "key_ranges", "num_allowed_pairs"]
+
+
+def allowed_mask(
+    q_pos: Tensor,
+    k_pos: Tensor,
+    len_q: Tensor,
+    len_k: Tensor,
+    num_history: Tensor,
+    *,
+    causal: bool,
+    window: int | None,
+    block_size: int | None,
+) -> Tensor:
+    """Broadcasting boolean mask of allowed pairs.
+
+    Args:
+        q_pos: local query indices ``i`` (broadcastable, e.g. ``[N, Lq, 1]``).
+        k_pos: local key indices ``t`` (e.g. ``[N, 1, Lk]``).
+        len_q, len_k: segment lengths, broadcastable against the above (e.g. ``[N, 1, 1]``).
+        num_history: ``h`` per segment (``len_k`` when there are no targets).
+    Returns:
+        bool tensor of the broadcast shape; pairs outside ``[0, len)`` are False.
+    """
+    in_range = (q_pos < len_q) & (k_pos < len_k)
+    shift = len_k - len_q
+    is_self = shift == 0
+    p = torch.where(is_self & (q_pos > num_history), num_history, q_pos + shift)
+    rule = k_pos < num_history
+    if causal:
+        rule = rule & (k_pos <= p)
+    if window is not None:
+        rule = rule & ((p - k_pos).abs() <= window)
+    if block_size is not None:
+        rule = rule & (torch.div(p, block_size, rounding_mode="floor") == torch.div(k_pos, block_size, rounding_mode="floor"))
+    own_target = (k_pos == q_pos) & (k_pos >= num_history) & is_self
+    return in_range & (rule | own_target)
+
+
+def key_ranges(
+    q_pos: Tensor,
+    len_q: Tensor,
+    len_k: Tensor,
+    num_history: Tensor,
+    *,
+    causal: bool,
+    window: int | None,
+    block_size: int | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per query row: the history keys it sees as a half-open range ``[lo, hi)`` and whether it also sees
+    its own target key. All arguments are 1-D and aligned (one entry per query row).
+
+    Kernels use this to skip key blocks outside ``[lo, hi)``; FLOP counting sums ``hi - lo`` (+1).
+    """
+    shift = len_k - len_q
+    is_self = shift == 0
+    p = torch.where(is_self & (q_pos > num_history), num_history, q_pos + shift)
+    lo = torch.zeros_like(p)
+    hi = num_history.clone()
+    if causal:
+        hi = torch.minimum(hi, p + 1)
+    if window is not None:
+        lo = torch.maximum(lo, p - window)
+        hi = torch.minimum(hi, p + window + 1)
+    if block_size is not None:
+        start = torch.div(p, block_size, rounding_mode="floor") * block_size
+        lo = torch.maximum(lo, start)
+        hi = torch.minimum(hi, start + block_size)
+    hi = torch.maximum(hi, lo)
+    own_target = is_self & (q_pos >= num_history) & (q_pos < len_k)
+    return lo, hi, own_target
+
+
+def num_allowed_pairs(
+    q_offsets: Tensor,
+    kv_offsets: Tensor,
+    kv_index: Tensor | None,
+    num_targets: Tensor | None,
+    *,
+    causal: bool,
+    window: int | None,
+    block_size: int | None,
+) -> int:
+    """Number of allowed (query, key) pairs over the batch, per head: O(Tq) work, no mask is built."""
+    len_q_b = (q_offsets[1:] - q_offsets[:-1]).to(torch.int64)
+    len_k_all = (kv_offsets[1:] - kv_offsets[:-1]).to(torch.int64)
+    len_k_b = len_k_all if kv_index is None else len_k_all[kv_index.to(torch.int64)]
+    hist_b = len_k_b if num_targets is None else len_k_b - num_targets.to(torch.int64)
+    total_q = int(len_q_b.sum())
+    if total_q == 0:
+        return 0
+    seg = torch.repeat_interleave(torch.arange(len_q_b.numel(), device=q_offsets.device), len_q_b, output_size=total_q)
+    q_pos = torch.arange(total_q, device=q_offsets.device) - q_offsets[:-1].to(torch.int64)[seg]
+    lo, hi, own = key_ranges(
+        q_pos, len_q_b[seg], len_k_b[seg], hist_b[seg], causal=causal, window=window, block_size=block_size
+    )
+    return int((hi - lo).clamp_min(0).sum() + own.sum())

@@ -1,0 +1,172 @@
+"""GDPA as torch custom ops: the reference registered with a fake impl, autograd and a FLOP formula.
+
+This module imports no optional backend (no Triton): the Triton kernels register their own ops in
+``impl/triton``. Registering the reference as an op lets ``torch.compile`` trace through it as a single
+node and lets ``torch.utils.flop_counter.FlopCounterMode`` count it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
+
+from lightning_gem.ops.attention.impl.reference import gdpa_reference, gdpa_reference_backward
+from lightning_gem.ops.attention.masks import num_allowed_pairs
+
+__all__ = ["gdpa_flops", "gdpa_reference_op"]
+
+
+@torch.library.custom_op("lightning_gem::gdpa_reference", mutates_args=())
+def gdpa_reference_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_offsets: Tensor,
+    kv_offsets: Tensor,
+    kv_index: Tensor | None,
+    num_targets: Tensor | None,
+    activation: str,
+    causal: bool,
+    window: int | None,
+    block_size: int | None,
+    scale: float,
+) -> Tensor:
+    """Forward of the reference GDPA (inputs already validated by :func:`lightning_gem.ops.gdpa`)."""
+    return gdpa_reference(
+        q,
+        k,
+        v,
+        q_offsets,
+        kv_offsets,
+        kv_index,
+        num_targets,
+        activation=activation,
+        causal=causal,
+        window=window,
+        block_size=block_size,
+        scale=scale,
+    )
+
+
+@gdpa_reference_op.register_fake
+def _(q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size, scale):  # noqa: ANN001, ANN202
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+
+
+@torch.library.custom_op("lightning_gem::gdpa_reference_backward", mutates_args=())
+def gdpa_reference_backward_op(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_offsets: Tensor,
+    kv_offsets: Tensor,
+    kv_index: Tensor | None,
+    num_targets: Tensor | None,
+    activation: str,
+    causal: bool,
+    window: int | None,
+    block_size: int | None,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward of the reference GDPA: the explicit formulas of :func:`gdpa_reference_backward`."""
+    return gdpa_reference_backward(
+        grad_out,
+        q,
+        k,
+        v,
+        q_offsets,
+        kv_offsets,
+        kv_index,
+        num_targets,
+        activation=activation,
+        causal=causal,
+        window=window,
+        block_size=block_size,
+        scale=scale,
+    )
+
+
+@gdpa_reference_backward_op.register_fake
+def _(grad_out, q, k, v, *args):  # noqa: ANN001, ANN202
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
+    q, k, v, q_offsets, kv_offsets, kv_index, num_targets, *options = inputs
+    ctx.save_for_backward(q, k, v, q_offsets, kv_offsets, kv_index, num_targets)
+    ctx.options = options
+
+
+def _backward(ctx, grad_out):  # noqa: ANN001, ANN202
+    q, k, v, q_offsets, kv_offsets, kv_index, num_targets = ctx.saved_tensors
+    dq, dk, dv = gdpa_reference_backward_op(
+        grad_out.contiguous(), q, k, v, q_offsets, kv_offsets, kv_index, num_targets, *ctx.options
+    )
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+gdpa_reference_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def gdpa_flops(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_offsets: Tensor,
+    kv_offsets: Tensor,
+    kv_index: Tensor | None,
+    num_targets: Tensor | None,
+    *,
+    causal: bool,
+    window: int | None,
+    block_size: int | None,
+    backward: bool = False,
+) -> int:
+    """Useful matmul FLOPs of one GDPA call: only allowed (query, key) pairs are counted.
+
+    Forward: ``2 * pairs * H * (D + Dv)`` (``Q K^T`` and ``P V``). Backward: ``2 * pairs * H * (3 D + 2 Dv)``
+    (recomputed ``Q K^T``, ``dV``, ``dP``, ``dQ``, ``dK``), i.e. 2.5x the forward when ``D == Dv``.
+    Pointwise work (softmax, activations) is not counted, as FlashAttention's accounting does.
+    Under fake tensors (compile-time tracing) the offsets' values are unknown: the dense upper bound
+    ``sum over segments of Lq * Lk`` cannot be formed either, so ``Tq * Tk`` is not used; 0 is returned.
+    """
+    if any(t is not None and t.device.type == "meta" for t in (q_offsets, kv_offsets)) or _is_fake(q_offsets):
+        return 0
+    pairs = num_allowed_pairs(
+        q_offsets, kv_offsets, kv_index, num_targets, causal=causal, window=window, block_size=block_size
+    )
+    heads, dim, dim_v = q.shape[1], q.shape[2], v.shape[2]
+    per_pair = 3 * dim + 2 * dim_v if backward else dim + dim_v
+    return 2 * pairs * heads * per_pair
+
+
+def _is_fake(tensor: Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
+
+
+@register_flop_formula(torch.ops.lightning_gem.gdpa_reference, get_raw=True)
+def _gdpa_flop(q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size, scale, *, out_val=None, **kwargs) -> int:  # noqa: ANN001, E501
+    return gdpa_flops(
+        q, k, v, q_offsets, kv_offsets, kv_index, num_targets, causal=causal, window=window, block_size=block_size
+    )
+
+
+@register_flop_formula(torch.ops.lightning_gem.gdpa_reference_backward, get_raw=True)
+def _gdpa_backward_flop(grad_out, q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size, scale, *, out_val=None, **kwargs) -> int:  # noqa: ANN001, E501
+    return gdpa_flops(
+        q,
+        k,
+        v,
+        q_offsets,
+        kv_offsets,
+        kv_index,
+        num_targets,
+        causal=causal,
+        window=window,
+        block_size=block_size,
+        backward=True,
+    )
