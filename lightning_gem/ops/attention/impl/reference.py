@@ -57,7 +57,7 @@ class _Bucket:
     q_valid: Tensor  # [N, Lq]
     k_valid: Tensor  # [N, Lk]
     mask: Tensor  # [N, 1, Lq, Lk] allowed pairs
-    len_k: Tensor  # [N, 1, 1, 1] kv segment lengths (pointwise normaliser)
+    len_k: Tensor  # [N, 1, 1, 1] kv segment lengths, at least 1 (pointwise normaliser)
 
 
 def _pow2_bucket(length: Tensor) -> Tensor:
@@ -110,7 +110,9 @@ def _buckets(
             q_valid=q_pos[None, :] < lq,
             k_valid=k_pos[None, :] < lk,
             mask=mask[:, None],
-            len_k=lk[:, :, None, None],
+            # An empty kv segment can share a bucket with non-empty ones: its row of the mask is all
+            # False, and dividing by 1 instead of 0 keeps its output at zero (0 / 0 would be NaN).
+            len_k=lk.clamp_min(1)[:, :, None, None],
         )
 
 
