@@ -1,0 +1,172 @@
+"""``GEMDataModule``: a thin LightningDataModule over a :class:`~lightning_gem.data.sources.DataSource`.
+
+The module knows nothing about features: the source makes datasets and collates batches; this class
+picks samplers, builds DataLoaders and keeps the (seed, epoch) position for resumption. The train
+sampler comes from one hook, :meth:`GEMDataModule._make_sampler`, where the load-balancing sampler
+(Base Batch Shuffling: a ``DistributedSampler`` subclass fed with ``source.sample_lengths("train")``)
+plugs in.
+
+Example:
+    >>> from lightning_gem.data import GEMDataModule, SyntheticRankingSource
+    >>> source = SyntheticRankingSource(num_train_users=64, num_val_users=16, num_test_users=16)
+    >>> data = GEMDataModule(source=source, batch_size=32)
+    >>> data.setup("fit")
+    >>> next(iter(data.train_dataloader())).batch_size
+    32
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, SequentialSampler
+from typing_extensions import override
+
+from lightning_gem.data.schema import RankingSchema, RetrievalSchema
+from lightning_gem.data.sources import DataSource, check_split
+
+__all__ = ["GEMDataModule"]
+
+_STAGE_SPLITS = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("test",)}
+
+
+def _check_positive_int(value: object, name: str, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{name}` must be an int, got {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"`{name}` must be >= {low}, got {value}")
+    return value
+
+
+class GEMDataModule(LightningDataModule):
+    """Train/val/test DataLoaders of a data source, with seeded shuffling and a resumable position.
+
+    Args:
+        source: where samples come from (``SyntheticRankingSource``, ``MovieLens1MSource``, ... or any
+            :class:`DataSource`); its ``schema`` is this module's :attr:`schema`.
+        batch_size: samples (users) per training batch, per data-parallel rank.
+        eval_batch_size: samples per validation/test batch; ``None``: ``batch_size``.
+        num_workers: DataLoader worker processes (0 loads in the main process).
+        seed: seed of the training shuffle (epoch ``e`` uses permutation ``seed + e``).
+        drop_last: drop the last incomplete training batch.
+        pin_memory: pin batches (they implement torchrec's ``Pipelineable.pin_memory``).
+        persistent_workers: keep workers alive between epochs (only with ``num_workers > 0``).
+    """
+
+    def __init__(
+        self,
+        source: DataSource,
+        batch_size: int = 256,
+        eval_batch_size: int | None = None,
+        num_workers: int = 0,
+        seed: int = 0,
+        drop_last: bool = False,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(source, DataSource):
+            raise TypeError(f"`source` must be a lightning_gem.data.DataSource, got {type(source).__name__}")
+        self.source = source
+        self.batch_size = _check_positive_int(batch_size, "batch_size")
+        self.eval_batch_size = (
+            batch_size if eval_batch_size is None else _check_positive_int(eval_batch_size, "eval_batch_size")
+        )
+        self.num_workers = _check_positive_int(num_workers, "num_workers", low=0)
+        self.seed = _check_positive_int(seed, "seed", low=0)
+        self.drop_last = bool(drop_last)
+        self.pin_memory = bool(pin_memory)
+        self.persistent_workers = bool(persistent_workers) and num_workers > 0
+        self._datasets: dict[str, Dataset] = {}
+        self._epoch = 0
+
+    @property
+    def schema(self) -> RankingSchema | RetrievalSchema:
+        """The source's feature schema (LightningCLI links it to ``model.schema``)."""
+        return self.source.schema
+
+    @override
+    def setup(self, stage: str) -> None:
+        """Build the datasets of ``stage`` (``"fit"``: train and val; ``"validate"``; ``"test"``; ``"predict"``)."""
+        if stage not in _STAGE_SPLITS:
+            raise ValueError(f"`stage` must be one of {tuple(_STAGE_SPLITS)}, got {stage!r}")
+        for split in _STAGE_SPLITS[stage]:
+            self.dataset(split)
+
+    def dataset(self, split: str) -> Dataset:
+        """The (cached) dataset of ``split``."""
+        if check_split(split) not in self._datasets:
+            self._datasets[split] = self.source.dataset(split)
+        return self._datasets[split]
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train")
+
+    @override
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val")
+
+    @override
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test")
+
+    @override
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader("test")
+
+    def _replicas(self) -> tuple[int, int]:
+        """``(num_replicas, rank)`` of data parallelism: the Trainer's world, or ``(1, 0)`` without one."""
+        trainer = self.trainer
+        if trainer is None:
+            return 1, 0
+        return trainer.world_size, trainer.global_rank
+
+    def _make_sampler(self, split: str, dataset: Dataset) -> Sampler:
+        """THE SAMPLER HOOK: the sampler of ``split``; the load-balancing sampler replaces the train one here.
+
+        Train: a seeded ``DistributedSampler`` (also with one replica) shuffling with ``seed + epoch``;
+        Lightning calls its ``set_epoch`` every epoch and leaves a ``DistributedSampler`` in place.
+        Val/test: sequential (Lightning shards it over ranks when it runs distributed).
+        """
+        if split != "train":
+            return SequentialSampler(dataset)
+        num_replicas, rank = self._replicas()
+        sampler = DistributedSampler(
+            dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=self.seed, drop_last=self.drop_last
+        )
+        sampler.set_epoch(self._current_epoch())
+        return sampler
+
+    def _loader(self, split: str) -> DataLoader:
+        dataset = self.dataset(split)
+        train = split == "train"
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size if train else self.eval_batch_size,
+            sampler=self._make_sampler(split, dataset),
+            collate_fn=self.source.collate,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            drop_last=self.drop_last and train,
+            persistent_workers=self.persistent_workers,
+        )
+
+    def _current_epoch(self) -> int:
+        trainer = self.trainer
+        return self._epoch if trainer is None else max(trainer.current_epoch, self._epoch)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """``{"seed", "epoch", "batch_size"}``: enough to replay the training order after a restart."""
+        return {"seed": self.seed, "epoch": self._current_epoch(), "batch_size": self.batch_size}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the shuffle seed and epoch saved by :meth:`state_dict` (the checkpoint's seed wins)."""
+        missing = {"seed", "epoch"} - set(state_dict)
+        if missing:
+            raise ValueError(f"`state_dict` must hold {sorted(missing)} (from GEMDataModule.state_dict)")
+        self.seed = int(state_dict["seed"])
+        self._epoch = int(state_dict["epoch"])
