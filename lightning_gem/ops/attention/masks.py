@@ -45,19 +45,13 @@ def allowed_mask(
     Returns:
         bool tensor of the broadcast shape; pairs outside ``[0, len)`` are False.
     """
-    in_range = (q_pos < len_q) & (k_pos < len_k)
-    shift = len_k - len_q
-    is_self = shift == 0
-    p = torch.where(is_self & (q_pos > num_history), num_history, q_pos + shift)
-    rule = k_pos < num_history
-    if causal:
-        rule = rule & (k_pos <= p)
-    if window is not None:
-        rule = rule & ((p - k_pos).abs() <= window)
-    if block_size is not None:
-        rule = rule & (torch.div(p, block_size, rounding_mode="floor") == torch.div(k_pos, block_size, rounding_mode="floor"))
-    own_target = (k_pos == q_pos) & (k_pos >= num_history) & is_self
-    return in_range & (rule | own_target)
+    # Each query row sees one contiguous range of history keys, plus its own key if it is a target:
+    # building the mask from the ranges costs a few comparisons per pair whatever the rules enabled.
+    lo, hi, own_target = key_ranges(
+        q_pos, len_q, len_k, num_history, causal=causal, window=window, block_size=block_size
+    )
+    in_history = (k_pos >= lo) & (k_pos < hi) & (q_pos < len_q)
+    return in_history | (own_target & (k_pos == q_pos))
 
 
 def key_ranges(

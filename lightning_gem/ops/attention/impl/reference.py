@@ -109,24 +109,35 @@ def _buckets(
             k_idx=(k_start[seg, None] + k_pos).clamp_max(num_k - 1),
             q_valid=q_pos[None, :] < lq,
             k_valid=k_pos[None, :] < lk,
-            mask=mask[:, None],
+            mask=mask[None],
             # An empty kv segment can share a bucket with non-empty ones: its row of the mask is all
             # False, and dividing by 1 instead of 0 keeps its output at zero (0 / 0 would be NaN).
-            len_k=lk.clamp_min(1)[:, :, None, None],
+            len_k=lk.clamp_min(1)[None, :, :, None],
         )
 
 
-def _probabilities(scores: Tensor, b: _Bucket, activation: str) -> Tensor:
-    """``P`` of ``O = P V`` for one bucket: masked softmax, or masked ``act(S) / Lk``."""
+def _probabilities(scores: Tensor, mask: Tensor, activation: str) -> Tensor:
+    """``A`` of ``O = A V`` for one bucket: the masked softmax, or the masked ``act(S)`` (whose ``1 / Lk``
+    is applied to the output instead: ``Lq x Dv`` multiplies instead of ``Lq x Lk``)."""
     if activation == "softmax":
-        scores = scores.masked_fill(~b.mask, float("-inf"))
+        scores = scores.masked_fill(~mask, float("-inf"))
         row_max = scores.amax(dim=-1, keepdim=True).detach()
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
         weights = torch.exp(scores - row_max)
         denom = weights.sum(dim=-1, keepdim=True)
         return weights / torch.where(denom > 0, denom, torch.ones_like(denom))
     act = POINTWISE[activation][0](scores)
-    return torch.where(b.mask, act, torch.zeros_like(act)) / b.len_k
+    return torch.where(mask, act, torch.zeros_like(act))
+
+
+def _gather(x_HTD: Tensor, idx: Tensor, compute: torch.dtype) -> Tensor:
+    """Rows ``idx [N, L]`` of a head-major ``[H, T, D]`` tensor as ``[H, N, L, D]`` in ``compute``."""
+    num_heads, dim = x_HTD.shape[0], x_HTD.shape[2]
+    return x_HTD.index_select(1, idx.reshape(-1)).view(num_heads, *idx.shape, dim).to(compute)
+
+
+def _head_major(x: Tensor) -> Tensor:
+    return x.transpose(0, 1).contiguous()
 
 
 def gdpa_reference(
@@ -151,14 +162,18 @@ def gdpa_reference(
     """
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2], dtype=compute)
+    q_h, k_h, v_h = _head_major(q), _head_major(k), _head_major(v)
     rows, values = [], []
     for b in _buckets(q.shape[0], k.shape[0], q_offsets, kv_offsets, kv_index, num_targets, causal, window, block_size):
-        qb, kb, vb = q[b.q_idx].to(compute), k[b.k_idx].to(compute), v[b.k_idx].to(compute)
-        scores = torch.einsum("nqhd,nkhd->nhqk", qb, kb) * scale
-        probs = _probabilities(scores, b, activation)
-        ob = torch.einsum("nhqk,nkhd->nqhd", probs, vb)
+        qb = _gather(q_h, b.q_idx, compute) * scale  # [H, N, Lq, D]
+        kb, vb = _gather(k_h, b.k_idx, compute), _gather(v_h, b.k_idx, compute)  # [H, N, Lk, D]
+        scores = torch.matmul(qb, kb.transpose(-1, -2))  # [H, N, Lq, Lk]
+        probs = _probabilities(scores, b.mask, activation)
+        ob = torch.matmul(probs, vb)  # [H, N, Lq, Dv]
+        if activation != "softmax":
+            ob = ob / b.len_k
         rows.append(b.q_idx[b.q_valid])
-        values.append(ob[b.q_valid])
+        values.append(ob.permute(1, 2, 0, 3)[b.q_valid])  # [rows, H, Dv]
     if rows:
         out = out.index_put((torch.cat(rows),), torch.cat(values))
     return out.to(q.dtype)
@@ -182,30 +197,35 @@ def gdpa_reference_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`gdpa_reference`, written out as a kernel computes them.
 
-    With ``S = scale Q K^T`` and ``O = P V``: ``dV = P^T dO``, ``dP = dO V^T``; softmax:
-    ``dS = P * (dP - rowsum(dO * O))``; pointwise: ``dS = mask * act'(S) * dP / Lk``; then
+    With ``S = scale Q K^T`` and ``O = P V`` (pointwise: ``P = mask * act(S) / Lk``): ``dV = P^T dO``,
+    ``dP = dO V^T``; softmax: ``dS = P * (dP - rowsum(dO * O))``; pointwise: ``dS = mask * act'(S) * dP / Lk``; then
     ``dQ = scale dS K`` and ``dK = scale dS^T Q``. dk and dv add up over query segments sharing a kv segment.
     """
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq = torch.zeros(q.shape, dtype=compute, device=q.device)
     dk = torch.zeros(k.shape, dtype=compute, device=k.device)
     dv = torch.zeros(v.shape, dtype=compute, device=v.device)
+    q_h, k_h, v_h, g_h = _head_major(q), _head_major(k), _head_major(v), _head_major(grad_out)
     for b in _buckets(q.shape[0], k.shape[0], q_offsets, kv_offsets, kv_index, num_targets, causal, window, block_size):
-        qb, kb, vb = q[b.q_idx].to(compute), k[b.k_idx].to(compute), v[b.k_idx].to(compute)
-        gb = grad_out[b.q_idx].to(compute) * b.q_valid[:, :, None, None]
-        scores = torch.einsum("nqhd,nkhd->nhqk", qb, kb) * scale
-        probs = _probabilities(scores, b, activation)
-        dv_b = torch.einsum("nhqk,nqhd->nkhd", probs, gb)
-        dprobs = torch.einsum("nqhd,nkhd->nhqk", gb, vb)
+        qb, kb, vb = _gather(q_h, b.q_idx, compute), _gather(k_h, b.k_idx, compute), _gather(v_h, b.k_idx, compute)
+        gb = _gather(g_h, b.q_idx, compute) * b.q_valid[None, :, :, None]  # padded query slots carry no grad
+        scores = torch.matmul(qb * scale, kb.transpose(-1, -2))  # [H, N, Lq, Lk]
+        probs = _probabilities(scores, b.mask, activation)
         if activation == "softmax":
+            dprobs = torch.matmul(gb, vb.transpose(-1, -2))
+            # rowsum(dP * P) == rowsum(dO * O), as kernels compute it; this form is exact where a row
+            # attends to a single key (its dS is then exactly zero).
             delta = (dprobs * probs).sum(dim=-1, keepdim=True)
             dscores = probs * (dprobs - delta)
         else:
+            gb = gb / b.len_k
+            dprobs = torch.matmul(gb, vb.transpose(-1, -2))
             derivative = POINTWISE[activation][1](scores)
-            dscores = torch.where(b.mask, derivative * dprobs, torch.zeros_like(dprobs)) / b.len_k
-        dq_b = torch.einsum("nhqk,nkhd->nqhd", dscores, kb) * scale
-        dk_b = torch.einsum("nhqk,nqhd->nkhd", dscores, qb) * scale
-        dq.index_put_((b.q_idx[b.q_valid],), dq_b[b.q_valid])
-        dk.index_put_((b.k_idx[b.k_valid],), dk_b[b.k_valid], accumulate=True)
-        dv.index_put_((b.k_idx[b.k_valid],), dv_b[b.k_valid], accumulate=True)
+            dscores = torch.where(b.mask, derivative * dprobs, torch.zeros_like(dprobs))
+        dv_b = torch.matmul(probs.transpose(-1, -2), gb)  # [H, N, Lk, Dv]
+        dq_b = torch.matmul(dscores, kb) * scale
+        dk_b = torch.matmul(dscores.transpose(-1, -2), qb) * scale
+        dq.index_put_((b.q_idx[b.q_valid],), dq_b.permute(1, 2, 0, 3)[b.q_valid])
+        dk.index_put_((b.k_idx[b.k_valid],), dk_b.permute(1, 2, 0, 3)[b.k_valid], accumulate=True)
+        dv.index_put_((b.k_idx[b.k_valid],), dv_b.permute(1, 2, 0, 3)[b.k_valid], accumulate=True)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -1,0 +1,186 @@
+"""Device helpers shared by the GDPA forward and backward kernels: positions, key/query ranges, masks, activations.
+
+Every rule here is :mod:`lightning_gem.ops.attention.masks` written for one tile: ``p(i)`` is a query's
+position, ``[lo, hi)`` the history keys a query (or a whole query block, since ``lo`` and ``hi`` never
+decrease with ``i``) can see, and :func:`_history_mask` the exact ``allowed`` rule for history keys. The
+"own target" pair ``(i, i)`` of a target query is handled separately by the kernels (it is one key per
+row, a row-wise dot product, not a tile).
+
+Integer division is only ever applied to non-negative values: Triton's ``//`` truncates on the GPU, the
+masks' rule floors. A negative position (cross-attention with more queries than keys) sees no block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E): kernels keep scores in base 2 for softmax
+
+
+@triton.jit
+def _position(i, shift, num_history):
+    """``p(i)``: ``min(i, h)`` for self-attention (``shift == 0``), ``i + shift`` for cross-attention."""
+    return tl.where((shift == 0) & (i > num_history), num_history, i + shift)
+
+
+@triton.jit
+def _block_start(p, block_size):
+    """First key of ``p``'s block; a whole block before 0 for negative ``p`` (sees no key)."""
+    return tl.where(p < 0, -block_size, (tl.maximum(p, 0) // block_size) * block_size)
+
+
+@triton.jit
+def _history_range(
+    p, num_history, window, block_size, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr
+):
+    """History keys ``[lo, hi)`` seen by a query at position ``p`` (``masks.key_ranges``)."""
+    lo = p * 0
+    hi = p * 0 + num_history
+    if CAUSAL:
+        hi = tl.minimum(hi, p + 1)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, p - window)
+        hi = tl.minimum(hi, p + window + 1)
+    if HAS_BLOCK:
+        start = _block_start(p, block_size)
+        lo = tl.maximum(lo, start)
+        hi = tl.minimum(hi, start + block_size)
+    return lo, tl.maximum(hi, lo)
+
+
+@triton.jit
+def _query_range(
+    n_lo,
+    n_hi,
+    len_q,
+    shift,
+    num_history,
+    window,
+    block_size,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_BLOCK: tl.constexpr,
+):
+    """Queries ``[i_lo, i_hi)`` whose history range meets the history keys ``[n_lo, n_hi)`` (a superset).
+
+    Inverts :func:`_history_range` with ``p(i) = i + shift``: ``hi(p) > n_lo`` bounds ``p`` below and
+    ``lo(p) < n_hi`` bounds it above. In self-attention every target query sits at ``p = h``, so an upper
+    bound at or past ``h`` keeps all of them. Empty when ``n_lo >= n_hi``.
+    """
+    i_lo = n_lo * 0
+    i_hi = n_lo * 0 + len_q
+    p_max = n_lo * 0 + num_history  # no upper bound below h
+    if CAUSAL:
+        i_lo = tl.maximum(i_lo, n_lo - shift)
+    if HAS_WINDOW:
+        i_lo = tl.maximum(i_lo, n_lo - window - shift)
+        p_max = tl.minimum(p_max, n_hi - 1 + window)
+    if HAS_BLOCK:
+        i_lo = tl.maximum(i_lo, (n_lo // block_size) * block_size - shift)
+        last = tl.maximum(n_hi - 1, 0)
+        p_max = tl.minimum(p_max, (last // block_size) * block_size + block_size - 1)
+    keep_targets = (shift == 0) & (p_max >= num_history)
+    i_hi = tl.where(keep_targets, i_hi, tl.minimum(i_hi, p_max - shift + 1))
+    i_hi = tl.where(n_lo < n_hi, i_hi, i_lo)
+    return i_lo, tl.maximum(i_hi, i_lo)
+
+
+@triton.jit
+def _history_mask(
+    p, t, num_history, window, block_size, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr
+):
+    """``allowed(i, t)`` for history keys ``t < h`` (``masks.allowed_mask`` without the own-target term)."""
+    allowed = t < num_history
+    if CAUSAL:
+        allowed = allowed & (t <= p)
+    if HAS_WINDOW:
+        allowed = allowed & (tl.abs(p - t) <= window)
+    if HAS_BLOCK:
+        allowed = allowed & (_block_start(p, block_size) == (t // block_size) * block_size)
+    return allowed
+
+
+@triton.jit
+def _activation(x, ACTIVATION: tl.constexpr):
+    """Pointwise activation in fp32 (``gelu`` is the exact erf form)."""
+    if ACTIVATION == "silu":
+        y = x * tl.sigmoid(x)
+    elif ACTIVATION == "gelu":
+        y = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+    elif ACTIVATION == "relu":
+        y = tl.maximum(x, 0.0)
+    else:
+        tl.static_assert(ACTIVATION == "sigmoid")
+        y = tl.sigmoid(x)
+    return y
+
+
+@triton.jit
+def _activation_grad(x, ACTIVATION: tl.constexpr):
+    """Derivative of :func:`_activation` in fp32."""
+    if ACTIVATION == "silu":
+        sig = tl.sigmoid(x)
+        y = sig * (1.0 + x * (1.0 - sig))
+    elif ACTIVATION == "gelu":
+        cdf = 0.5 * (1.0 + tl.erf(x * 0.7071067811865476))
+        y = cdf + x * tl.exp(-0.5 * x * x) * 0.3989422804014327
+    elif ACTIVATION == "relu":
+        y = tl.where(x > 0.0, 1.0, 0.0)
+    else:
+        tl.static_assert(ACTIVATION == "sigmoid")
+        sig = tl.sigmoid(x)
+        y = sig * (1.0 - sig)
+    return y
+
+
+class Tiles(NamedTuple):
+    """A kernel's launch shape: query rows and key rows per tile, and warps per program."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+
+
+def default_tiles(kernel: str, dtype: torch.dtype, device: torch.device) -> Tiles:
+    """Tiles of ``kernel`` (``"fwd"``, ``"dkdv"`` or ``"dq"``): 16 x 16 in the CPU interpreter (fast there,
+    and several blocks per test segment); on GPUs, shapes picked from an H200 sweep at head dim 128, bf16
+    (``_gpu_check``'s tile table; not tuned per head dim yet); fp32 halves them, its tiles taking twice
+    the shared memory.
+    """
+    if device.type != "cuda":
+        return Tiles(16, 16, 1)
+    if dtype == torch.float32:
+        return Tiles(32, 32, 4)
+    return {"fwd": Tiles(64, 64, 4), "dkdv": Tiles(32, 128, 8), "dq": Tiles(64, 64, 4)}[kernel]
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision: exact fp32 products for fp32 inputs (not TF32), native otherwise."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def is_interpreted(kernel: object) -> bool:
+    """Whether ``kernel`` runs in Triton's interpreter (``TRITON_INTERPRET=1`` when it was defined)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernel, InterpretedFunction)
+
+
+def launch(kernel: Callable, grid: tuple[int, ...], args: Sequence[object], meta: dict[str, object]) -> None:
+    """``wrap_triton(kernel)[grid](*args, **meta)``, except an interpreted kernel on fake tensors.
+
+    Compiled kernels go through ``wrap_triton`` and so into traced graphs. An interpreted kernel is
+    returned unwrapped by ``wrap_triton`` and would read the data of fake tensors: there it is skipped,
+    which is exactly the op's fake impl (outputs allocated, contents unspecified).
+    """
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_interpreted(kernel) and any(isinstance(a, torch.Tensor) and is_fake(a) for a in args):
+        return
+    wrap_triton(kernel)[grid](*args, **meta)

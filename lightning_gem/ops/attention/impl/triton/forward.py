@@ -1,0 +1,206 @@
+"""GDPA forward in Triton: one program per (query segment, head, query block) over jagged ``[T, H, D]`` tensors.
+
+Legend: ``T`` tokens (``Tq`` queries, ``Tk`` keys), ``H`` heads, ``D`` q/k head dim, ``DV`` value head dim,
+``M`` / ``N`` a query / key block, ``B`` query segments.
+
+A program reads its segment's lengths from the offsets (lengths are runtime values, never constexpr: a
+new batch never recompiles), finds the history keys its query block can see (``[lo, hi)`` of its first
+and last rows) and visits only the key blocks in that range, masking inside each block with the exact
+``allowed`` rule; a target query's own key is a row-wise dot product that seeds its row. Softmax keeps an fp32
+running max and sum in base 2 and saves the log-sum-exp (base 2, ``+inf`` for rows that see no key) for
+the backward; pointwise activations accumulate ``act(s) v`` and divide by the kv segment's length.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from lightning_gem.ops.attention.impl.triton._common import (
+    LOG2E,
+    Tiles,
+    _activation,
+    _history_mask,
+    _history_range,
+    _position,
+    default_tiles,
+    dot_precision,
+    launch,
+)
+
+__all__ = ["gdpa_forward"]
+
+
+@triton.jit
+def _gdpa_fwd_kernel(
+    Q, K, V, OUT, LSE,  # [Tq, H, D], [Tk, H, D], [Tk, H, DV], [Tq, H, DV], [H, Tq] fp32
+    Q_OFFSETS, KV_OFFSETS, KV_INDEX, NUM_TARGETS,  # [B + 1], [Bkv + 1], [B], [B]
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lse_h,
+    scale, window, block_size,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
+    HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
+    seg = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    m_start = tl.program_id(2) * BLOCK_M
+    q_start = tl.load(Q_OFFSETS + seg).to(tl.int64)
+    len_q = (tl.load(Q_OFFSETS + seg + 1) - q_start).to(tl.int32)
+    if m_start >= len_q:
+        return
+    kv_seg = seg
+    if HAS_KV_INDEX:
+        kv_seg = tl.load(KV_INDEX + seg)
+    k_start = tl.load(KV_OFFSETS + kv_seg).to(tl.int64)
+    len_k = (tl.load(KV_OFFSETS + kv_seg + 1) - k_start).to(tl.int32)
+    num_history = len_k
+    if HAS_TARGETS:
+        num_history = len_k - tl.load(NUM_TARGETS + seg).to(tl.int32)
+    shift = len_k - len_q
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < len_q
+    pos_m = _position(offs_m, shift, num_history)
+    q_MD = tl.load(
+        Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
+        other=0.0,
+    )
+    k_base = K + k_start * stride_kt + head * stride_kh
+    v_base = V + k_start * stride_vt + head * stride_vh
+
+    # Own targets first: they seed the running max and sum of softmax rows that are targets.
+    acc_MDV = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    m_M = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_M = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_TARGETS:
+        own = row_ok & (shift == 0) & (offs_m >= num_history)
+        k_own_MD = tl.load(
+            k_base + offs_m[:, None] * stride_kt + offs_d[None, :],
+            mask=own[:, None] & (offs_d[None, :] < HEAD_DIM),
+            other=0.0,
+        )
+        v_own_MDV = tl.load(
+            v_base + offs_m[:, None] * stride_vt + offs_dv[None, :],
+            mask=own[:, None] & (offs_dv[None, :] < HEAD_DIM_V),
+            other=0.0,
+        ).to(tl.float32)
+        qk_own_M = tl.sum(q_MD.to(tl.float32) * k_own_MD.to(tl.float32), axis=1)
+        if ACTIVATION == "softmax":
+            m_M = tl.where(own, qk_own_M * (scale * LOG2E), float("-inf"))
+            l_M = tl.where(own, 1.0, 0.0)
+            acc_MDV = tl.where(own[:, None], v_own_MDV, 0.0)
+        else:
+            p_own_M = tl.where(own, _activation(qk_own_M * scale, ACTIVATION), 0.0)
+            acc_MDV = p_own_M[:, None] * v_own_MDV
+
+    last_row = tl.minimum(m_start + BLOCK_M, len_q) - 1
+    lo, _ = _history_range(
+        _position(m_start, shift, num_history), num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
+    )
+    _, hi = _history_range(
+        _position(last_row, shift, num_history), num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
+    )
+    for n_start in range(lo, hi, BLOCK_N):
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < hi
+        k_ND = tl.load(
+            k_base + offs_n[:, None] * stride_kt + offs_d[None, :],
+            mask=col_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
+            other=0.0,
+        )
+        v_NDV = tl.load(
+            v_base + offs_n[:, None] * stride_vt + offs_dv[None, :],
+            mask=col_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V),
+            other=0.0,
+        )
+        qk_MN = tl.dot(q_MD, tl.trans(k_ND), input_precision=DOT_PRECISION)
+        allowed_MN = row_ok[:, None] & _history_mask(
+            pos_m[:, None], offs_n[None, :], num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
+        )
+        if ACTIVATION == "softmax":
+            s_MN = tl.where(allowed_MN, qk_MN * (scale * LOG2E), float("-inf"))
+            m_new_M = tl.maximum(m_M, tl.max(s_MN, axis=1))
+            # A row with nothing allowed so far keeps -inf: subtract 0 instead (exp2(-inf) = 0, no NaN).
+            m_safe_M = tl.where(m_new_M == float("-inf"), 0.0, m_new_M)
+            alpha_M = tl.exp2(m_M - m_safe_M)
+            p_MN = tl.exp2(s_MN - m_safe_M[:, None])
+            l_M = l_M * alpha_M + tl.sum(p_MN, axis=1)
+            acc_MDV = acc_MDV * alpha_M[:, None]
+            m_M = m_new_M
+        else:
+            p_MN = tl.where(allowed_MN, _activation(qk_MN * scale, ACTIVATION), 0.0)
+        acc_MDV = tl.dot(p_MN.to(v_NDV.dtype), v_NDV, acc_MDV, input_precision=DOT_PRECISION)
+
+    if ACTIVATION == "softmax":
+        has_key = l_M > 0.0
+        out_MDV = acc_MDV / tl.where(has_key, l_M, 1.0)[:, None]
+        lse_M = tl.where(has_key, m_M + tl.log2(tl.where(has_key, l_M, 1.0)), float("inf"))
+        tl.store(LSE + head * stride_lse_h + q_start + offs_m, lse_M, mask=row_ok)
+    else:
+        out_MDV = acc_MDV / tl.maximum(len_k, 1).to(tl.float32)
+    tl.store(
+        OUT + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_dv[None, :],
+        out_MDV.to(OUT.dtype.element_ty),
+        mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V),
+    )
+
+
+def gdpa_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_offsets: Tensor,
+    kv_offsets: Tensor,
+    kv_index: Tensor | None,
+    num_targets: Tensor | None,
+    *,
+    activation: str,
+    causal: bool,
+    window: int | None,
+    block_size: int | None,
+    scale: float,
+    max_seq_len_q: int,
+    tiles: Tiles | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Launch the forward kernel. Returns ``out [Tq, H, DV]`` (q's dtype) and ``lse [H, Tq]`` (fp32, base 2;
+    empty for pointwise activations). ``max_seq_len_q`` sizes the grid and must bound every ``Lq``;
+    ``tiles`` overrides :func:`default_tiles`.
+    """
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    num_q, heads, head_dim = q.shape
+    head_dim_v = v.shape[2]
+    num_segments = q_offsets.shape[0] - 1
+    out = q.new_empty(num_q, heads, head_dim_v)
+    softmax = activation == "softmax"
+    lse = torch.empty(heads if softmax else 0, num_q, dtype=torch.float32, device=q.device)
+    tiles = tiles or default_tiles("fwd", q.dtype, q.device)
+    if num_segments == 0 or num_q == 0 or heads == 0:
+        return out, lse
+    grid = (num_segments, heads, max(1, triton.cdiv(max_seq_len_q, tiles.block_m)))
+    args = (
+        q, k, v, out, lse,
+        q_offsets, kv_offsets,
+        q_offsets if kv_index is None else kv_index,  # placeholders are never read (HAS_* is False)
+        q_offsets if num_targets is None else num_targets,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        lse.stride(0) if softmax else 0,
+        scale, window or 0, block_size or 1,
+    )  # fmt: skip
+    meta = dict(
+        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        ACTIVATION=activation, CAUSAL=causal, HAS_WINDOW=window is not None, HAS_BLOCK=block_size is not None,
+        HAS_KV_INDEX=kv_index is not None, HAS_TARGETS=num_targets is not None,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=tiles.num_warps,
+    )  # fmt: skip
+    launch(_gdpa_fwd_kernel, grid, args, meta)
+    return out, lse

@@ -1,0 +1,185 @@
+"""GDPA's Triton kernels as torch custom ops: ``lightning_gem::gdpa_triton`` and its backward.
+
+Both are :func:`torch.library.triton_op` s whose bodies launch the kernels through
+:func:`torch.library.wrap_triton`, so ``torch.compile`` sees (and can fuse around) the kernels, and the
+body itself is the fake impl (it only allocates outputs and launches, which fake tensors trace). The
+autograd formula calls the backward op; ``FlopCounterMode`` counts both with :func:`gdpa_flops`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch._subclasses.functional_tensor import FunctionalTensorMode
+from torch.library import triton_op
+from torch.utils.flop_counter import register_flop_formula
+
+from lightning_gem.ops.attention.impl.triton._common import is_interpreted
+from lightning_gem.ops.attention.impl.triton.backward import gdpa_backward
+from lightning_gem.ops.attention.impl.triton.forward import _gdpa_fwd_kernel, gdpa_forward
+from lightning_gem.ops.attention.ops import gdpa_flops
+
+__all__ = ["SUPPORTED_DTYPES", "gdpa_triton"]
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton_op("lightning_gem::gdpa_triton", mutates_args=())
+def _gdpa_triton_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_offsets: Tensor,
+    kv_offsets: Tensor,
+    kv_index: Tensor | None,
+    num_targets: Tensor | None,
+    activation: str,
+    causal: bool,
+    window: int | None,
+    block_size: int | None,
+    scale: float,
+    max_seq_len_q: int,
+    max_seq_len_kv: int,
+) -> tuple[Tensor, Tensor]:
+    """Forward: ``(out [Tq, H, Dv], lse [H, Tq] fp32 base-2 log-sum-exp; empty unless softmax)``."""
+    return gdpa_forward(
+        q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation=activation, causal=causal,
+        window=window, block_size=block_size, scale=scale, max_seq_len_q=max_seq_len_q,
+    )  # fmt: skip
+
+
+@triton_op("lightning_gem::gdpa_triton_backward", mutates_args=())
+def _gdpa_triton_backward_op(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor | None,
+    lse: Tensor | None,
+    q_offsets: Tensor,
+    kv_offsets: Tensor,
+    kv_index: Tensor | None,
+    num_targets: Tensor | None,
+    activation: str,
+    causal: bool,
+    window: int | None,
+    block_size: int | None,
+    scale: float,
+    max_seq_len_q: int,
+    max_seq_len_kv: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward: ``(dq, dk, dv)``; ``out`` and ``lse`` are read for softmax only."""
+    return gdpa_backward(
+        grad_out, q, k, v, out, lse, q_offsets, kv_offsets, kv_index, num_targets, activation=activation,
+        causal=causal, window=window, block_size=block_size, scale=scale, max_seq_len_q=max_seq_len_q,
+        max_seq_len_kv=max_seq_len_kv,
+    )  # fmt: skip
+
+
+def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
+    q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation, *options = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    # Pointwise activations need neither the output nor the log-sum-exp: keep the minimum.
+    softmax = activation == "softmax"
+    ctx.save_for_backward(
+        q, k, v, out if softmax else None, lse if softmax else None, q_offsets, kv_offsets, kv_index, num_targets
+    )
+    ctx.options = (activation, *options)
+
+
+def _backward(ctx, grad_out: Tensor, grad_lse: Tensor | None):  # noqa: ANN001, ANN202
+    q, k, v, out, lse, q_offsets, kv_offsets, kv_index, num_targets = ctx.saved_tensors
+    dq, dk, dv = _gdpa_triton_backward_op(
+        grad_out, q, k, v, out, lse, q_offsets, kv_offsets, kv_index, num_targets, *ctx.options
+    )
+    return dq, dk, dv, *(None,) * 11
+
+
+_gdpa_triton_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _keep_opaque(mode, op, types, args, kwargs):  # noqa: ANN001, ANN202
+    return mode.__torch_dispatch__(op, types, args, kwargs)
+
+
+if is_interpreted(_gdpa_fwd_kernel):
+    # triton_op decomposes into its kernels when AOT autograd traces (FunctionalTensorMode), through
+    # wrap_triton; interpreted kernels cannot be wrapped, so the decomposition would trace only the
+    # allocations. Under the interpreter (CPU tests) the ops therefore stay opaque nodes, run eagerly.
+    for _op in (_gdpa_triton_op, _gdpa_triton_backward_op):
+        _op.register_torch_dispatch(FunctionalTensorMode, _keep_opaque)
+
+
+def _flops(qkv: tuple, rest: tuple, *, backward: bool) -> int:
+    """``gdpa_flops`` from the ops' arguments: ``qkv`` and ``(q_offsets, ..., block_size, ...)``."""
+    q_offsets, kv_offsets, kv_index, num_targets, _activation, causal, window, block_size = rest[:8]
+    jagged = (q_offsets, kv_offsets, kv_index, num_targets)
+    return gdpa_flops(*qkv, *jagged, causal=causal, window=window, block_size=block_size, backward=backward)
+
+
+@register_flop_formula(torch.ops.lightning_gem.gdpa_triton, get_raw=True)
+def _gdpa_triton_flop(*args, out_val=None, **kwargs) -> int:  # noqa: ANN002, ANN003
+    return _flops(args[:3], args[3:], backward=False)
+
+
+@register_flop_formula(torch.ops.lightning_gem.gdpa_triton_backward, get_raw=True)
+def _gdpa_triton_backward_flop(*args, out_val=None, **kwargs) -> int:  # noqa: ANN002, ANN003
+    # (grad_out, q, k, v, out, lse, q_offsets, ...)
+    return _flops(args[1:4], args[6:], backward=True)
+
+
+def _max_length(offsets: Tensor, num_rows: int) -> int:
+    """Longest segment: read from the offsets (a sync) in eager, bounded by the row count under compile."""
+    if torch.compiler.is_compiling() or offsets.shape[0] < 2:
+        return num_rows
+    return int((offsets[1:] - offsets[:-1]).max())
+
+
+def gdpa_triton(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_offsets: Tensor,
+    kv_offsets: Tensor,
+    kv_index: Tensor | None = None,
+    num_targets: Tensor | None = None,
+    *,
+    activation: str,
+    causal: bool,
+    window: int | None,
+    block_size: int | None,
+    scale: float,
+    max_seq_len_q: int | None = None,
+    max_seq_len_kv: int | None = None,
+) -> Tensor:
+    """GDPA through the Triton kernels, differentiable; inputs already validated by :func:`lightning_gem.ops.gdpa`.
+
+    Same arguments as :func:`lightning_gem.ops.attention.impl.reference.gdpa_reference` (``kv_offsets``
+    given: pass ``q_offsets`` for self-attention), plus the length hints. A missing hint is read from the
+    offsets (one device sync) in eager mode and replaced by the token count under ``torch.compile``
+    (correct, but launches more empty programs): pass the hints on hot paths.
+
+    Returns:
+        ``[Tq, H, Dv]`` in q's dtype.
+
+    Raises:
+        TypeError: a dtype the kernels do not take (float64: use the reference).
+        ValueError: CPU tensors while the kernels are compiled for GPUs (not Triton's interpreter).
+    """
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"`q` must be float16, bfloat16 or float32 for impl='triton', got {q.dtype}")
+    if q.device.type != "cuda" and not is_interpreted(_gdpa_fwd_kernel):
+        raise ValueError(
+            f"impl='triton' needs CUDA tensors, got `q` on {q.device} (on CPU the kernels run only under "
+            "TRITON_INTERPRET=1, set before Triton is imported)"
+        )
+    if max_seq_len_q is None:
+        max_seq_len_q = _max_length(q_offsets, q.shape[0])
+    if max_seq_len_kv is None:
+        max_seq_len_kv = _max_length(kv_offsets, k.shape[0])
+    out, _ = _gdpa_triton_op(
+        q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size,
+        float(scale), max_seq_len_q, max_seq_len_kv,
+    )  # fmt: skip
+    return out
