@@ -2,13 +2,15 @@
 
 import os
 
-# Before anything imports triton: Triton kernel tests run the kernels in the interpreter without a GPU.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+# Before anything imports triton: without a GPU, Triton kernel tests run the kernels in the interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import random  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -85,8 +85,9 @@ def gdpa(
         scale: score scale; default ``1 / sqrt(D)``.
         max_seq_len_q, max_seq_len_kv: upper bounds on ``Lq`` / ``Lk`` (kernels use them as runtime
             hints to size grids without a device sync); checked when ``check_offsets``.
-        impl: ``"reference"`` (pure PyTorch), ``"triton"`` (GPU kernels), or ``"auto"`` (Triton when it
-            is available for these inputs, else the reference). A named impl never falls back.
+        impl: ``"reference"`` (pure PyTorch), ``"triton"`` (kernels: CUDA, or CPU under
+            ``TRITON_INTERPRET=1``; fp16/bf16/fp32), or ``"auto"`` (Triton on CUDA sm_80+ for those dtypes,
+            else the reference). A named impl never falls back: it raises if it cannot run.
         check_offsets: validate offsets, indices and targets by reading their values (a device sync).
             Pass False only for offsets already validated upstream. Skipped under ``torch.compile``.
 
@@ -138,10 +139,24 @@ def gdpa(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
 
-    chosen = resolve_impl(impl, q)
-    if chosen == "triton":
-        raise NotImplementedError(
-            "impl='triton': the GDPA Triton kernels are not part of this build yet; use impl='reference' or 'auto'"
+    if resolve_impl(impl, q) == "triton":
+        from lightning_gem.ops.attention.impl.triton import gdpa_triton
+
+        return gdpa_triton(
+            q,
+            k,
+            v,
+            q_offsets,
+            kv_offsets,
+            kv_index,
+            num_targets,
+            activation=activation,
+            causal=causal,
+            window=window,
+            block_size=block_size,
+            scale=float(scale),
+            max_seq_len_q=max_seq_len_q,
+            max_seq_len_kv=max_seq_len_kv,
         )
     from lightning_gem.ops.attention.ops import gdpa_reference_op
 
@@ -167,6 +182,10 @@ def resolve_impl(impl: str, q: Tensor) -> str:
         raise ValueError(f"`impl` must be one of {IMPLS}, got {impl!r}")
     if impl != "auto":
         return impl
+    # Triton kernels need a CUDA device of compute capability 8.0+ and fp16/bf16/fp32 inputs.
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        if torch.cuda.get_device_capability(q.device) >= (8, 0):
+            return "triton"
     return "reference"
 
 

@@ -1,0 +1,252 @@
+"""GDPA Triton kernels against the reference, forward and backward, on random jagged batches.
+
+On CPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by ``tests/conftest.py``
+before Triton is imported); without it they need a CUDA GPU, and without either these tests skip.
+Shapes stay small (the interpreter is slow): D=16, H=2, query lengths 37/0/1/16/23 (empty, length-1,
+one block exactly, several blocks with a ragged tail at the 16x16 interpreter tiles), random kv lengths.
+Results are judged against the float64 reference within the error budget of the same computation done
+naively in the tested dtype (``lightning_gem.testing``'s padded oracle), not by a hand-tuned atol.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_gem.ops.attention.impl.reference import gdpa_reference, gdpa_reference_backward
+from lightning_gem.testing.gdpa_oracle import gdpa_oracle
+from lightning_gem.testing.jagged_inputs import GDPAInputs, make_gdpa_inputs
+from lightning_gem.testing.numerics import assert_within_budget
+
+Q_LENGTHS = [37, 0, 1, 16, 23]
+MAX_LEN = 40
+# (causal, window, block_size)
+MASKS = [
+    (False, None, None),
+    (True, None, None),
+    (True, 5, None),
+    (False, 7, None),
+    (False, None, 8),
+    (True, 6, 8),
+]
+LAYOUTS = ("self", "self_targets", "cross", "shared_kv")
+
+
+def _triton_device() -> str:
+    """Where the kernels run in this process: ``cpu`` under the interpreter, else ``cuda``; skip if neither."""
+    pytest.importorskip("triton")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from lightning_gem.ops.attention.impl.triton import forward
+
+    if isinstance(forward._gdpa_fwd_kernel, InterpretedFunction):
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    pytest.skip("GDPA Triton kernels need a CUDA GPU or Triton's interpreter (TRITON_INTERPRET=1)")
+
+
+@pytest.fixture
+def device() -> str:
+    return _triton_device()
+
+
+def _inputs(layout: str, seed: int, dtype: torch.dtype, device: str, **kwargs: object) -> GDPAInputs:
+    generator = torch.Generator().manual_seed(seed)
+    kwargs = {"q_lengths": Q_LENGTHS, "max_len": MAX_LEN, "heads": 2, "dim": 16, "dim_v": 16, **kwargs}
+    inputs = make_gdpa_inputs(layout, generator, dtype=dtype, **kwargs)
+    moved = {
+        name: getattr(inputs, name) for name in ("q", "k", "v", "q_offsets", "kv_offsets", "kv_index", "num_targets")
+    }
+    moved = {name: None if t is None else t.to(device) for name, t in moved.items()}
+    return GDPAInputs(**moved, q_lengths=inputs.q_lengths, kv_lengths=inputs.kv_lengths)
+
+
+def _run_triton(inputs: GDPAInputs, grad_out: torch.Tensor | None = None, **options: object):  # noqa: ANN202
+    """Output and (if ``grad_out``) ``(dq, dk, dv)`` of :func:`gdpa_triton` through autograd."""
+    from lightning_gem.ops.attention.impl.triton import gdpa_triton
+
+    q, k, v = (t.detach().clone().requires_grad_(grad_out is not None) for t in (inputs.q, inputs.k, inputs.v))
+    kv_offsets = inputs.q_offsets if inputs.kv_offsets is None else inputs.kv_offsets
+    out = gdpa_triton(q, k, v, inputs.q_offsets, kv_offsets, inputs.kv_index, inputs.num_targets, **options)
+    if grad_out is None:
+        return out, None
+    return out, torch.autograd.grad(out, (q, k, v), grad_out)
+
+
+def _check_against_reference(inputs: GDPAInputs, options: dict, name: str) -> None:
+    """Forward and gradients of the kernels vs the float64 reference, within the same-precision budget."""
+    dtype = inputs.q.dtype
+    grad_out = torch.randn(inputs.q.shape[0], inputs.q.shape[1], inputs.v.shape[2], dtype=torch.float64)
+    grad_out = grad_out.to(device=inputs.q.device, dtype=dtype)
+    out, grads = _run_triton(inputs, grad_out, **options)
+
+    cpu = {n: None if t is None else t.cpu() for n, t in vars(inputs).items() if isinstance(t, torch.Tensor | None)}
+    q64, k64, v64 = (cpu[n].to(torch.float64) for n in ("q", "k", "v"))
+    kv_offsets = cpu["q_offsets"] if cpu["kv_offsets"] is None else cpu["kv_offsets"]
+    jagged = (cpu["q_offsets"], kv_offsets, cpu["kv_index"], cpu["num_targets"])
+    oracle = gdpa_reference(q64, k64, v64, *jagged, **options)
+    oracle_grads = gdpa_reference_backward(grad_out.cpu().to(torch.float64), q64, k64, v64, *jagged, **options)
+
+    # The budget: the padded oracle run entirely in the tested dtype (fp16 on CPU, like every naive path).
+    leaves = [cpu[n].to(dtype).requires_grad_() for n in ("q", "k", "v")]
+    naive = gdpa_oracle(*leaves, cpu["q_offsets"], cpu["kv_offsets"], kv_index=cpu["kv_index"],
+                        num_targets=cpu["num_targets"], dtype=dtype, **options)  # fmt: skip
+    naive_grads = torch.autograd.grad(naive, leaves, grad_out.cpu(), allow_unused=True, materialize_grads=True)
+
+    assert_within_budget(out.cpu(), oracle, naive, name=f"{name} out")
+    for label, got, want, budget in zip(("dq", "dk", "dv"), grads, oracle_grads, naive_grads, strict=True):
+        assert_within_budget(got.cpu(), want, budget, name=f"{name} {label}")
+
+
+def _options(activation: str, causal: bool, window: int | None, block_size: int | None) -> dict:
+    return {"activation": activation, "causal": causal, "window": window, "block_size": block_size,
+            "scale": 1.0 / math.sqrt(16)}  # fmt: skip
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: f"causal{int(m[0])}-w{m[1]}-bs{m[2]}")
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_matches_reference_fp32(device: str, layout: str, activation: str, mask: tuple) -> None:
+    seed = 100 * LAYOUTS.index(layout) + 2 * MASKS.index(mask) + (activation == "silu")
+    inputs = _inputs(layout, seed, torch.float32, device)
+    _check_against_reference(inputs, _options(activation, *mask), f"{layout}/{activation}/{mask}")
+
+
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_matches_reference_fp16(device: str, layout: str, activation: str) -> None:
+    inputs = _inputs(layout, 7, torch.float16, device)
+    _check_against_reference(inputs, _options(activation, True, 9, 16), f"{layout}/{activation}")
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu", "sigmoid"])
+def test_other_activations(device: str, activation: str) -> None:
+    inputs = _inputs("self_targets", 3, torch.float32, device)
+    _check_against_reference(inputs, _options(activation, True, None, None), activation)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_matches_reference_bf16_gpu(layout: str) -> None:
+    # bf16 arithmetic is wrong in Triton's interpreter: judged on GPUs only.
+    if not torch.cuda.is_available() or _triton_device() != "cuda":
+        pytest.skip("needs a CUDA GPU with compiled (not interpreted) Triton kernels")
+    inputs = _inputs(layout, 11, torch.bfloat16, "cuda")
+    _check_against_reference(inputs, _options("softmax", True, 9, 16), layout)
+
+
+@pytest.mark.parametrize(("block_m", "block_n"), [(32, 16), (16, 32)])
+def test_other_tile_shapes(device: str, block_m: int, block_n: int) -> None:
+    """Key/query ranges with tiles of unequal sizes, through the launchers directly."""
+    from lightning_gem.ops.attention.impl.triton._common import Tiles
+    from lightning_gem.ops.attention.impl.triton.backward import gdpa_backward
+    from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
+
+    inputs = _inputs("self_targets", 5, torch.float32, device, q_lengths=[45, 1, 0, 33])
+    options = _options("softmax", True, 13, 20)
+    jagged = (inputs.q_offsets, inputs.q_offsets, None, inputs.num_targets)
+    tiles = Tiles(block_m, block_n, 4)
+    out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, *jagged, **options, max_seq_len_q=45, tiles=tiles)
+    grad_out = torch.randn_like(out)
+    lens = {"max_seq_len_q": 45, "max_seq_len_kv": 45}
+    grads = gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, *jagged, **options, **lens,
+                          dkdv_tiles=tiles, dq_tiles=Tiles(block_n, block_m, 4))  # fmt: skip
+    cpu64 = [t.cpu().double() for t in (inputs.q, inputs.k, inputs.v)]
+    jagged = tuple(None if t is None else t.cpu() for t in jagged)
+    torch.testing.assert_close(out.cpu().double(), gdpa_reference(*cpu64, *jagged, **options), rtol=0, atol=1e-5)
+    expected = gdpa_reference_backward(grad_out.cpu().double(), *cpu64, *jagged, **options)
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got.cpu().double(), want, rtol=0, atol=1e-5)
+
+
+def test_int32_offsets_and_hints(device: str) -> None:
+    inputs = _inputs("shared_kv", 2, torch.float32, device, offsets_dtype=torch.int32)
+    _check_against_reference(inputs, _options("softmax", True, None, None), "int32")
+    exact, _ = _run_triton(inputs, **_options("silu", True, 4, None))
+    hinted, _ = _run_triton(inputs, **_options("silu", True, 4, None), max_seq_len_q=64, max_seq_len_kv=64)
+    torch.testing.assert_close(hinted, exact, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", ["no_segments", "all_empty", "empty_kv"])
+def test_empty(device: str, case: str) -> None:
+    """No segment at all, segments without tokens, and queries over empty kv segments: zeros, zero grads."""
+    if case == "no_segments":
+        inputs = _inputs("self", 0, torch.float32, device, q_lengths=[])
+    elif case == "all_empty":
+        inputs = _inputs("self_targets", 0, torch.float32, device, q_lengths=[0, 0, 0])
+    else:
+        inputs = _inputs("cross", 0, torch.float32, device, q_lengths=[3, 0, 17], kv_lengths=[0, 5, 0])
+    for activation in ("softmax", "silu"):
+        grad_out = torch.randn(inputs.q.shape[0], 2, 16, device=device)
+        out, (dq, dk, dv) = _run_triton(inputs, grad_out, **_options(activation, False, None, None))
+        assert out.shape == (inputs.q.shape[0], 2, 16)
+        for t in (out, dq, dk, dv):
+            assert bool((t == 0).all())
+
+
+def test_rejects_float64() -> None:
+    _triton_device()
+    from lightning_gem.ops.attention.impl.triton import gdpa_triton
+
+    q = torch.randn(3, 1, 4, dtype=torch.float64)
+    offsets = torch.tensor([0, 3])
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
+        gdpa_triton(q, q, q, offsets, offsets, **_options("softmax", False, None, None))
+
+
+def test_opcheck(device: str) -> None:
+    _triton_device()
+    from lightning_gem.ops.attention.impl.triton import ops  # noqa: F401  (registers the ops)
+
+    inputs = _inputs("self_targets", 4, torch.float32, device, q_lengths=[5, 0, 18])
+    for activation in ("softmax", "silu"):
+        q, k, v = (t.clone().requires_grad_() for t in (inputs.q, inputs.k, inputs.v))
+        args = (q, k, v, inputs.q_offsets, inputs.q_offsets, None, inputs.num_targets, activation, True, 6, None,
+                0.25, 18, 18)  # fmt: skip
+        torch.library.opcheck(torch.ops.lightning_gem.gdpa_triton.default, args)
+
+
+def test_compile_fullgraph(device: str) -> None:
+    from lightning_gem.ops.attention.impl.triton import gdpa_triton
+
+    inputs = _inputs("shared_kv", 6, torch.float32, device)
+    options = {**_options("softmax", True, None, 8), "max_seq_len_q": MAX_LEN, "max_seq_len_kv": MAX_LEN}
+
+    def loss(q, k, v):  # noqa: ANN001, ANN202
+        out = gdpa_triton(q, k, v, inputs.q_offsets, inputs.kv_offsets, inputs.kv_index, None, **options)
+        return out.square().sum()
+
+    # The interpreter runs kernels on CPU tensors, which Inductor cannot launch: trace with AOT autograd only.
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    compiled = torch.compile(loss, fullgraph=True, backend=backend)
+    leaves = [t.clone().requires_grad_() for t in (inputs.q, inputs.k, inputs.v)]
+    eager_leaves = [t.clone().requires_grad_() for t in (inputs.q, inputs.k, inputs.v)]
+    value = compiled(*leaves)
+    value.backward()
+    expected = loss(*eager_leaves)
+    expected.backward()
+    torch.testing.assert_close(value, expected)
+    for got, want in zip(leaves, eager_leaves, strict=True):
+        torch.testing.assert_close(got.grad, want.grad)
+
+
+def test_flop_counter(device: str) -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lightning_gem.ops.attention.impl.triton import gdpa_triton
+    from lightning_gem.ops.attention.ops import gdpa_flops
+
+    inputs = _inputs("self_targets", 8, torch.float32, device)
+    options = _options("silu", True, 5, None)
+    mask = {name: options[name] for name in ("causal", "window", "block_size")}
+    q, k, v = (t.clone().requires_grad_() for t in (inputs.q, inputs.k, inputs.v))
+    jagged = (inputs.q_offsets, inputs.q_offsets, None, inputs.num_targets)
+    with FlopCounterMode(display=False) as counter:
+        gdpa_triton(q, k, v, *jagged, **options).sum().backward()
+    forward = gdpa_flops(q, k, v, *jagged, **mask)
+    backward = gdpa_flops(q, k, v, *jagged, **mask, backward=True)
+    assert forward > 0
+    assert counter.get_total_flops() == forward + backward
