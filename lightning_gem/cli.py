@@ -2,7 +2,7 @@
 
 Example:
     lightning-gem fit --config examples/configs/quickstart.yaml
-    lightning-gem test --config examples/configs/ml100k_ctr.yaml --ckpt_path last
+    lightning-gem test --config examples/configs/ml100k_ctr.yaml --ckpt_path PATH/TO/CHECKPOINT.ckpt
 """
 
 from __future__ import annotations

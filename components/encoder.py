@@ -1,0 +1,331 @@
+"""Jagged sequence encoders: the HSTU layer and a stack of them over a user history.
+
+Everything runs on jagged ``[T, dim]`` tokens with ``[B + 1]`` offsets: no padding, and a sample's
+output does not depend on the other samples of its batch (GDPA normalises pointwise attention by each
+sequence's own length).
+
+Legend: ``T`` tokens over the batch, ``B`` sequences, ``H`` heads, ``Dqk`` / ``Dv`` per-head
+query-key / value widths.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_gem import jagged
+from lightning_gem.ops import gdpa
+
+__all__ = ["HSTULayer", "JaggedHistoryEncoder", "make_norm", "recency_positions", "time_buckets"]
+
+NormKind = Literal["rms", "layer"]
+
+
+def make_norm(kind: NormKind, dim: int, eps: float = 1e-6) -> nn.Module:
+    """``nn.RMSNorm`` (``"rms"``) or ``nn.LayerNorm`` (``"layer"``) over the last ``dim`` features."""
+    if kind == "rms":
+        return nn.RMSNorm(dim, eps=eps)
+    if kind == "layer":
+        return nn.LayerNorm(dim, eps=eps)
+    raise ValueError(f"`norm` must be 'rms' or 'layer', got {kind!r}")
+
+
+class HSTULayer(nn.Module):
+    """One HSTU layer (Zhai et al., 2024) on jagged tokens, attention through :func:`lightning_gem.ops.gdpa`.
+
+    ``U, V, Q, K = split(SiLU(uvqk(norm(x))))``; ``A = gdpa(Q, K, V)`` (pointwise SiLU by default,
+    causal, normalised by each sequence's length); ``y = x + dropout(output(attention_norm(A) * U))``.
+    ``output`` starts at zero, so a fresh layer is the identity: a deep stack trains from the first step
+    as fast as a shallow one (on the quickstart data, 2 layers reach val AUC 0.79 instead of 0.76 after
+    300 steps).
+
+    Tensor parallelism: :meth:`tensor_parallel_plan` names the column-wise (``uvqk``) and row-wise
+    (``output``) linears. ``uvqk``'s output is laid out head-major (``[H, 2 Dv + 2 Dqk]``), so a
+    column-wise shard holds whole heads; with ``per_head_norm=True`` (default) the attention-output norm
+    is per head too, so a tensor-parallel layer needs no gather before ``output``. ``per_head_norm=False``
+    normalises all heads together, as the HSTU paper does.
+
+    Args:
+        dim: model width (input and output).
+        num_heads: attention heads ``H``.
+        attention_dim: per-head query/key width ``Dqk``; default ``dim // num_heads``.
+        linear_dim: per-head value/gate width ``Dv``; default ``dim // num_heads``.
+        activation: GDPA activation: ``"silu"`` (HSTU), ``"softmax"``, ``"gelu"``, ``"relu"``, ``"sigmoid"``.
+        causal: mask future tokens.
+        window: attend only to the ``window`` most recent earlier tokens (and self); None: unlimited.
+        dropout: dropout on the layer's output before the residual.
+        norm: ``"rms"`` or ``"layer"`` for the input and attention-output norms.
+        per_head_norm: normalise the attention output per head (see above).
+        attention_impl: GDPA ``impl`` (``"auto"``, ``"reference"``, ``"triton"``).
+
+    Shapes:
+        x: ``[T, dim]``; offsets: ``[B + 1]``; num_targets: ``[B]`` or None. Output ``[T, dim]``.
+
+    Example:
+        >>> import torch
+        >>> layer = HSTULayer(dim=16, num_heads=2)
+        >>> x = torch.randn(5, 16)
+        >>> layer(x, torch.tensor([0, 2, 2, 5])).shape
+        torch.Size([5, 16])
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        attention_dim: int | None = None,
+        linear_dim: int | None = None,
+        activation: str = "silu",
+        causal: bool = True,
+        window: int | None = None,
+        dropout: float = 0.0,
+        norm: NormKind = "rms",
+        per_head_norm: bool = True,
+        attention_impl: str = "auto",
+    ) -> None:
+        super().__init__()
+        if dim < 1 or num_heads < 1:
+            raise ValueError(f"`dim` and `num_heads` must be >= 1, got dim={dim}, num_heads={num_heads}")
+        if (attention_dim is None or linear_dim is None) and dim % num_heads:
+            raise ValueError(
+                f"`dim` ({dim}) must be divisible by `num_heads` ({num_heads}) unless both head dims are given"
+            )
+        self.num_heads = num_heads
+        self.attention_dim = attention_dim if attention_dim is not None else dim // num_heads
+        self.linear_dim = linear_dim if linear_dim is not None else dim // num_heads
+        if self.attention_dim < 1 or self.linear_dim < 1:
+            raise ValueError(
+                f"head dims must be >= 1, got attention_dim={self.attention_dim}, linear_dim={self.linear_dim}"
+            )
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"`dropout` must lie in [0, 1), got {dropout}")
+        self.activation = activation
+        self.causal = causal
+        self.window = window
+        self.per_head_norm = per_head_norm
+        self.attention_impl = attention_impl
+
+        self.input_norm = make_norm(norm, dim)
+        self.uvqk = nn.Linear(dim, num_heads * (2 * self.linear_dim + 2 * self.attention_dim))
+        self.attention_norm = make_norm(norm, self.linear_dim if per_head_norm else num_heads * self.linear_dim)
+        self.output = nn.Linear(num_heads * self.linear_dim, dim)
+        self.dropout = nn.Dropout(dropout)
+        # The residual branch starts at zero: a fresh stack is the identity and learns as fast as a shallow one.
+        nn.init.zeros_(self.output.weight)
+        nn.init.zeros_(self.output.bias)
+
+    @staticmethod
+    def tensor_parallel_plan() -> dict[str, Literal["colwise", "rowwise"]]:
+        """Submodule name -> how a tensor-parallel plan shards that ``nn.Linear``."""
+        return {"uvqk": "colwise", "output": "rowwise"}
+
+    def forward(
+        self,
+        x: Tensor,
+        offsets: Tensor,
+        *,
+        num_targets: Tensor | None = None,
+        max_seq_len: int | None = None,
+        check_offsets: bool = True,
+    ) -> Tensor:
+        """Encode ``x [T, dim]`` (sequences by ``offsets [B + 1]``) to ``[T, dim]``.
+
+        Args:
+            x: ``[T, dim]`` tokens.
+            offsets: ``[B + 1]`` offsets of the sequences.
+            num_targets: ``[B]`` targets at the end of each sequence: they see the history and
+                themselves only (see :func:`lightning_gem.ops.gdpa`).
+            max_seq_len: an upper bound of the sequence lengths (a kernel hint, avoids a device sync).
+            check_offsets: let GDPA validate the offsets (pass False when validated upstream).
+        """
+        num_tokens = x.shape[0]
+        h, dv, dqk = self.num_heads, self.linear_dim, self.attention_dim
+        uvqk_THX = F.silu(self.uvqk(self.input_norm(x))).view(num_tokens, h, 2 * dv + 2 * dqk)
+        u_THD, v_THD, q_THD, k_THD = uvqk_THX.split([dv, dv, dqk, dqk], dim=-1)
+        attn_THD = gdpa(
+            q_THD,
+            k_THD,
+            v_THD,
+            offsets,
+            activation=self.activation,
+            causal=self.causal,
+            window=self.window,
+            num_targets=num_targets,
+            max_seq_len_q=max_seq_len,
+            impl=self.attention_impl,
+            check_offsets=check_offsets,
+        )
+        if self.per_head_norm:
+            gated = (self.attention_norm(attn_THD) * u_THD).reshape(num_tokens, h * dv)
+        else:
+            gated = self.attention_norm(attn_THD.reshape(num_tokens, h * dv)) * u_THD.reshape(num_tokens, h * dv)
+        return x + self.dropout(self.output(gated))
+
+
+def recency_positions(
+    offsets: Tensor, max_length: int, num_targets: Tensor | None = None, num_tokens: int | None = None
+) -> Tensor:
+    """``[T]`` int64 position of each token counted from the end of its history, capped at ``max_length``.
+
+    The most recent history token is 1, the one before 2, ... (``min(., max_length)``); target tokens
+    (the last ``num_targets[b]`` of sequence ``b``) are 0. Pass ``num_tokens`` (``T``) to avoid reading
+    ``offsets[-1]`` (a device sync).
+    """
+    lengths = jagged.offsets_to_lengths(offsets).to(torch.int64)
+    if num_tokens is None:
+        num_tokens = int(offsets[-1])
+    seg = jagged.segment_ids(offsets, num_tokens)
+    local = torch.arange(num_tokens, device=offsets.device) - offsets[:-1].to(torch.int64)[seg]
+    history = lengths if num_targets is None else lengths - num_targets.to(torch.int64)
+    return (history[seg] - local).clamp(0, max_length)
+
+
+def time_buckets(time_deltas: Tensor, num_buckets: int) -> Tensor:
+    """``[T]`` int64 log-scale bucket of each time delta in seconds: ``floor(2 * log2(1 + max(dt, 0)))``.
+
+    Two buckets per doubling (64 buckets reach ~136 years); clamped to ``[0, num_buckets - 1]``; NaN -> 0.
+    """
+    seconds = torch.nan_to_num(time_deltas.to(torch.float32), nan=0.0).clamp_min(0.0)
+    return torch.floor(2.0 * torch.log2(1.0 + seconds)).clamp(0, num_buckets - 1).to(torch.int64)
+
+
+class JaggedHistoryEncoder(nn.Module):
+    """A stack of :class:`HSTULayer` over jagged history tokens, with recency and time encodings.
+
+    ``x = dropout(input_proj(features) + position[recency] (+ time[bucket(dt)]))``, then the layers, then a
+    final norm (``input_proj`` is the identity when ``input_dim`` is None). Positions count from the end of
+    the history (the most recent event is 1, targets 0), capped at ``max_length``, so the encoding of an
+    event does not depend on how long the history is.
+
+    Args:
+        input_dim: width of the per-token input features (e.g. concatenated feature embeddings); None:
+            the inputs are already ``dim`` wide (e.g. summed per-feature projections) and are not projected.
+        dim: model width.
+        num_layers: HSTU layers.
+        num_heads: heads per layer.
+        max_length: positions beyond it share the last position embedding.
+        attention_dim, linear_dim, activation, causal, window, norm, per_head_norm, attention_impl:
+            see :class:`HSTULayer`.
+        dropout: dropout on the input and on each layer's output.
+        use_time: add an embedding of ``time_buckets(time_deltas)``; ``forward`` then needs ``time_deltas``.
+        num_time_buckets: buckets of the time encoding.
+
+    Shapes:
+        features: ``[T, input_dim]``; offsets ``[B + 1]``; time_deltas ``[T]``; num_targets ``[B]``.
+        Output ``[T, dim]``.
+
+    Example:
+        >>> import torch
+        >>> encoder = JaggedHistoryEncoder(input_dim=24, dim=16, num_layers=2, num_heads=2, max_length=8)
+        >>> offsets = torch.tensor([0, 3, 3, 4])  # lengths 3, 0, 1
+        >>> encoder(torch.randn(4, 24), offsets).shape
+        torch.Size([4, 16])
+    """
+
+    def __init__(
+        self,
+        input_dim: int | None,
+        dim: int = 64,
+        num_layers: int = 2,
+        num_heads: int = 2,
+        *,
+        max_length: int = 256,
+        attention_dim: int | None = None,
+        linear_dim: int | None = None,
+        activation: str = "silu",
+        causal: bool = True,
+        window: int | None = None,
+        dropout: float = 0.0,
+        norm: NormKind = "rms",
+        per_head_norm: bool = True,
+        use_time: bool = False,
+        num_time_buckets: int = 64,
+        attention_impl: str = "auto",
+    ) -> None:
+        super().__init__()
+        if (input_dim is not None and input_dim < 1) or dim < 1:
+            raise ValueError(f"`input_dim` and `dim` must be >= 1, got input_dim={input_dim}, dim={dim}")
+        if num_layers < 0:
+            raise ValueError(f"`num_layers` must be >= 0, got {num_layers}")
+        if max_length < 1:
+            raise ValueError(f"`max_length` must be >= 1, got {max_length}")
+        if use_time and num_time_buckets < 1:
+            raise ValueError(f"`num_time_buckets` must be >= 1, got {num_time_buckets}")
+        self.input_dim = dim if input_dim is None else input_dim
+        self.dim = dim
+        self.max_length = max_length
+        self.num_time_buckets = num_time_buckets
+        self.input_proj = nn.Identity() if input_dim is None else nn.Linear(input_dim, dim)
+        self.position = nn.Embedding(max_length + 1, dim)
+        self.time = nn.Embedding(num_time_buckets, dim) if use_time else None
+        nn.init.normal_(self.position.weight, std=0.02)
+        if self.time is not None:
+            nn.init.normal_(self.time.weight, std=0.02)
+        self.input_dropout = nn.Dropout(dropout)
+        self.layers = nn.ModuleList(
+            HSTULayer(
+                dim,
+                num_heads,
+                attention_dim=attention_dim,
+                linear_dim=linear_dim,
+                activation=activation,
+                causal=causal,
+                window=window,
+                dropout=dropout,
+                norm=norm,
+                per_head_norm=per_head_norm,
+                attention_impl=attention_impl,
+            )
+            for _ in range(num_layers)
+        )
+        self.final_norm = make_norm(norm, dim)
+
+    @property
+    def use_time(self) -> bool:
+        return self.time is not None
+
+    def forward(
+        self,
+        features: Tensor,
+        offsets: Tensor,
+        *,
+        time_deltas: Tensor | None = None,
+        num_targets: Tensor | None = None,
+        max_seq_len: int | None = None,
+        check_offsets: bool = True,
+    ) -> Tensor:
+        """Encode ``features [T, input_dim]`` to ``[T, dim]``.
+
+        Args:
+            features: ``[T, input_dim]`` per-token inputs.
+            offsets: ``[B + 1]`` offsets of the sequences.
+            time_deltas: ``[T]`` seconds between each event and the request (required iff ``use_time``).
+            num_targets: ``[B]`` targets at the end of each sequence (see :class:`HSTULayer`).
+            max_seq_len: an upper bound of the sequence lengths, passed to GDPA as a kernel hint.
+            check_offsets: validate ``offsets`` here, once (a device sync).
+        """
+        jagged.check_floating(features, "features")
+        if features.dim() != 2 or features.shape[1] != self.input_dim:
+            raise ValueError(f"`features` must be [T, {self.input_dim}], got shape {tuple(features.shape)}")
+        if check_offsets:
+            jagged.validate_offsets(offsets, "offsets", num_values=features.shape[0], device=features.device)
+        x = self.input_proj(features) + self.position(
+            recency_positions(offsets, self.max_length, num_targets, num_tokens=features.shape[0])
+        )
+        if self.time is not None:
+            if time_deltas is None:
+                raise ValueError("`time_deltas` ([T] seconds) is required: the encoder was built with use_time=True")
+            if time_deltas.shape != (features.shape[0],):
+                raise ValueError(f"`time_deltas` must be [T] = [{features.shape[0]}], got {tuple(time_deltas.shape)}")
+            x = x + self.time(time_buckets(time_deltas, self.num_time_buckets))
+        x = self.input_dropout(x)
+        for index, layer in enumerate(self.layers):
+            # Offsets are validated once above; the first layer also checks num_targets / max_seq_len.
+            x = layer(
+                x, offsets, num_targets=num_targets, max_seq_len=max_seq_len, check_offsets=check_offsets and index == 0
+            )
+        return self.final_norm(x)

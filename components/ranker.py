@@ -1,0 +1,351 @@
+"""``GEMRanker``: a multi-task ranking LightningModule built from the kit's components.
+
+Pipeline for a :class:`~lightning_gem.data.batch.RankingBatch` of ``B`` users:
+
+1. torchrec ``EmbeddingCollection`` over the history and candidate features (shared tables where the
+   schema says so) and an ``EmbeddingBagCollection`` over the pooled user features; each token is the
+   sum of its features' embeddings through one projection per *table*, so a candidate item and the same
+   item in the history start as the same vector;
+2. :class:`~lightning_gem.components.encoder.JaggedHistoryEncoder` (HSTU layers over the jagged history);
+3. :class:`~lightning_gem.components.interaction.GDPAInteraction`: each candidate attends to its user's
+   encoded history, then interacts with the user's context tokens (history summary, pooled features,
+   dense features);
+4. :class:`~lightning_gem.components.heads.MultiTaskHead`: one logit per task.
+
+Training minimises binary cross-entropy per task; validation and test log ``{stage}/auc_{task}`` and
+``{stage}/ne_{task}`` (normalized entropy). Throughput is logged by
+:class:`lightning_gem.callbacks.ThroughputReport`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchrec.sparse.jagged_tensor import JaggedTensor
+from typing_extensions import override
+
+from lightning_gem import jagged
+from lightning_gem.data.batch import RankingBatch
+from lightning_gem.data.schema import RankingSchema, RetrievalSchema, SparseFeature
+from lightning_gem.metrics import BinaryAUROC, NormalizedEntropy
+
+from .embeddings import (
+    build_embedding_bag_collection,
+    build_embedding_collection,
+    concat_sequence_embeddings,
+    tables_from_features,
+)
+from .encoder import JaggedHistoryEncoder, NormKind
+from .heads import MultiTaskHead
+from .interaction import GDPAInteraction
+
+__all__ = ["GEMRanker", "adamw_param_groups", "schema_from_hparams", "schema_to_hparams", "segment_mean"]
+
+
+def schema_to_hparams(schema: RankingSchema | RetrievalSchema) -> dict[str, Any]:
+    """A schema as plain containers (``dataclasses.asdict``), so checkpoints load with ``weights_only=True``
+    and ``hparams.yaml`` stays readable."""
+    return dataclasses.asdict(schema)
+
+
+def schema_from_hparams(value: object, kind: type[RankingSchema] | type[RetrievalSchema]) -> Any:
+    """The schema of ``kind`` from a schema object or from :func:`schema_to_hparams` output (a checkpoint)."""
+    if value is None or isinstance(value, kind):
+        return value
+    if not isinstance(value, dict):
+        raise TypeError(f"`schema` must be a {kind.__name__}, got {type(value).__name__}")
+    fields = dict(value)
+    if kind is RankingSchema:
+        for name in ("history_features", "candidate_features", "pooled_features"):
+            fields[name] = tuple(SparseFeature(**f) for f in fields.get(name, ()))
+        fields["tasks"] = tuple(fields.get("tasks", ("ctr", "cvr")))
+    return kind(**fields)
+
+
+def segment_mean(values: Tensor, offsets: Tensor) -> Tensor:
+    """Mean of each jagged segment: ``[T, D]`` with ``[B + 1]`` offsets -> ``[B, D]`` (zeros if empty)."""
+    num_segments = offsets.numel() - 1
+    lengths = jagged.offsets_to_lengths(offsets).to(values.dtype)
+    seg = jagged.segment_ids(offsets, values.shape[0])
+    sums = values.new_zeros(num_segments, values.shape[1]).index_add_(0, seg, values)
+    return sums / lengths.clamp_min(1.0)[:, None]
+
+
+def adamw_param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Parameter groups for AdamW: weight decay on the weights of ``nn.Linear`` layers only.
+
+    Embedding tables (torchrec's and ``nn.Embedding``), norms and biases are not decayed: decaying
+    embedding rows shrinks rarely seen ids toward zero at every step.
+    """
+    decay, no_decay, seen = [], [], set()
+    for sub in module.modules():
+        for name, param in sub.named_parameters(recurse=False):
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            (decay if isinstance(sub, nn.Linear) and name == "weight" else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+class GEMRanker(L.LightningModule):
+    """Multi-task ranking model over jagged user histories (HSTU encoder + GDPA candidate interaction).
+
+    Args:
+        schema: the features the batches carry (``datamodule.schema``). ``None`` only so that
+            LightningCLI can link it from the DataModule; the model is then built in ``configure_model``
+            from ``trainer.datamodule.schema``. Saved in ``hparams`` as plain containers, so
+            ``GEMRanker.load_from_checkpoint(path)`` rebuilds the model.
+        embedding_dim: width of every embedding table.
+        model_dim: width of the encoder and interaction.
+        num_layers: HSTU layers of the history encoder.
+        num_heads: attention heads (encoder and interaction).
+        attention_activation: GDPA activation of the history self-attention (``"silu"`` = HSTU).
+        interaction_activation: GDPA activation of the candidate-to-history attention.
+        attention_window: local attention window of the encoder (None: full causal).
+        use_time: time-delta encoding of history events; None: ``schema.has_time``.
+        self_interaction: per-candidate token interaction with the user's context tokens.
+        head_hidden_dims: hidden widths of each task tower.
+        esmm: ESMM heads (the ``cvr`` label must then be click-and-convert; see ``MultiTaskHead``).
+        dropout: dropout in the encoder, interaction and heads.
+        norm: ``"rms"`` or ``"layer"``.
+        lr: AdamW learning rate (dense and embedding parameters).
+        weight_decay: AdamW weight decay of the Linear weights (see :func:`adamw_param_groups`).
+        loss_reduction: combine the per-task mean BCE losses by ``"sum"`` or ``"mean"``.
+        embedding_init_scale: embedding rows uniform in ``[-s, s]``; None: torchrec's default.
+        attention_impl: GDPA ``impl`` (``"auto"``, ``"reference"``, ``"triton"``).
+
+    Example:
+        >>> from lightning_gem.data.schema import RankingSchema, SparseFeature
+        >>> schema = RankingSchema(
+        ...     history_features=(SparseFeature(name="hist_item", num_embeddings=100, table="item"),),
+        ...     candidate_features=(SparseFeature(name="cand_item", num_embeddings=100, table="item"),),
+        ...     tasks=("ctr",), max_history_length=32)
+        >>> model = GEMRanker(schema, embedding_dim=8, model_dim=16)
+        >>> sorted(model.metrics_names("val"))
+        ['val/auc_ctr', 'val/ne_ctr']
+    """
+
+    def __init__(
+        self,
+        schema: RankingSchema | None = None,
+        *,
+        embedding_dim: int = 32,
+        model_dim: int = 64,
+        num_layers: int = 2,
+        num_heads: int = 2,
+        attention_activation: str = "silu",
+        interaction_activation: str = "softmax",
+        attention_window: int | None = None,
+        use_time: bool | None = None,
+        self_interaction: bool = True,
+        head_hidden_dims: tuple[int, ...] = (64,),
+        esmm: bool = False,
+        dropout: float = 0.0,
+        norm: NormKind = "rms",
+        lr: float = 2e-3,
+        weight_decay: float = 0.0,
+        loss_reduction: Literal["sum", "mean"] = "sum",
+        embedding_init_scale: float | None = 0.05,
+        attention_impl: str = "auto",
+    ) -> None:
+        super().__init__()
+        if loss_reduction not in ("sum", "mean"):
+            raise ValueError(f"`loss_reduction` must be 'sum' or 'mean', got {loss_reduction!r}")
+        schema = schema_from_hparams(schema, RankingSchema)  # a dict when loaded from a checkpoint
+        self.save_hyperparameters(ignore=["schema"])
+        self.hparams["schema"] = None if schema is None else schema_to_hparams(schema)
+        self.schema: RankingSchema | None = None
+        if schema is not None:
+            self._build(schema)
+
+    # -- construction ------------------------------------------------------------------------------
+
+    def _build(self, schema: RankingSchema) -> None:
+        hp = self.hparams
+        self.schema = schema
+        self._history_keys = [f.name for f in schema.history_features]
+        self._candidate_keys = [f.name for f in schema.candidate_features]
+        dim, emb = hp.model_dim, hp.embedding_dim
+        tables = tables_from_features(schema.sequence_features, emb, init_scale=hp.embedding_init_scale)
+        self.sequence_embeddings = build_embedding_collection(tables)
+        self.pooled_embeddings = None
+        if schema.pooled_features:
+            pooled = tables_from_features(schema.pooled_features, emb, init_scale=hp.embedding_init_scale)
+            self.pooled_embeddings = build_embedding_bag_collection(pooled, pooling="mean")
+        # One projection per table, shared by the features of that table (see the module docstring).
+        self._table_of = {f.name: f.table_name for f in schema.all_features}
+        self.feature_proj = nn.ModuleDict({t.name: nn.Linear(emb, dim, bias=False) for t in tables})
+        self.history_bias = nn.Parameter(torch.zeros(dim))
+        self.candidate_bias = nn.Parameter(torch.zeros(dim))
+        self.use_time = schema.has_time if hp.use_time is None else hp.use_time
+        self.encoder = JaggedHistoryEncoder(
+            None,
+            dim,
+            hp.num_layers,
+            hp.num_heads,
+            max_length=schema.max_history_length,
+            activation=hp.attention_activation,
+            window=hp.attention_window,
+            dropout=hp.dropout,
+            norm=hp.norm,
+            use_time=self.use_time,
+            attention_impl=hp.attention_impl,
+        )
+        self.pooled_proj = nn.Linear(len(schema.pooled_features) * emb, dim) if schema.pooled_features else None
+        self.dense_proj = nn.Linear(schema.num_dense, dim) if schema.num_dense else None
+        num_context = 1 + (self.pooled_proj is not None) + (self.dense_proj is not None)  # + history summary
+        self.interaction = GDPAInteraction(
+            dim,
+            hp.num_heads,
+            activation=hp.interaction_activation,
+            dropout=hp.dropout,
+            norm=hp.norm,
+            self_interaction=hp.self_interaction,
+            num_context_tokens=num_context if hp.self_interaction else 0,
+            attention_impl=hp.attention_impl,
+        )
+        self.head = MultiTaskHead(dim, schema.tasks, hp.head_hidden_dims, dropout=hp.dropout, esmm=hp.esmm)
+        self.metrics = nn.ModuleDict(
+            {
+                f"{stage}_{kind}_{task}": BinaryAUROC() if kind == "auc" else NormalizedEntropy()
+                for stage in ("val", "test")
+                for kind in ("auc", "ne")
+                for task in schema.tasks
+            }
+        )
+
+    @override
+    def configure_model(self) -> None:
+        if self.schema is not None:
+            return
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        schema = getattr(datamodule, "schema", None)
+        if schema is None:
+            raise ValueError(
+                "GEMRanker needs a `schema` (a RankingSchema): pass GEMRanker(schema=datamodule.schema), or link "
+                "data.schema -> model.schema in LightningCLI, or give the Trainer a datamodule with a `schema`"
+            )
+        if not isinstance(schema, RankingSchema):
+            raise TypeError(f"`datamodule.schema` must be a RankingSchema for GEMRanker, got {type(schema).__name__}")
+        self.hparams["schema"] = schema_to_hparams(schema)  # so checkpoints rebuild the same model
+        self._build(schema)
+
+    def metrics_names(self, stage: Literal["val", "test"]) -> list[str]:
+        """The metric names logged at ``stage``: ``{stage}/auc_{task}`` and ``{stage}/ne_{task}``."""
+        tasks = self._require_schema().tasks
+        return [f"{stage}/{kind}_{task}" for kind in ("auc", "ne") for task in tasks]
+
+    def _require_schema(self) -> RankingSchema:
+        if self.schema is None:
+            raise ValueError("GEMRanker has no schema yet: pass `schema=` or let configure_model take the datamodule's")
+        return self.schema
+
+    # -- model -------------------------------------------------------------------------------------
+
+    @override
+    def forward(self, batch: RankingBatch) -> Tensor:
+        """Logits ``[C, num_tasks]`` for the ``C`` candidates of ``batch`` (task order of the schema)."""
+        schema = self._require_schema()
+        embeddings = self.sequence_embeddings(batch.sequence_features)
+        history_offsets = batch.history_offsets()
+        candidate_offsets = batch.candidate_offsets()
+        history = self.encoder(
+            self._tokens(embeddings, self._history_keys, self.history_bias),
+            history_offsets,
+            time_deltas=batch.history_time_deltas if self.use_time else None,
+            max_seq_len=schema.max_history_length,
+        )
+        candidates = self._tokens(embeddings, self._candidate_keys, self.candidate_bias)
+        context = [segment_mean(history, history_offsets)]
+        if self.pooled_proj is not None:
+            if batch.pooled_features is None:
+                raise ValueError("the schema has pooled features but `batch.pooled_features` is None")
+            context.append(self.pooled_proj(self.pooled_embeddings(batch.pooled_features).values()))
+        if self.dense_proj is not None:
+            if batch.dense_features is None:
+                raise ValueError(f"the schema has num_dense={schema.num_dense} but `batch.dense_features` is None")
+            context.append(self.dense_proj(batch.dense_features.to(candidates.dtype)))
+        context_BND = torch.stack(context, dim=1)
+        if not self.interaction.self_interaction:
+            # Without token interaction the user context joins each candidate token additively.
+            user = jagged.segment_ids(candidate_offsets, candidates.shape[0])
+            candidates = candidates + context_BND.sum(dim=1)[user]
+            context_BND = None
+        interacted = self.interaction(
+            candidates,
+            candidate_offsets,
+            history,
+            history_offsets,
+            context=context_BND,
+            max_history_len=schema.max_history_length,
+        )
+        return self.head(interacted)
+
+    def _tokens(self, embeddings: dict[str, JaggedTensor], keys: list[str], bias: Tensor) -> Tensor:
+        """``[N, model_dim]``: the sum over ``keys`` of each feature's table projection, plus ``bias``."""
+        out = bias
+        for key in keys:
+            out = out + self.feature_proj[self._table_of[key]](concat_sequence_embeddings(embeddings, [key]))
+        return out
+
+    def _loss(self, logits: Tensor, labels: Tensor) -> tuple[Tensor, list[Tensor]]:
+        num_tasks = logits.shape[1]
+        if labels.shape != logits.shape:
+            raise ValueError(f"`batch.labels` must be [C, num_tasks] = {list(logits.shape)}, got {list(labels.shape)}")
+        if logits.shape[0] == 0:
+            zero = logits.sum() * 0.0
+            return zero, [zero] * num_tasks
+        per_task = [
+            F.binary_cross_entropy_with_logits(logits[:, i], labels[:, i].to(logits.dtype)) for i in range(num_tasks)
+        ]
+        total = torch.stack(per_task).sum()
+        if self.hparams.loss_reduction == "mean":
+            total = total / num_tasks
+        return total, per_task
+
+    @override
+    def training_step(self, batch: RankingBatch, batch_idx: int) -> Tensor:
+        logits = self(batch)
+        loss, per_task = self._loss(logits, batch.labels)
+        size = batch.batch_size
+        self.log("train/loss", loss, prog_bar=True, batch_size=size)
+        for task, task_loss in zip(self._require_schema().tasks, per_task, strict=True):
+            self.log(f"train/loss_{task}", task_loss, batch_size=size)
+        return loss
+
+    def _evaluate(self, batch: RankingBatch, stage: str) -> None:
+        logits = self(batch)
+        loss, _ = self._loss(logits, batch.labels)
+        self.log(f"{stage}/loss", loss, batch_size=batch.batch_size)
+        for i, task in enumerate(self._require_schema().tasks):
+            auc, ne = self.metrics[f"{stage}_auc_{task}"], self.metrics[f"{stage}_ne_{task}"]
+            if logits.shape[0]:
+                # Probabilities, not logits: BinaryAUROC applies a sigmoid only to batches outside [0, 1].
+                auc.update(torch.sigmoid(logits[:, i].float()), batch.labels[:, i].long())
+                ne.update(logits[:, i], batch.labels[:, i])
+            self.log(f"{stage}/auc_{task}", auc, on_step=False, on_epoch=True, prog_bar=task == self.schema.tasks[0])
+            self.log(f"{stage}/ne_{task}", ne, on_step=False, on_epoch=True)
+
+    @override
+    def validation_step(self, batch: RankingBatch, batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    @override
+    def test_step(self, batch: RankingBatch, batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    @override
+    def predict_step(self, batch: RankingBatch, batch_idx: int) -> Tensor:
+        """Probabilities ``[C, num_tasks]`` (with ``esmm``, the cvr column is pCTCVR)."""
+        return torch.sigmoid(self(batch))
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        self._require_schema()
+        return torch.optim.AdamW(adamw_param_groups(self, self.hparams.weight_decay), lr=self.hparams.lr)

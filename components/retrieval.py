@@ -1,0 +1,381 @@
+"""``SequentialRecommender``: HSTU-style next-item retrieval as a LightningModule.
+
+Each position of a user's sequence predicts the next item. Training uses a sampled softmax over
+L2-normalised embeddings with uniform negatives and a temperature (the HSTU recipe); evaluation embeds
+each sequence's last position, scores the full catalogue, removes the items already in that user's
+history (never the target) and logs HR@K and NDCG@K.
+
+Item ids are embedded by one torchrec ``EmbeddingCollection`` table that serves both the inputs and the
+output side (targets, negatives, the catalogue): output-side ids go through the same table under an
+extra lookup-only KJT key, so a sharded table works unchanged.
+
+Legend: ``T`` events over the batch, ``B`` sequences, ``N`` negatives, ``I`` items in the catalogue.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+from typing_extensions import override
+
+from lightning_gem import jagged
+from lightning_gem.data.batch import RetrievalBatch
+from lightning_gem.data.schema import RetrievalSchema
+from lightning_gem.metrics import NDCG, HitRate, rank_of_target
+
+from .embeddings import TableConfig, build_embedding_collection, concat_sequence_embeddings
+from .encoder import JaggedHistoryEncoder, NormKind
+from .ranker import adamw_param_groups, schema_from_hparams, schema_to_hparams
+
+__all__ = ["SequentialRecommender", "catalogue_ranks", "sampled_softmax_loss"]
+
+
+def sampled_softmax_loss(
+    queries: Tensor,
+    positives: Tensor,
+    negatives: Tensor,
+    positive_ids: Tensor,
+    negative_ids: Tensor,
+    temperature: float,
+) -> Tensor:
+    """Mean sampled-softmax loss over L2-normalised embeddings with shared negatives.
+
+    ``loss_t = -log(exp(s(u_t, p_t) / tau) / (exp(s(u_t, p_t) / tau) + sum_n exp(s(u_t, e_n) / tau)))`` with
+    ``s`` the cosine similarity; a negative equal to the row's positive id is masked (an accidental hit).
+
+    Args:
+        queries: ``[T, D]`` sequence embeddings. positives: ``[T, D]`` target item embeddings.
+        negatives: ``[N, D]`` negative item embeddings shared by every row.
+        positive_ids: ``[T]`` target ids. negative_ids: ``[N]`` negative ids.
+        temperature: softmax temperature ``tau``.
+    """
+    if queries.shape[0] == 0:
+        return queries.sum() * 0.0
+    u = F.normalize(queries, dim=-1)
+    pos_logits = (u * F.normalize(positives, dim=-1)).sum(-1, keepdim=True) / temperature  # [T, 1]
+    neg_logits = u @ F.normalize(negatives, dim=-1).T / temperature  # [T, N]
+    neg_logits = neg_logits.masked_fill(negative_ids[None, :] == positive_ids[:, None], float("-inf"))
+    logits = torch.cat([pos_logits, neg_logits], dim=1)
+    return (torch.logsumexp(logits, dim=1) - logits[:, 0]).mean()
+
+
+def catalogue_ranks(
+    queries: Tensor,
+    catalogue: Tensor,
+    target: Tensor,
+    *,
+    seen_rows: Tensor | None = None,
+    seen_items: Tensor | None = None,
+) -> Tensor:
+    """1-based rank of each query's target among the full catalogue, excluding already-seen items.
+
+    Scores are ``queries @ catalogue.T``; the pairs ``(seen_rows[s], seen_items[s])`` are set to
+    ``-inf`` (entries with ``seen_rows < 0`` are skipped), except each row's own target, which keeps
+    its score. Ties count pessimistically (see :func:`lightning_gem.metrics.rank_of_target`).
+
+    Args:
+        queries: ``[B, D]``. catalogue: ``[I, D]``. target: ``[B]`` ids in ``[0, I)``.
+        seen_rows: ``[S]`` row of each seen item. seen_items: ``[S]`` item ids.
+
+    Returns:
+        ``[B]`` int64 ranks in ``[1, I]``.
+    """
+    scores = queries @ catalogue.T  # [B, I]
+    target = target.to(torch.int64)
+    if seen_rows is not None and seen_items is not None:
+        target_score = scores.gather(1, target[:, None])
+        keep = seen_rows >= 0
+        rows, items = seen_rows[keep].to(torch.int64), seen_items[keep].to(torch.int64)
+        scores = scores.index_put((rows, items), scores.new_tensor(float("-inf")))
+        scores = scores.scatter(1, target[:, None], target_score)
+    return rank_of_target(scores, target)
+
+
+class SequentialRecommender(L.LightningModule):
+    """Next-item retrieval over jagged sequences: item embeddings -> causal HSTU encoder -> sampled softmax.
+
+    Batches are :class:`~lightning_gem.data.batch.RetrievalBatch`: ``history`` holds the item key (and
+    the schema's extra per-event keys), ``targets[t]`` the next item after position ``t`` (negative
+    targets are ignored by the loss). For evaluation, the target of each sequence's last position is
+    the held-out item ranked against the full catalogue.
+
+    Args:
+        schema: the item catalogue and features (``datamodule.schema``); ``None`` only so LightningCLI can
+            link it; the model is then built in ``configure_model`` from ``trainer.datamodule.schema``.
+        embedding_dim: width of the item embeddings and of the model.
+        num_layers: HSTU layers.
+        num_heads: attention heads.
+        attention_activation: GDPA activation (``"silu"`` = HSTU, ``"softmax"`` = SASRec-like).
+        attention_window: local attention window (None: full causal).
+        dropout: dropout of the encoder.
+        norm: ``"rms"`` or ``"layer"``.
+        use_time: encode the gap to the previous event (``batch.timestamps``; causal: no future times).
+        num_negatives: uniform negatives per batch, shared by every position.
+        temperature: softmax temperature over cosine similarities.
+        top_k: the cut-offs of HR@K and NDCG@K.
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay of the Linear weights.
+        embedding_init_scale: item rows uniform in ``[-s, s]``; None: torchrec's default.
+        attention_impl: GDPA ``impl``.
+
+    Example:
+        >>> from lightning_gem.data.schema import RetrievalSchema
+        >>> model = SequentialRecommender(RetrievalSchema(num_items=100, max_history_length=20), embedding_dim=16)
+        >>> model.metrics_names("val")[:2]
+        ['val/hr@10', 'val/ndcg@10']
+    """
+
+    LOOKUP_KEY = "__item_lookup"
+    """KJT key through which targets, negatives and the catalogue are looked up in the item table."""
+
+    def __init__(
+        self,
+        schema: RetrievalSchema | None = None,
+        *,
+        embedding_dim: int = 64,
+        num_layers: int = 2,
+        num_heads: int = 2,
+        attention_activation: str = "silu",
+        attention_window: int | None = None,
+        dropout: float = 0.2,
+        norm: NormKind = "rms",
+        use_time: bool = False,
+        num_negatives: int = 128,
+        temperature: float = 0.05,
+        top_k: tuple[int, ...] = (10, 50, 200),
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        embedding_init_scale: float | None = 0.05,
+        attention_impl: str = "auto",
+    ) -> None:
+        super().__init__()
+        if num_negatives < 1:
+            raise ValueError(f"`num_negatives` must be >= 1, got {num_negatives}")
+        if temperature <= 0:
+            raise ValueError(f"`temperature` must be > 0, got {temperature}")
+        if not top_k or any(k < 1 for k in top_k):
+            raise ValueError(f"`top_k` must be non-empty positive cut-offs, got {top_k}")
+        schema = schema_from_hparams(schema, RetrievalSchema)  # a dict when loaded from a checkpoint
+        self.save_hyperparameters(ignore=["schema"])
+        self.hparams["schema"] = None if schema is None else schema_to_hparams(schema)
+        self.schema: RetrievalSchema | None = None
+        self._catalogue: Tensor | None = None
+        if schema is not None:
+            self._build(schema)
+
+    # -- construction ------------------------------------------------------------------------------
+
+    def _build(self, schema: RetrievalSchema) -> None:
+        hp = self.hparams
+        if self.LOOKUP_KEY == schema.item_feature or self.LOOKUP_KEY in schema.extra:
+            raise ValueError(f"feature name {self.LOOKUP_KEY!r} is reserved by SequentialRecommender")
+        self.schema = schema
+        dim = hp.embedding_dim
+        tables = [
+            TableConfig(
+                name="item",
+                num_embeddings=schema.num_items,
+                embedding_dim=dim,
+                feature_names=(schema.item_feature, self.LOOKUP_KEY),
+                init_scale=hp.embedding_init_scale,
+            )
+        ]
+        tables += [
+            TableConfig(
+                name=name,
+                num_embeddings=size,
+                embedding_dim=dim,
+                feature_names=(name,),
+                init_scale=hp.embedding_init_scale,
+            )
+            for name, size in schema.extra.items()
+        ]
+        self._input_keys = [schema.item_feature, *schema.extra]
+        self.embeddings = build_embedding_collection(tables)
+        self.encoder = JaggedHistoryEncoder(
+            len(self._input_keys) * dim,
+            dim,
+            hp.num_layers,
+            hp.num_heads,
+            max_length=schema.max_history_length,
+            activation=hp.attention_activation,
+            causal=True,
+            window=hp.attention_window,
+            dropout=hp.dropout,
+            norm=hp.norm,
+            use_time=hp.use_time,
+            attention_impl=hp.attention_impl,
+        )
+        self.metrics = nn.ModuleDict(
+            {
+                f"{stage}_{kind}_{k}": HitRate(k) if kind == "hr" else NDCG(k)
+                for stage in ("val", "test")
+                for k in hp.top_k
+                for kind in ("hr", "ndcg")
+            }
+        )
+
+    @override
+    def configure_model(self) -> None:
+        if self.schema is not None:
+            return
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        schema = getattr(datamodule, "schema", None)
+        if schema is None:
+            raise ValueError(
+                "SequentialRecommender needs a `schema` (a RetrievalSchema): pass schema=datamodule.schema, or link "
+                "data.schema -> model.schema in LightningCLI, or give the Trainer a datamodule with a `schema`"
+            )
+        if not isinstance(schema, RetrievalSchema):
+            raise TypeError(f"`datamodule.schema` must be a RetrievalSchema, got {type(schema).__name__}")
+        self.hparams["schema"] = schema_to_hparams(schema)  # so checkpoints rebuild the same model
+        self._build(schema)
+
+    def metrics_names(self, stage: str) -> list[str]:
+        """The metric names logged at ``stage``: ``{stage}/hr@K`` and ``{stage}/ndcg@K`` for each K."""
+        return [f"{stage}/{kind}@{k}" for k in self.hparams.top_k for kind in ("hr", "ndcg")]
+
+    def _require_schema(self) -> RetrievalSchema:
+        if self.schema is None:
+            raise ValueError("SequentialRecommender has no schema yet: pass `schema=` or let configure_model take it")
+        return self.schema
+
+    # -- model -------------------------------------------------------------------------------------
+
+    def _embed(self, history: KeyedJaggedTensor | None, lookup_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """One EmbeddingCollection call: the history's input features ``[T, K * D]`` and ``[n, D]`` rows
+        of the item table for ``lookup_ids`` (all placed in the last sequence of the lookup key)."""
+        lookup_ids = lookup_ids.to(torch.int64)
+        if history is None:
+            keys = self._input_keys
+            empty = torch.zeros(len(keys), dtype=torch.int64, device=lookup_ids.device)
+            history = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=lookup_ids[:0], lengths=empty)
+        stride = history.stride()
+        lengths = torch.zeros(stride, dtype=torch.int64, device=lookup_ids.device)
+        lengths[-1] = lookup_ids.numel()
+        lookup = KeyedJaggedTensor.from_jt_dict({self.LOOKUP_KEY: JaggedTensor(values=lookup_ids, lengths=lengths)})
+        embeddings = self.embeddings(KeyedJaggedTensor.concat([history, lookup]))
+        return concat_sequence_embeddings(embeddings, self._input_keys), embeddings[self.LOOKUP_KEY].values()
+
+    def _encode(self, batch: RetrievalBatch, features: Tensor, offsets: Tensor) -> Tensor:
+        time_deltas = None
+        if self.hparams.use_time:
+            if batch.timestamps is None:
+                raise ValueError("use_time=True needs `batch.timestamps` ([T] seconds)")
+            time_deltas = _gap_to_previous(batch.timestamps, offsets)
+        return self.encoder(
+            features, offsets, time_deltas=time_deltas, max_seq_len=self._require_schema().max_history_length
+        )
+
+    @override
+    def forward(self, batch: RetrievalBatch) -> Tensor:
+        """L2-normalised sequence embeddings ``[T, D]``, one per position (row ``t`` predicts ``targets[t]``)."""
+        features, _ = self._embed(batch.history, batch.targets[:0])
+        return F.normalize(self._encode(batch, features, batch.offsets()), dim=-1)
+
+    def item_embeddings(self, ids: Tensor) -> Tensor:
+        """L2-normalised item embeddings ``[n, D]`` of ``ids [n]`` (the output side of the model)."""
+        _, rows = self._embed(None, ids)
+        return F.normalize(rows, dim=-1)
+
+    @override
+    def training_step(self, batch: RetrievalBatch, batch_idx: int) -> Tensor:
+        schema = self._require_schema()
+        targets = batch.targets.to(torch.int64)
+        if targets.shape[0] != batch.history[batch.item_key].values().shape[0]:
+            raise ValueError(f"`batch.targets` must have one entry per event ([T]), got shape {tuple(targets.shape)}")
+        negatives = torch.randint(0, schema.num_items, (self.hparams.num_negatives,), device=targets.device)
+        features, rows = self._embed(batch.history, torch.cat([targets.clamp_min(0), negatives]))
+        queries = self._encode(batch, features, batch.offsets())
+        valid = targets >= 0
+        num_targets = targets.shape[0]
+        loss = sampled_softmax_loss(
+            queries[valid],
+            rows[:num_targets][valid],
+            rows[num_targets:],
+            targets[valid],
+            negatives,
+            self.hparams.temperature,
+        )
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch.batch_size)
+        return loss
+
+    def _catalogue_embeddings(self) -> Tensor:
+        if self._catalogue is None:
+            ids = torch.arange(self._require_schema().num_items, device=self.device)
+            self._catalogue = torch.cat([self.item_embeddings(chunk) for chunk in ids.split(65536)])
+        return self._catalogue
+
+    def _evaluate(self, batch: RetrievalBatch, stage: str) -> None:
+        offsets = batch.offsets()
+        lengths = jagged.offsets_to_lengths(offsets)
+        kept = torch.nonzero(lengths > 0).squeeze(1)  # an empty sequence has no position to predict from
+        last = offsets[1:][kept] - 1
+        target = batch.targets.to(torch.int64)[last]
+        kept, last, target = kept[target >= 0], last[target >= 0], target[target >= 0]
+        if kept.numel():
+            # Row r of the ranking is sequence kept[r]; every history event of a kept sequence is excluded.
+            row_of_sequence = torch.full_like(lengths, -1, dtype=torch.int64)
+            row_of_sequence[kept] = torch.arange(kept.numel(), device=kept.device)
+            ranks = catalogue_ranks(
+                self(batch)[last],
+                self._catalogue_embeddings(),
+                target,
+                seen_rows=row_of_sequence[jagged.segment_ids(offsets)],
+                seen_items=batch.history[batch.item_key].values(),
+            )
+            for k in self.hparams.top_k:
+                self.metrics[f"{stage}_hr_{k}"].update(ranks)
+                self.metrics[f"{stage}_ndcg_{k}"].update(ranks)
+        for k in self.hparams.top_k:
+            for kind in ("hr", "ndcg"):
+                self.log(
+                    f"{stage}/{kind}@{k}",
+                    self.metrics[f"{stage}_{kind}_{k}"],
+                    on_step=False,
+                    on_epoch=True,
+                    prog_bar=k == self.hparams.top_k[0],
+                    batch_size=max(int(kept.numel()), 1),
+                )
+
+    @override
+    def on_validation_epoch_start(self) -> None:
+        self._catalogue = None  # weights changed since the last evaluation
+
+    @override
+    def on_test_epoch_start(self) -> None:
+        self._catalogue = None
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        self._catalogue = None
+
+    @override
+    def on_test_epoch_end(self) -> None:
+        self._catalogue = None
+
+    @override
+    def validation_step(self, batch: RetrievalBatch, batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    @override
+    def test_step(self, batch: RetrievalBatch, batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        self._require_schema()
+        return torch.optim.AdamW(adamw_param_groups(self, self.hparams.weight_decay), lr=self.hparams.lr)
+
+
+def _gap_to_previous(timestamps: Tensor, offsets: Tensor) -> Tensor:
+    """``[T]`` seconds since the previous event of the same sequence (0 for a sequence's first event)."""
+    gaps = torch.zeros_like(timestamps, dtype=torch.float32)
+    if timestamps.numel() > 1:
+        gaps[1:] = (timestamps[1:] - timestamps[:-1]).to(torch.float32)
+    starts = offsets[:-1][jagged.offsets_to_lengths(offsets) > 0].to(torch.int64)
+    gaps[starts] = 0.0
+    return gaps

@@ -1,0 +1,128 @@
+"""HSTULayer and JaggedHistoryEncoder on jagged inputs: shapes, gradients, batch invariance, masking."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning_gem.components.encoder import HSTULayer, JaggedHistoryEncoder, recency_positions, time_buckets
+from torch import nn
+
+LENGTHS = [0, 1, 5, 0, 3, 7]
+
+
+def _offsets(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+
+
+def _randomized(module: nn.Module) -> nn.Module:
+    """Residual branches start at zero (identity layers); give them weights so the tests see attention."""
+    with torch.no_grad():
+        for sub in module.modules():
+            if isinstance(sub, HSTULayer):
+                nn.init.normal_(sub.output.weight, std=0.3)
+    return module
+
+
+@pytest.mark.parametrize("activation", ["silu", "softmax"])
+@pytest.mark.parametrize("per_head_norm", [True, False])
+def test_hstu_layer_shapes_and_gradients(activation: str, per_head_norm: bool) -> None:
+    torch.manual_seed(0)
+    layer = _randomized(
+        HSTULayer(dim=12, num_heads=3, activation=activation, per_head_norm=per_head_norm, norm="layer")
+    )
+    offsets = _offsets(LENGTHS)
+    x = torch.randn(int(offsets[-1]), 12, requires_grad=True)
+    y = layer(x, offsets)
+    assert y.shape == x.shape and torch.isfinite(y).all()
+    y.square().sum().backward()
+    assert torch.isfinite(x.grad).all()
+    for name, param in layer.named_parameters():
+        assert param.grad is not None and torch.isfinite(param.grad).all(), name
+    for name, kind in layer.tensor_parallel_plan().items():
+        assert isinstance(layer.get_submodule(name), nn.Linear) and kind in ("colwise", "rowwise")
+
+
+def test_a_fresh_layer_is_the_identity() -> None:
+    layer = HSTULayer(dim=8, num_heads=2)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(layer(x, _offsets([4])), x)
+
+
+def test_hstu_layer_on_an_empty_batch() -> None:
+    layer = HSTULayer(dim=8, num_heads=2)
+    assert layer(torch.zeros(0, 8), torch.zeros(3, dtype=torch.int64)).shape == (0, 8)
+
+
+def test_hstu_layer_output_of_a_sample_does_not_depend_on_its_batch() -> None:
+    torch.manual_seed(0)
+    layer = _randomized(HSTULayer(dim=16, num_heads=2)).eval()
+    offsets = _offsets(LENGTHS)
+    x = torch.randn(int(offsets[-1]), 16)
+    together = layer(x, offsets)
+    for b, length in enumerate(LENGTHS):
+        start, end = int(offsets[b]), int(offsets[b + 1])
+        alone = layer(x[start:end], _offsets([length]))
+        torch.testing.assert_close(together[start:end], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_hstu_layer_is_causal_and_targets_do_not_see_each_other() -> None:
+    torch.manual_seed(0)
+    layer = _randomized(HSTULayer(dim=8, num_heads=2)).eval()
+    offsets = _offsets([6])
+    x = torch.randn(6, 8)
+    changed = x.clone()
+    changed[4] += 1.0
+    base, after = layer(x, offsets), layer(changed, offsets)
+    torch.testing.assert_close(base[:4], after[:4])  # the past never sees the future
+    assert not torch.allclose(base[5] - x[5], after[5] - x[5])  # ... and the future sees the past
+    num_targets = torch.tensor([2])  # tokens 4 and 5 are targets
+    base, after = layer(x, offsets, num_targets=num_targets), layer(changed, offsets, num_targets=num_targets)
+    torch.testing.assert_close(base[5], after[5])  # target 5 does not see target 4
+    assert not torch.allclose(base[4] - x[4], after[4] - changed[4])  # a target sees itself
+    assert not torch.allclose(base[4], after[4])
+
+
+def test_recency_positions_and_time_buckets_by_hand() -> None:
+    offsets = _offsets([3, 0, 1, 4])
+    assert recency_positions(offsets, max_length=10).tolist() == [3, 2, 1, 1, 4, 3, 2, 1]
+    assert recency_positions(offsets, max_length=2).tolist() == [2, 2, 1, 1, 2, 2, 2, 1]
+    with_targets = recency_positions(offsets, max_length=10, num_targets=torch.tensor([1, 0, 0, 2]))
+    assert with_targets.tolist() == [2, 1, 0, 1, 2, 1, 0, 0]
+    deltas = torch.tensor([0.0, 1.0, 3.0, -5.0, float("nan"), 1e12])
+    # floor(2 * log2(1 + dt)): 0, 2, 4, 0 (negative), 0 (NaN), capped at 63
+    assert time_buckets(deltas, 64).tolist() == [0, 2, 4, 0, 0, 63]
+
+
+def test_encoder_shapes_gradients_and_batch_invariance() -> None:
+    torch.manual_seed(0)
+    encoder = _randomized(
+        JaggedHistoryEncoder(input_dim=10, dim=16, num_layers=2, num_heads=2, max_length=4, use_time=True)
+    )
+    offsets = _offsets(LENGTHS)
+    total = int(offsets[-1])
+    features = torch.randn(total, 10, requires_grad=True)
+    deltas = torch.rand(total) * 1e5
+    out = encoder(features, offsets, time_deltas=deltas)
+    assert out.shape == (total, 16) and torch.isfinite(out).all()
+    out.sum().backward()
+    assert torch.isfinite(features.grad).all()
+    assert encoder.position.weight.grad.abs().sum() > 0 and encoder.time.weight.grad.abs().sum() > 0
+
+    encoder.eval()
+    together = encoder(features, offsets, time_deltas=deltas)
+    start, end = int(offsets[2]), int(offsets[3])
+    alone = encoder(features[start:end], _offsets([LENGTHS[2]]), time_deltas=deltas[start:end])
+    torch.testing.assert_close(together[start:end], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_encoder_errors_name_the_argument() -> None:
+    encoder = JaggedHistoryEncoder(input_dim=4, dim=8, num_layers=1, num_heads=2, use_time=True)
+    offsets = _offsets([2])
+    with pytest.raises(ValueError, match="time_deltas"):
+        encoder(torch.randn(2, 4), offsets)
+    with pytest.raises(ValueError, match="features"):
+        encoder(torch.randn(2, 5), offsets, time_deltas=torch.zeros(2))
+    with pytest.raises(ValueError, match="offsets"):
+        encoder(torch.randn(3, 4), offsets, time_deltas=torch.zeros(3))
+    with pytest.raises(ValueError, match="divisible"):
+        HSTULayer(dim=10, num_heads=3)

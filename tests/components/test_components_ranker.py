@@ -1,0 +1,176 @@
+"""GEMRanker on hand-made RankingBatches: shapes, empty users, gradients, schema handling, a short fit."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from lightning_gem.components import GEMRanker
+from torch.utils.data import DataLoader
+
+
+def _loader(batches: list) -> DataLoader:
+    return DataLoader(batches, batch_size=None, collate_fn=lambda batch: batch)
+
+
+def _tiny(schema, **kwargs) -> GEMRanker:
+    defaults = dict(embedding_dim=8, model_dim=16, num_layers=1, num_heads=2, head_hidden_dims=(16,))
+    return GEMRanker(schema, **{**defaults, **kwargs})
+
+
+@pytest.mark.parametrize("self_interaction", [True, False])
+def test_forward_backward_with_empty_histories_and_users_without_candidates(batches, self_interaction: bool) -> None:
+    torch.manual_seed(0)
+    schema = batches.ranking_schema()
+    model = _tiny(schema, self_interaction=self_interaction)
+    batch = batches.make_ranking_batch(schema, history_lengths=[0, 1, 5, 3], candidate_counts=[2, 0, 3, 1])
+    logits = model(batch)
+    assert logits.shape == (6, 2) and torch.isfinite(logits).all()
+    loss = model.training_step(batch, 0)
+    loss.backward()
+    assert torch.isfinite(loss)
+    for table in ("item", "hist_action"):
+        assert model.sequence_embeddings.embeddings[table].weight.grad.abs().sum() > 0, table
+    assert model.pooled_embeddings.embedding_bags["user_tags"].weight.grad.abs().sum() > 0
+    assert model.encoder.time.weight.grad.abs().sum() > 0
+    assert model.dense_proj.weight.grad.abs().sum() > 0
+
+
+def test_a_batch_without_any_candidate(batches) -> None:
+    schema = batches.ranking_schema(pooled=False, num_dense=0, has_time=False, tasks=("ctr",))
+    model = _tiny(schema, esmm=False)
+    batch = batches.make_ranking_batch(schema, history_lengths=[2, 0], candidate_counts=[0, 0])
+    assert model(batch).shape == (0, 1)
+    loss = model.training_step(batch, 0)
+    loss.backward()
+    assert float(loss.detach()) == 0.0
+
+
+def test_candidate_scores_do_not_depend_on_other_users(batches) -> None:
+    torch.manual_seed(0)
+    schema = batches.ranking_schema()
+    model = _tiny(schema, num_layers=2).eval()
+    for layer in model.encoder.layers:  # residual branches start at zero: give them weights
+        torch.nn.init.normal_(layer.output.weight, std=0.3)
+    batch = batches.make_ranking_batch(schema, history_lengths=[4, 7, 2], candidate_counts=[2, 3, 1])
+    together = model(batch)
+    alone = batches.make_ranking_batch(schema, history_lengths=[7], candidate_counts=[3])
+    # rebuild user 1 alone from the same values
+    kjt = batch.sequence_features
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    jt = kjt.to_dict()
+    single = KeyedJaggedTensor.from_jt_dict(
+        {
+            k: type(v)(values=v.values()[int(v.offsets()[1]) : int(v.offsets()[2])], lengths=v.lengths()[1:2])
+            for k, v in jt.items()
+        }
+    )
+    pooled = batch.pooled_features.to_dict()["user_tags"]
+    alone.sequence_features = single
+    alone.pooled_features = KeyedJaggedTensor.from_jt_dict(
+        {
+            "user_tags": type(pooled)(
+                values=pooled.values()[int(pooled.offsets()[1]) : int(pooled.offsets()[2])],
+                lengths=pooled.lengths()[1:2],
+            )
+        }
+    )
+    alone.dense_features = batch.dense_features[1:2]
+    h = batch.history_offsets()
+    alone.history_time_deltas = batch.history_time_deltas[int(h[1]) : int(h[2])]
+    torch.testing.assert_close(together[2:5], model(alone), atol=1e-5, rtol=1e-5)
+
+
+def test_schema_is_required_and_taken_from_the_datamodule(batches) -> None:
+    model = GEMRanker(embedding_dim=8, model_dim=16)
+    with pytest.raises(ValueError, match="schema"):
+        model.configure_model()
+    schema = batches.ranking_schema()
+
+    class _DataModule(L.LightningDataModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.schema = schema
+
+        def train_dataloader(self) -> DataLoader:
+            return _loader([batches.make_ranking_batch(schema, [3, 2], [2, 1])])
+
+    trainer = L.Trainer(
+        max_steps=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, datamodule=_DataModule())
+    assert model.schema is schema
+    assert GEMRanker(**model.hparams).schema == schema  # hparams hold the schema as plain containers
+    with pytest.raises(TypeError, match="RankingSchema"):
+        GEMRanker(batches.retrieval_schema())
+
+
+def test_labels_shape_is_checked(batches) -> None:
+    schema = batches.ranking_schema()
+    model = _tiny(schema)
+    batch = batches.make_ranking_batch(schema, [2], [3])
+    batch.labels = batch.labels[:, :1]
+    with pytest.raises(ValueError, match="labels"):
+        model.training_step(batch, 0)
+
+
+@pytest.mark.parametrize("esmm", [False, True])
+def test_fit_learns_and_logs_auc_and_ne(batches, esmm: bool) -> None:
+    torch.manual_seed(0)
+    schema = batches.ranking_schema(has_time=False)
+    g = torch.Generator().manual_seed(1)
+
+    def batch(n_users: int):
+        lengths = torch.randint(0, 12, (n_users,), generator=g).tolist()
+        counts = torch.randint(0, 5, (n_users,), generator=g).tolist()
+        return batches.make_ranking_batch(schema, lengths, counts, generator=g, learnable=True)
+
+    model = _tiny(schema, esmm=esmm, lr=1e-2)
+    train, val = [batch(16) for _ in range(6)], [batch(32) for _ in range(2)]
+    trainer = L.Trainer(
+        max_steps=60,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        check_val_every_n_epoch=10,
+    )
+    trainer.fit(model, _loader(train), _loader(val))
+    metrics = trainer.callback_metrics
+    for name in model.metrics_names("val"):
+        assert name in metrics and torch.isfinite(metrics[name]), name
+    assert float(metrics["val/auc_ctr"]) > 0.75  # the label is the parity of the candidate item id
+    results = trainer.test(model, _loader(val), verbose=False)[0]
+    assert set(model.metrics_names("test")) <= set(results)
+    assert trainer.predict(model, _loader(val[:1]))[0].shape[1] == 2
+
+
+def test_checkpoint_round_trip_rebuilds_the_model(batches, tmp_path) -> None:
+    torch.manual_seed(0)
+    schema = batches.ranking_schema()
+    model = _tiny(schema)
+    batch = batches.make_ranking_batch(schema, [3, 0, 2], [1, 2, 2])
+    trainer = L.Trainer(
+        max_steps=1,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, _loader([batch]))
+    trainer.save_checkpoint(tmp_path / "model.ckpt")
+    loaded = GEMRanker.load_from_checkpoint(tmp_path / "model.ckpt")  # weights_only: plain hparams only
+    assert loaded.schema == schema
+    model.eval()
+    loaded.eval()
+    torch.testing.assert_close(loaded(batch), model(batch))

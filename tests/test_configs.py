@@ -1,0 +1,59 @@
+"""Each shipped config runs through the ``lightning-gem`` CLI (a few batches, on CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lightning_gem.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "examples" / "configs"
+DATA = ROOT.parent / "shared" / "data"
+SHORT = [
+    "--trainer.max_epochs=1",
+    "--trainer.limit_train_batches=3",
+    "--trainer.limit_val_batches=1",
+    "--trainer.limit_test_batches=1",
+    "--trainer.enable_progress_bar=false",
+]
+
+
+def _fit(config: str, tmp_path: Path, *extra: str) -> None:
+    main(
+        [
+            "fit",
+            f"--config={CONFIGS / config}",
+            *SHORT,
+            f"--trainer.default_root_dir={tmp_path}",
+            f"--trainer.logger.init_args.save_dir={tmp_path}",
+            *extra,
+        ]
+    )
+
+
+def test_quickstart_config_trains(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _fit(
+        "quickstart.yaml",
+        tmp_path,
+        "--data.init_args.source.init_args.num_train_users=600",
+        "--data.init_args.source.init_args.num_val_users=200",
+        "--data.init_args.source.init_args.num_test_users=200",
+        "--data.init_args.batch_size=32",
+    )
+    printed = capsys.readouterr().out
+    assert "val/auc_ctr=" in printed and "val/ne_ctr=" in printed and "samples/s" in printed
+    assert list(tmp_path.rglob("metrics.csv"))
+
+
+@pytest.mark.parametrize(
+    ("config", "folder"), [("ml100k_ctr.yaml", "ml-100k"), ("ml1m_retrieval.yaml", "ml-1m")]
+)
+def test_movielens_config_trains(config: str, folder: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    if not (DATA / folder).is_dir():
+        pytest.skip(f"MovieLens data not found at {DATA / folder}")
+    _fit(config, tmp_path, f"--data.init_args.source.init_args.path={DATA / folder}", "--data.init_args.batch_size=32")
+    printed = capsys.readouterr().out
+    expected = "val/auc_ctr=" if "ctr" in config else "val/hr@10="
+    assert expected in printed

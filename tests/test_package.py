@@ -1,0 +1,58 @@
+"""Packaging: the import is light, components/ and strategies/ ship inside the package, the CLI exists."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT.parent)
+    return out.stdout.strip()
+
+
+def test_import_is_light() -> None:
+    start = time.perf_counter()
+    loaded = _run(
+        "import sys, lightning_gem, lightning_gem.ops, lightning_gem.jagged; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'triton', 'torchrec', 'lightning', 'fbgemm_gpu'}))"
+    )
+    elapsed = time.perf_counter() - start
+    assert loaded == "[]", f"importing lightning_gem pulled {loaded}"
+    assert elapsed < 3.0, f"import took {elapsed:.2f} s"
+
+
+def test_subpackages_resolve_from_the_installed_package() -> None:
+    paths = _run(
+        "import lightning_gem.components as c, lightning_gem.strategies as s; print(c.__file__); print(s.__file__)"
+    ).splitlines()
+    assert Path(paths[0]).parent.name == "components"
+    assert Path(paths[1]).parent.name == "strategies"
+
+
+@pytest.mark.slow
+def test_wheel_ships_components_and_strategies(tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("lightning_gem-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for expected in (
+        "lightning_gem/__init__.py",
+        "lightning_gem/components/__init__.py",
+        "lightning_gem/strategies/__init__.py",
+        "lightning_gem/ops/attention/impl/reference.py",
+        "lightning_gem/data/datamodule.py",
+    ):
+        assert expected in names, f"{expected} missing from {wheel.name}"
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "lightning-gem = lightning_gem.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
