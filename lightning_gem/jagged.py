@@ -166,7 +166,9 @@ def check_ids(ids: Tensor, num_embeddings: int, name: str = "ids") -> Tensor:
         low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= num_embeddings:
             bad = low if low < 0 else high
-            raise ValueError(f"`{name}` must lie in [0, {num_embeddings}) (num_embeddings = {num_embeddings}), got {bad}")
+            raise ValueError(
+                f"`{name}` must lie in [0, {num_embeddings}) (num_embeddings = {num_embeddings}), got {bad}"
+            )
     return ids
 
 

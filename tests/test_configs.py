@@ -47,9 +47,7 @@ def test_quickstart_config_trains(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert list(tmp_path.rglob("metrics.csv"))
 
 
-@pytest.mark.parametrize(
-    ("config", "folder"), [("ml100k_ctr.yaml", "ml-100k"), ("ml1m_retrieval.yaml", "ml-1m")]
-)
+@pytest.mark.parametrize(("config", "folder"), [("ml100k_ctr.yaml", "ml-100k"), ("ml1m_retrieval.yaml", "ml-1m")])
 def test_movielens_config_trains(config: str, folder: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     if not (DATA / folder).is_dir():
         pytest.skip(f"MovieLens data not found at {DATA / folder}")

@@ -42,7 +42,9 @@ class ThroughputReport(L.Callback):
         self._last_end = None
 
     @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         now = time.perf_counter()
         self._started = self._last_end if (self.include_data_time and self._last_end is not None) else now
 
@@ -59,7 +61,10 @@ class ThroughputReport(L.Callback):
         self._tokens += int(getattr(batch, "num_tokens", 0) or 0)
         if self._seconds > 0:
             pl_module.log_dict(
-                {"train/samples_per_s": self._samples / self._seconds, "train/tokens_per_s": self._tokens / self._seconds},
+                {
+                    "train/samples_per_s": self._samples / self._seconds,
+                    "train/tokens_per_s": self._tokens / self._seconds,
+                },
                 on_step=True,
                 on_epoch=False,
                 batch_size=1,

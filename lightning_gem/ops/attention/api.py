@@ -231,8 +231,13 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
 
 
 def _check_offsets(offsets: Tensor, name: str, values: Tensor, check_values: bool) -> int:
-    jagged.validate_offsets(offsets, name, num_values=values.shape[0] if check_values else None,
-                            device=values.device, check_values=check_values)
+    jagged.validate_offsets(
+        offsets,
+        name,
+        num_values=values.shape[0] if check_values else None,
+        device=values.device,
+        check_values=check_values,
+    )
     return offsets.numel() - 1
 
 

@@ -149,14 +149,47 @@ def _is_fake(tensor: Tensor) -> bool:
 
 
 @register_flop_formula(torch.ops.lightning_gem.gdpa_reference, get_raw=True)
-def _gdpa_flop(q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size, scale, *, out_val=None, **kwargs) -> int:  # noqa: ANN001, E501
+def _gdpa_flop(
+    q,
+    k,
+    v,
+    q_offsets,
+    kv_offsets,
+    kv_index,
+    num_targets,
+    activation,
+    causal,
+    window,
+    block_size,
+    scale,
+    *,
+    out_val=None,
+    **kwargs,
+) -> int:  # noqa: ANN001, E501
     return gdpa_flops(
         q, k, v, q_offsets, kv_offsets, kv_index, num_targets, causal=causal, window=window, block_size=block_size
     )
 
 
 @register_flop_formula(torch.ops.lightning_gem.gdpa_reference_backward, get_raw=True)
-def _gdpa_backward_flop(grad_out, q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size, scale, *, out_val=None, **kwargs) -> int:  # noqa: ANN001, E501
+def _gdpa_backward_flop(
+    grad_out,
+    q,
+    k,
+    v,
+    q_offsets,
+    kv_offsets,
+    kv_index,
+    num_targets,
+    activation,
+    causal,
+    window,
+    block_size,
+    scale,
+    *,
+    out_val=None,
+    **kwargs,
+) -> int:  # noqa: ANN001, E501
     return gdpa_flops(
         q,
         k,
