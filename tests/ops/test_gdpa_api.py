@@ -202,7 +202,8 @@ def test_docstring_examples_run(module: object) -> None:
 
 def test_impl_triton_through_the_public_api_matches_the_reference() -> None:
     # On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py); on a GPU natively.
-    call = _valid_call()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    call = {name: tensor.to(device) for name, tensor in _valid_call().items()}
     got = gdpa(**call, activation="silu", causal=True, impl="triton")
     want = gdpa(**call, activation="silu", causal=True, impl="reference")
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
