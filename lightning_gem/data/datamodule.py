@@ -23,6 +23,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, SequentialSampler
 from typing_extensions import override
 
+from lightning_gem.data.balancing import BalancedDistributedSampler
 from lightning_gem.data.schema import RankingSchema, RetrievalSchema
 from lightning_gem.data.sources import DataSource, check_split
 
@@ -52,6 +53,9 @@ class GEMDataModule(LightningDataModule):
         drop_last: drop the last incomplete training batch.
         pin_memory: pin batches (they implement torchrec's ``Pipelineable.pin_memory``).
         persistent_workers: keep workers alive between epochs (only with ``num_workers > 0``).
+        balance: split each global training batch across ranks by cost
+            (:class:`~lightning_gem.data.balancing.BalancedDistributedSampler` over
+            ``source.sample_lengths("train")``); ``False``: a plain ``DistributedSampler``.
     """
 
     def __init__(
@@ -64,6 +68,7 @@ class GEMDataModule(LightningDataModule):
         drop_last: bool = False,
         pin_memory: bool = False,
         persistent_workers: bool = False,
+        balance: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(source, DataSource):
@@ -78,6 +83,7 @@ class GEMDataModule(LightningDataModule):
         self.drop_last = bool(drop_last)
         self.pin_memory = bool(pin_memory)
         self.persistent_workers = bool(persistent_workers) and num_workers > 0
+        self.balance = bool(balance)
         self._datasets: dict[str, Dataset] = {}
         self._epoch = 0
 
@@ -126,16 +132,27 @@ class GEMDataModule(LightningDataModule):
     def _make_sampler(self, split: str, dataset: Dataset) -> Sampler:
         """THE SAMPLER HOOK: the sampler of ``split``; the load-balancing sampler replaces the train one here.
 
-        Train: a seeded ``DistributedSampler`` (also with one replica) shuffling with ``seed + epoch``;
+        Train: a seeded ``DistributedSampler`` (also with one replica) shuffling with ``seed + epoch``,
+        balanced by cost when ``balance`` (a subclass: same global batches, same ``set_epoch``);
         Lightning calls its ``set_epoch`` every epoch and leaves a ``DistributedSampler`` in place.
         Val/test: sequential (Lightning shards it over ranks when it runs distributed).
         """
         if split != "train":
             return SequentialSampler(dataset)
         num_replicas, rank = self._replicas()
-        sampler = DistributedSampler(
-            dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=self.seed, drop_last=self.drop_last
-        )
+        if self.balance:
+            lengths = self.source.sample_lengths(split)
+            if len(lengths) != len(dataset):
+                raise ValueError(
+                    f"`source.sample_lengths({split!r})` has {len(lengths)} entries for {len(dataset)} samples"
+                )
+            sampler = BalancedDistributedSampler(
+                lengths, self.batch_size, num_replicas, rank, shuffle=True, seed=self.seed, drop_last=self.drop_last
+            )
+        else:
+            sampler = DistributedSampler(
+                dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=self.seed, drop_last=self.drop_last
+            )
         sampler.set_epoch(self._current_epoch())
         return sampler
 

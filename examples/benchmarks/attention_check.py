@@ -2,7 +2,7 @@
 reference, speed against ``torch.nn.attention.flex_attention`` (compiled, document-causal block mask) on
 one jagged batch, and a table of tile shapes.
 
-Run on a CUDA machine: ``python -m lightning_gem.ops.attention.impl.triton._gpu_check``. Each section
+Run on a CUDA machine from the repository root: ``python examples/benchmarks/attention_check.py``. Each section
 prints its own result (a failure is printed and the next section runs). Times are medians of
 ``triton.testing.do_bench``; TFLOP/s count only allowed (query, key) pairs (``gdpa_flops``), the same
 useful work for both implementations.
