@@ -6,7 +6,7 @@ global batches of a few epochs; 1.0 is perfect balance), with the default
 batches count. Pure CPU, no sample is loaded: only the lengths.
 
 Usage:
-    python examples/benchmarks/balance.py ../shared/data/ml-1m [--num-replicas 8] [--batch-size 32]
+    python examples/benchmarks/balance.py PATH/TO/ml-1m [--num-replicas 8] [--batch-size 32]
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ J. A. Konstan, "The MovieLens Datasets: History and Context", ACM TiiS 5(4), 201
   (``item|title|date|video|url|19 genre flags``, ISO-8859-1).
 
 Example:
-    >>> source = MovieLens1MSource(path="../shared/data/ml-1m")  # doctest: +SKIP
+    >>> source = MovieLens1MSource(path="data/ml-1m")  # doctest: +SKIP
     >>> source.schema.num_items  # every movie of movies.dat  # doctest: +SKIP
     3883
 """
