@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, SequentialSampler
 from typing_extensions import override
 
@@ -38,6 +39,19 @@ def _check_positive_int(value: object, name: str, low: int = 1) -> int:
     if value < low:
         raise ValueError(f"`{name}` must be >= {low}, got {value}")
     return value
+
+
+class _WholeEpochSampler(BalancedDistributedSampler):
+    """A :class:`BalancedDistributedSampler` whose length is the whole epoch's, also when resumed mid-epoch.
+
+    Lightning restores the epoch's batch counter on a mid-epoch resume and keeps counting from it (the
+    first resumed batch has ``batch_idx = k``); it ends the epoch when that counter reaches the
+    loader's length, so the loader must report the full epoch, not the batches left.
+    """
+
+    @override
+    def __len__(self) -> int:
+        return self.num_samples
 
 
 class GEMDataModule(LightningDataModule):
@@ -86,6 +100,8 @@ class GEMDataModule(LightningDataModule):
         self.balance = bool(balance)
         self._datasets: dict[str, Dataset] = {}
         self._epoch = 0
+        # (epoch, trained batches) restored by `load_state_dict`, applied to the next train sampler of that epoch.
+        self._pending_position: tuple[int, int] | None = None
 
     @property
     def schema(self) -> RankingSchema | RetrievalSchema:
@@ -146,15 +162,32 @@ class GEMDataModule(LightningDataModule):
                 raise ValueError(
                     f"`source.sample_lengths({split!r})` has {len(lengths)} entries for {len(dataset)} samples"
                 )
-            sampler = BalancedDistributedSampler(
+            # Under a Trainer the loader reports the whole epoch even when resumed mid-epoch (see below).
+            sampler_cls = BalancedDistributedSampler if self.trainer is None else _WholeEpochSampler
+            sampler = sampler_cls(
                 lengths, self.batch_size, num_replicas, rank, shuffle=True, seed=self.seed, drop_last=self.drop_last
             )
         else:
             sampler = DistributedSampler(
                 dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=self.seed, drop_last=self.drop_last
             )
-        sampler.set_epoch(self._current_epoch())
+        epoch = self._current_epoch()
+        sampler.set_epoch(epoch)
+        self._apply_pending_position(sampler, epoch)
         return sampler
+
+    def _apply_pending_position(self, sampler: Sampler, epoch: int) -> None:
+        """Start ``sampler`` at the restored mid-epoch position, once, if it was saved in ``epoch``."""
+        pending, self._pending_position = self._pending_position, None
+        if pending is None or pending[0] != epoch or pending[1] <= 0:
+            return
+        if not isinstance(sampler, BalancedDistributedSampler):
+            rank_zero_warn(
+                "GEMDataModule: the checkpoint was saved mid-epoch but the train sampler cannot resume mid-epoch"
+                " (`balance=False`): this epoch restarts from its first batch."
+            )
+            return
+        sampler.load_state_dict({"epoch": epoch, "batches_consumed": pending[1]})
 
     def _loader(self, split: str) -> DataLoader:
         dataset = self.dataset(split)
@@ -174,16 +207,53 @@ class GEMDataModule(LightningDataModule):
         trainer = self.trainer
         return self._epoch if trainer is None else max(trainer.current_epoch, self._epoch)
 
+    def _trained_batches(self) -> int:
+        """Training batches of the current (unfinished) epoch already trained; 0 between epochs or without a Trainer.
+
+        Read from the fit loop's progress, not from the sampler: DataLoader workers prefetch, so the
+        sampler runs ahead of training. ``processed`` counts batches whose training step ran; it is
+        right when saving from ``on_train_batch_end`` (``ModelCheckpoint(every_n_train_steps=...)``),
+        where ``completed`` still lags by the current batch (and ``ready`` runs ahead when saving
+        during a step), and after a mid-epoch validation, where they agree.
+        """
+        trainer = self.trainer
+        if trainer is None:
+            return 0
+        fit_loop = trainer.fit_loop
+        epochs = fit_loop.epoch_progress.current
+        if epochs.started <= epochs.completed:  # no epoch in progress: the next one starts from its first batch
+            return 0
+        return int(fit_loop.epoch_loop.batch_progress.current.processed)
+
     @override
     def state_dict(self) -> dict[str, Any]:
-        """``{"seed", "epoch", "batch_size"}``: enough to replay the training order after a restart."""
-        return {"seed": self.seed, "epoch": self._current_epoch(), "batch_size": self.batch_size}
+        """``{"seed", "epoch", "batch_size"}`` (+ ``"batches_trained"`` mid-epoch): enough to replay the training order.
+
+        ``batches_trained`` (only when > 0): the training batches of ``epoch`` already trained, so a
+        checkpoint saved mid-epoch resumes at the next batch.
+        """
+        state = {"seed": self.seed, "epoch": self._current_epoch(), "batch_size": self.batch_size}
+        trained = self._trained_batches()
+        if trained > 0:
+            state["batches_trained"] = trained
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the shuffle seed and epoch saved by :meth:`state_dict` (the checkpoint's seed wins)."""
+        """Restore the seed, epoch and mid-epoch position saved by :meth:`state_dict` (the checkpoint's seed wins).
+
+        The position (``batches_trained``; absent in older checkpoints: 0) is applied when the train
+        sampler of that epoch is next built; it needs the same ``batch_size`` (and number of ranks).
+        """
         missing = {"seed", "epoch"} - set(state_dict)
         if missing:
             raise ValueError(f"`state_dict` must hold {sorted(missing)} (from GEMDataModule.state_dict)")
         self.seed = int(state_dict["seed"])
         self._epoch = int(state_dict["epoch"])
+        trained = int(state_dict.get("batches_trained", 0))
+        if trained > 0 and int(state_dict.get("batch_size", self.batch_size)) != self.batch_size:
+            raise ValueError(
+                f"`state_dict` was saved mid-epoch with batch_size {state_dict['batch_size']}, this module's is"
+                f" {self.batch_size}: its batch position does not carry over"
+            )
+        self._pending_position = (self._epoch, trained) if trained > 0 else None
