@@ -1,5 +1,6 @@
 """Lightning callbacks: throughput and training reports."""
 
+from lightning_gem.callbacks.mfu import MFUMonitor
 from lightning_gem.callbacks.report import ThroughputReport
 
-__all__ = ["ThroughputReport"]
+__all__ = ["MFUMonitor", "ThroughputReport"]

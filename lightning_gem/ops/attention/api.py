@@ -158,6 +158,8 @@ def gdpa(
             max_seq_len_q=max_seq_len_q,
             max_seq_len_kv=max_seq_len_kv,
         )
+    # Imported on first use: registering FLOP formulas imports torch.utils.flop_counter, which imports
+    # Triton. FLOP counting that starts before the first call imports this module itself (lightning_gem.flops).
     from lightning_gem.ops.attention.ops import gdpa_reference_op
 
     return gdpa_reference_op(

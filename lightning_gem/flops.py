@@ -1,0 +1,184 @@
+"""Analytic and measured FLOPs of training steps on jagged batches, and peak throughput of accelerators.
+
+The efficiency equation of the kit is ``E2E MFU = local MFU x scaling ratio`` (``DESIGN.md``); this
+module supplies the numerator of local MFU (model FLOPs) and its denominator (the device's peak).
+
+- :func:`linear_flops`: ``2 * T * in * out`` forward; the backward (grad input + grad weight) is twice that.
+- :func:`gdpa_flops`: FLOPs of one GDPA call over its allowed (query, key) pairs (re-exported from
+  :mod:`lightning_gem.ops.attention.ops`, where the same formula is registered with the FLOP counter).
+- :func:`model_flops`: a model's FLOPs on a real batch, measured by ``FlopCounterMode``.
+- :func:`attention_cost_coefficients`: ``(a, b)`` of ``cost(len) = a * len + b * len**2`` for a stack
+  of HSTU layers, for :class:`lightning_gem.data.balancing.AttentionCostModel`.
+- :func:`peak_tflops`: dense bf16 peak TFLOP/s of a device by name.
+
+Only matmul work is counted (``mm``, ``addmm``, ``bmm``, SDPA, the GDPA ops): elementwise ops, norms,
+softmax and embedding lookups count zero FLOPs, as in the usual MFU accounting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
+
+# Imported eagerly: the GDPA ops register their FLOP formulas on import, and a FlopCounterMode copies the
+# formula registry when it is created, so an op first imported inside a counted region is not counted.
+from lightning_gem.ops.attention.ops import gdpa_flops
+
+__all__ = [
+    "PEAK_BF16_TFLOPS",
+    "attention_cost_coefficients",
+    "gdpa_flops",
+    "linear_flops",
+    "model_flops",
+    "peak_tflops",
+]
+
+#: Dense (no sparsity) bf16 tensor-core peak TFLOP/s, matched in order by a substring of the device name.
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("B200", 2250.0),
+    ("H200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.0),  # SXM
+    ("A100", 312.0),
+)
+
+
+def linear_flops(num_tokens: int, in_features: int, out_features: int, backward: bool = False) -> int:
+    """FLOPs of an ``nn.Linear(in_features, out_features)`` on ``num_tokens`` rows (the bias is not counted).
+
+    Forward: ``2 * T * in * out``. Backward: ``4 * T * in * out`` (grad input and grad weight); when the
+    input needs no gradient the backward is only the grad weight, i.e. ``linear_flops(..., backward=False)``.
+
+    Example:
+        >>> linear_flops(10, 4, 8), linear_flops(10, 4, 8, backward=True)
+        (640, 1280)
+    """
+    for name, value in (("num_tokens", num_tokens), ("in_features", in_features), ("out_features", out_features)):
+        if value < 0:
+            raise ValueError(f"`{name}` must be >= 0, got {value}")
+    forward = 2 * num_tokens * in_features * out_features
+    return 2 * forward if backward else forward
+
+
+def model_flops(
+    model: nn.Module,
+    batch: Any,
+    *,
+    backward: bool = True,
+    loss_fn: Callable[[Any], Tensor] | None = None,
+) -> int:
+    """FLOPs of ``model(batch)`` (plus its backward) measured by ``FlopCounterMode`` on the real batch.
+
+    Jagged shapes and masks are honoured: GDPA counts only the allowed (query, key) pairs of this batch.
+    The backward is ``torch.autograd.grad`` of ``loss_fn(output)`` (default: the sum of the output, which
+    adds no matmul) with respect to the trainable parameters, so no ``.grad`` is touched. It runs the model
+    once more: use it to size a model, and :class:`lightning_gem.callbacks.MFUMonitor` inside training.
+
+    Args:
+        model: any module; ``model(batch)`` must return a tensor (or what ``loss_fn`` takes).
+        batch: the batch, on the model's device.
+        backward: add the backward FLOPs (training FLOPs); False: forward only.
+        loss_fn: output -> scalar loss; default ``output.sum()``.
+
+    Example:
+        >>> model_flops(nn.Linear(4, 8), torch.randn(10, 4))  # forward 640 + grad weight 640
+        1280
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    with FlopCounterMode(display=False) as counter:
+        with torch.enable_grad() if backward else torch.no_grad():
+            output = model(batch)
+            if backward and params:
+                loss = loss_fn(output) if loss_fn is not None else output.sum()
+                torch.autograd.grad(loss, params, allow_unused=True)
+    return int(counter.get_total_flops())
+
+
+def attention_cost_coefficients(
+    model_dim: int,
+    num_layers: int,
+    *,
+    num_heads: int = 1,
+    attention_dim: int | None = None,
+    linear_dim: int | None = None,
+    causal: bool = True,
+    backward: bool = True,
+) -> tuple[float, float]:
+    """``(a, b)`` with ``a * len + b * len**2`` = FLOPs of a stack of HSTU layers on one sequence.
+
+    Per token and layer: ``uvqk`` (``dim -> H (2 Dv + 2 Dqk)``) and ``output`` (``H Dv -> dim``) by
+    :func:`linear_flops`; per allowed pair: :func:`gdpa_flops`'s ``2 H (Dqk + Dv)`` forward and
+    ``2 H (3 Dqk + 2 Dv)`` backward. A causal sequence of ``len`` tokens has ``len (len + 1) / 2``
+    pairs, a full one ``len**2``. Norms and activations are not counted (as everywhere in this module).
+    Pass the result to ``AttentionCostModel(a=a, b=b)``.
+
+    Args:
+        model_dim: layer width ``dim``.
+        num_layers: HSTU layers.
+        num_heads: heads ``H`` (matters only with explicit head dims).
+        attention_dim, linear_dim: per-head ``Dqk`` / ``Dv``; default ``model_dim // num_heads``.
+        causal: causal attention (the HSTU default).
+        backward: training FLOPs (forward + backward); False: forward only.
+
+    Example:
+        >>> attention_cost_coefficients(16, 1, backward=False)  # 10 d^2 + 2 d per token, 2 d per token^2
+        (2592.0, 32.0)
+    """
+    if model_dim < 1 or num_layers < 0 or num_heads < 1:
+        raise ValueError(
+            f"need model_dim >= 1, num_layers >= 0, num_heads >= 1; got {model_dim}, {num_layers}, {num_heads}"
+        )
+    dqk = attention_dim if attention_dim is not None else model_dim // num_heads
+    dv = linear_dim if linear_dim is not None else model_dim // num_heads
+    if dqk < 1 or dv < 1:
+        raise ValueError(f"head dims must be >= 1, got attention_dim={dqk}, linear_dim={dv}")
+    per_token = linear_flops(1, model_dim, num_heads * (2 * dv + 2 * dqk)) + linear_flops(1, num_heads * dv, model_dim)
+    per_pair = 2 * num_heads * (dqk + dv)
+    if backward:
+        per_token *= 3
+        per_pair += 2 * num_heads * (3 * dqk + 2 * dv)
+    a, b = float(per_token), float(per_pair)
+    if causal:  # len (len + 1) / 2 pairs
+        a, b = a + b / 2, b / 2
+    return a * num_layers, b * num_layers
+
+
+def peak_tflops(device: torch.device | str | None = None, table: Mapping[str, float] | None = None) -> float | None:
+    """Dense bf16 peak TFLOP/s of a CUDA device, by a substring of its name; None if unknown or not CUDA.
+
+    Args:
+        device: a CUDA device (default: the current one); a ``str`` not naming a device is taken as a
+            device name (``"NVIDIA H100 80GB HBM3"``).
+        table: name substring -> TFLOP/s, searched before :data:`PEAK_BF16_TFLOPS` (overrides).
+
+    Example:
+        >>> peak_tflops("NVIDIA H200"), peak_tflops("cpu")
+        (989.0, None)
+    """
+    name = _device_name(device)
+    if name is None:
+        return None
+    entries = [*(table or {}).items(), *PEAK_BF16_TFLOPS]
+    for key, value in entries:
+        if key.lower() in name.lower():
+            return float(value)
+    return None
+
+
+def _device_name(device: torch.device | str | None) -> str | None:
+    if isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError:
+            return device  # a device name, not a device
+    if device is None:
+        if not torch.cuda.is_available():
+            return None
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name(device)

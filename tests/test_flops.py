@@ -1,0 +1,130 @@
+"""Analytic FLOPs (linear layers, GDPA, the HSTU cost model) against torch's FlopCounterMode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning_gem.components import GEMRanker, JaggedHistoryEncoder
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_gem.data.synthetic import SyntheticRankingSource
+from lightning_gem.flops import attention_cost_coefficients, gdpa_flops, linear_flops, model_flops, peak_tflops
+
+
+def test_linear_flops_matches_the_counter() -> None:
+    layer = nn.Linear(7, 5)
+    x = torch.randn(11, 7, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        layer(x).sum().backward()
+    assert counter.get_total_flops() == linear_flops(11, 7, 5) + linear_flops(11, 7, 5, backward=True)
+    assert linear_flops(0, 7, 5, backward=True) == 0
+    with pytest.raises(ValueError, match="num_tokens"):
+        linear_flops(-1, 7, 5)
+
+
+def test_gdpa_flops_is_the_reexported_op_formula() -> None:
+    from lightning_gem.ops.attention import ops
+
+    assert gdpa_flops is ops.gdpa_flops
+
+
+def _synthetic_batch(num_users: int = 8):
+    source = SyntheticRankingSource(
+        num_items=100,
+        num_train_users=16,
+        num_val_users=4,
+        num_test_users=4,
+        max_history_length=32,
+        max_candidates=8,
+        mean_candidates=4.0,
+    )
+    dataset = source.dataset("train")
+    return source.schema, source.collate([dataset[i] for i in range(num_users)])
+
+
+def _analytic_ranker_flops(model: GEMRanker, batch) -> tuple[int, int]:
+    """(linear, gdpa) training FLOPs: Linear shapes from forward hooks, GDPA pairs from the batch offsets."""
+    linear = 0
+
+    def hook(module: nn.Linear, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        nonlocal linear
+        x = inputs[0]
+        tokens = x.numel() // module.in_features
+        # The backward computes the input's gradient only when the input needs one (not for dense features).
+        linear += linear_flops(tokens, module.in_features, module.out_features) + linear_flops(
+            tokens, module.in_features, module.out_features, backward=x.requires_grad
+        )
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, nn.Linear)]
+    try:
+        model(batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    hp, hist, cand = model.hparams, batch.history_offsets(), batch.candidate_offsets()
+    heads, head_dim = hp.num_heads, hp.model_dim // hp.num_heads
+    t_hist, t_cand = int(hist[-1]), int(cand[-1])
+    q_hist = torch.empty(t_hist, heads, head_dim)
+    q_cand = torch.empty(t_cand, heads, head_dim)
+    attention = 0
+    for backward in (False, True):
+        per_layer = gdpa_flops(
+            q_hist, q_hist, q_hist, hist, hist, None, None, causal=True, window=None, block_size=None, backward=backward
+        )
+        attention += hp.num_layers * per_layer
+        attention += gdpa_flops(
+            q_cand,
+            q_hist,
+            q_hist,
+            cand,
+            hist,
+            None,
+            None,
+            causal=False,
+            window=None,
+            block_size=None,
+            backward=backward,
+        )
+    return linear, attention
+
+
+def test_model_flops_of_a_ranker_agrees_with_the_analytic_sum() -> None:
+    torch.manual_seed(0)
+    schema, batch = _synthetic_batch()
+    # self_interaction=False: the per-candidate token attention (SDPA + einsum) is not in the analytic sum.
+    model = GEMRanker(
+        schema, embedding_dim=8, model_dim=16, num_layers=2, num_heads=2, head_hidden_dims=(16,), self_interaction=False
+    )
+    measured = model_flops(model, batch)
+    linear, attention = _analytic_ranker_flops(model, batch)
+    assert attention > 0 and linear > 0
+    assert abs(measured - (linear + attention)) <= 0.01 * measured, (measured, linear, attention)
+    assert model_flops(model, batch, backward=False) < measured
+
+
+def test_attention_cost_coefficients_match_an_encoder_stack() -> None:
+    torch.manual_seed(0)
+    dim, num_layers, lengths = 16, 2, [5, 0, 9, 1]
+    encoder = JaggedHistoryEncoder(None, dim, num_layers, num_heads=2, max_length=16)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    features = torch.randn(int(offsets[-1]), dim)
+    with FlopCounterMode(display=False) as counter:
+        out = encoder(features, offsets)
+        torch.autograd.grad(out.sum(), [p for p in encoder.parameters()], allow_unused=True)
+    a, b = attention_cost_coefficients(dim, num_layers, num_heads=2)
+    assert counter.get_total_flops() == pytest.approx(sum(a * n + b * n * n for n in lengths), rel=1e-9)
+    a_fwd, b_fwd = attention_cost_coefficients(dim, num_layers, backward=False)
+    assert a_fwd < a and b_fwd < b
+
+
+def test_peak_table() -> None:
+    assert peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert peak_tflops("NVIDIA H200") == 989.0
+    assert peak_tflops("NVIDIA B200") == 2250.0
+    assert peak_tflops("NVIDIA H200", table={"H200": 1.0}) == 1.0
+    assert peak_tflops("cpu") is None
+    assert peak_tflops(torch.device("cpu")) is None
+    assert peak_tflops("Some Unknown GPU") is None
