@@ -79,44 +79,8 @@ def _check_ranks(ranks: Tensor) -> Tensor:
     return ranks
 
 
-class HitRate(Metric):
-    """HR@K: the fraction of queries whose target ranks in the top ``k``.
-
-    ``update(ranks)`` takes ``[B]`` 1-based ranks (see :func:`rank_of_target`).
-
-    Args:
-        k: the cut-off.
-    """
-
-    is_differentiable = False
-    higher_is_better = True
-    full_state_update = False
-
-    def __init__(self, k: int, **kwargs: object) -> None:
-        super().__init__(**kwargs)
-        if k < 1:
-            raise ValueError(f"`k` must be >= 1, got {k}")
-        self.k = k
-        self.add_state("hits", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("total", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
-
-    def update(self, ranks: Tensor) -> None:
-        ranks = _check_ranks(ranks)
-        self.hits += (ranks <= self.k).sum().to(torch.float64)
-        self.total += ranks.numel()
-
-    def compute(self) -> Tensor:
-        return (self.hits / self.total.clamp_min(1)).to(torch.float32)
-
-
-class NDCG(Metric):
-    """NDCG@K with one relevant item per query: ``1 / log2(rank + 1)`` if ``rank <= k`` else 0, averaged.
-
-    ``update(ranks)`` takes ``[B]`` 1-based ranks (see :func:`rank_of_target`).
-
-    Args:
-        k: the cut-off.
-    """
+class _RankMetric(Metric):
+    """Mean over queries of a per-query gain of the target's 1-based rank, cut off at ``k``."""
 
     is_differentiable = False
     higher_is_better = True
@@ -130,14 +94,43 @@ class NDCG(Metric):
         self.add_state("gain", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("total", default=torch.tensor(0, dtype=torch.int64), dist_reduce_fx="sum")
 
+    def _gain(self, ranks: Tensor) -> Tensor:
+        """``[B]`` float64 gain of each query from its float64 rank (0 beyond ``k``)."""
+        raise NotImplementedError
+
     def update(self, ranks: Tensor) -> None:
         ranks = _check_ranks(ranks).to(torch.float64)
-        gain = torch.where(ranks <= self.k, 1.0 / torch.log2(ranks + 1.0), torch.zeros_like(ranks))
-        self.gain += gain.sum()
+        self.gain += self._gain(ranks).sum()
         self.total += ranks.numel()
 
     def compute(self) -> Tensor:
         return (self.gain / self.total.clamp_min(1)).to(torch.float32)
+
+
+class HitRate(_RankMetric):
+    """HR@K: the fraction of queries whose target ranks in the top ``k``.
+
+    ``update(ranks)`` takes ``[B]`` 1-based ranks (see :func:`rank_of_target`).
+
+    Args:
+        k: the cut-off.
+    """
+
+    def _gain(self, ranks: Tensor) -> Tensor:
+        return (ranks <= self.k).to(torch.float64)
+
+
+class NDCG(_RankMetric):
+    """NDCG@K with one relevant item per query: ``1 / log2(rank + 1)`` if ``rank <= k`` else 0, averaged.
+
+    ``update(ranks)`` takes ``[B]`` 1-based ranks (see :func:`rank_of_target`).
+
+    Args:
+        k: the cut-off.
+    """
+
+    def _gain(self, ranks: Tensor) -> Tensor:
+        return torch.where(ranks <= self.k, 1.0 / torch.log2(ranks + 1.0), torch.zeros_like(ranks))
 
 
 class NormalizedEntropy(Metric):
