@@ -44,7 +44,14 @@ from .encoder import JaggedHistoryEncoder, NormKind
 from .heads import MultiTaskHead
 from .interaction import GDPAInteraction
 
-__all__ = ["GEMRanker", "adamw_param_groups", "schema_from_hparams", "schema_to_hparams", "segment_mean"]
+__all__ = [
+    "GEMRanker",
+    "adamw_param_groups",
+    "schema_from_datamodule",
+    "schema_from_hparams",
+    "schema_to_hparams",
+    "segment_mean",
+]
 
 
 def schema_to_hparams(schema: RankingSchema | RetrievalSchema) -> dict[str, Any]:
@@ -65,6 +72,21 @@ def schema_from_hparams(value: object, kind: type[RankingSchema] | type[Retrieva
             fields[name] = tuple(SparseFeature(**f) for f in fields.get(name, ()))
         fields["tasks"] = tuple(fields.get("tasks", ("ctr", "cvr")))
     return kind(**fields)
+
+
+def schema_from_datamodule(module: L.LightningModule, kind: type[RankingSchema] | type[RetrievalSchema]) -> Any:
+    """The schema of ``kind`` of the Trainer's datamodule, for a model built without one (``configure_model``)."""
+    trainer = module._trainer
+    schema = getattr(getattr(trainer, "datamodule", None), "schema", None) if trainer is not None else None
+    name = type(module).__name__
+    if schema is None:
+        raise ValueError(
+            f"{name} needs a `schema` (a {kind.__name__}): pass {name}(schema=datamodule.schema), or link "
+            "data.schema -> model.schema in LightningCLI, or give the Trainer a datamodule with a `schema`"
+        )
+    if not isinstance(schema, kind):
+        raise TypeError(f"`datamodule.schema` must be a {kind.__name__} for {name}, got {type(schema).__name__}")
+    return schema
 
 
 def segment_mean(values: Tensor, offsets: Tensor) -> Tensor:
@@ -224,15 +246,7 @@ class GEMRanker(L.LightningModule):
     def configure_model(self) -> None:
         if self.schema is not None:
             return
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        schema = getattr(datamodule, "schema", None)
-        if schema is None:
-            raise ValueError(
-                "GEMRanker needs a `schema` (a RankingSchema): pass GEMRanker(schema=datamodule.schema), or link "
-                "data.schema -> model.schema in LightningCLI, or give the Trainer a datamodule with a `schema`"
-            )
-        if not isinstance(schema, RankingSchema):
-            raise TypeError(f"`datamodule.schema` must be a RankingSchema for GEMRanker, got {type(schema).__name__}")
+        schema = schema_from_datamodule(self, RankingSchema)
         self.hparams["schema"] = schema_to_hparams(schema)  # so checkpoints rebuild the same model
         self._build(schema)
 

@@ -28,7 +28,7 @@ from lightning_gem.metrics import NDCG, HitRate, rank_of_target
 
 from .embeddings import TableConfig, build_embedding_collection, concat_sequence_embeddings
 from .encoder import JaggedHistoryEncoder, NormKind
-from .ranker import adamw_param_groups, schema_from_hparams, schema_to_hparams
+from .ranker import adamw_param_groups, schema_from_datamodule, schema_from_hparams, schema_to_hparams
 
 __all__ = ["SequentialRecommender", "catalogue_ranks", "sampled_softmax_loss"]
 
@@ -222,15 +222,7 @@ class SequentialRecommender(L.LightningModule):
     def configure_model(self) -> None:
         if self.schema is not None:
             return
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        schema = getattr(datamodule, "schema", None)
-        if schema is None:
-            raise ValueError(
-                "SequentialRecommender needs a `schema` (a RetrievalSchema): pass schema=datamodule.schema, or link "
-                "data.schema -> model.schema in LightningCLI, or give the Trainer a datamodule with a `schema`"
-            )
-        if not isinstance(schema, RetrievalSchema):
-            raise TypeError(f"`datamodule.schema` must be a RetrievalSchema, got {type(schema).__name__}")
+        schema = schema_from_datamodule(self, RetrievalSchema)
         self.hparams["schema"] = schema_to_hparams(schema)  # so checkpoints rebuild the same model
         self._build(schema)
 
