@@ -30,6 +30,20 @@ def _position(i, shift, num_history):
 
 
 @triton.jit
+def _kv_segment(seg, len_q, KV_OFFSETS, KV_INDEX, NUM_TARGETS, HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr):
+    """The kv segment query segment ``seg`` attends to: ``(k_start, len_k, num_history, shift)``."""
+    kv_seg = seg
+    if HAS_KV_INDEX:
+        kv_seg = tl.load(KV_INDEX + seg)
+    k_start = tl.load(KV_OFFSETS + kv_seg).to(tl.int64)
+    len_k = (tl.load(KV_OFFSETS + kv_seg + 1) - k_start).to(tl.int32)
+    num_history = len_k
+    if HAS_TARGETS:
+        num_history = len_k - tl.load(NUM_TARGETS + seg).to(tl.int32)
+    return k_start, len_k, num_history, len_k - len_q
+
+
+@triton.jit
 def _block_start(p, block_size):
     """First key of ``p``'s block; a whole block before 0 for negative ``p`` (sees no key)."""
     return tl.where(p < 0, -block_size, (tl.maximum(p, 0) // block_size) * block_size)

@@ -24,6 +24,7 @@ from lightning_gem.ops.attention.impl.triton._common import (
     _activation,
     _history_mask,
     _history_range,
+    _kv_segment,
     _position,
     default_tiles,
     dot_precision,
@@ -52,15 +53,9 @@ def _gdpa_fwd_kernel(
     len_q = (tl.load(Q_OFFSETS + seg + 1) - q_start).to(tl.int32)
     if m_start >= len_q:
         return
-    kv_seg = seg
-    if HAS_KV_INDEX:
-        kv_seg = tl.load(KV_INDEX + seg)
-    k_start = tl.load(KV_OFFSETS + kv_seg).to(tl.int64)
-    len_k = (tl.load(KV_OFFSETS + kv_seg + 1) - k_start).to(tl.int32)
-    num_history = len_k
-    if HAS_TARGETS:
-        num_history = len_k - tl.load(NUM_TARGETS + seg).to(tl.int32)
-    shift = len_k - len_q
+    k_start, len_k, num_history, shift = _kv_segment(
+        seg, len_q, KV_OFFSETS, KV_INDEX, NUM_TARGETS, HAS_KV_INDEX, HAS_TARGETS
+    )
 
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
