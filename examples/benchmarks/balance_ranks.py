@@ -1,0 +1,178 @@
+"""The slowest of N simulated data-parallel ranks, with and without Base Batch Shuffling, on one device.
+
+A synchronous data-parallel step lasts as long as its slowest rank (the gradient all-reduce waits for
+it). This script takes the first global batches of an epoch of long-tailed synthetic GEM data
+(``num_ranks x batch_size`` users each), splits each global batch across the ranks twice, as a plain
+``DistributedSampler`` does and as :class:`~lightning_gem.data.balancing.BalancedDistributedSampler`
+does (the same set of users per global batch, so the same averaged gradient), and runs every rank's
+share in turn on the one device: a training step of the GEM example model (``GEMRanker``: torchrec
+embeddings, HSTU encoder, GDPA candidate interaction, multi-task head; forward + backward + AdamW,
+bf16 autocast on CUDA). Each share is timed with CUDA events (CPU: ``perf_counter``), median of
+``--reps`` runs after a warm-up. Reported per global batch: the slowest rank, the mean rank, and over
+all batches the ratio plain / balanced of the mean slowest-rank time (the speed-up of a real N-rank
+step, all-reduce excluded, which is the same in both).
+
+Usage:
+    python examples/benchmarks/balance_ranks.py                      # CUDA if present, GEM example size
+    python examples/benchmarks/balance_ranks.py --device cpu --max-history-length 128 --batch-size 4 \\
+        --model-dim 32 --num-batches 2 --reps 1                      # a smoke run on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from lightning_gem.components import GEMRanker
+from torch.utils.data import DistributedSampler
+
+from lightning_gem.data import SyntheticRankingSource
+from lightning_gem.data.balancing import AttentionCostModel, BalancedDistributedSampler
+from lightning_gem.flops import attention_cost_coefficients
+
+
+def _rank_shares(
+    lengths: np.ndarray, num_ranks: int, batch_size: int, num_batches: int, balanced: bool, cost_model: Callable
+) -> list[list[list[int]]]:
+    """``[num_batches][num_ranks]`` index lists: each rank's share of each of the first global batches."""
+    shares = []
+    for rank in range(num_ranks):
+        if balanced:
+            sampler = BalancedDistributedSampler(
+                lengths, batch_size, num_ranks, rank, seed=0, drop_last=True, cost_model=cost_model
+            )
+        else:
+            sampler = DistributedSampler(range(len(lengths)), num_ranks, rank, shuffle=True, seed=0, drop_last=True)
+        sampler.set_epoch(0)
+        order = list(sampler)
+        shares.append([order[b * batch_size : (b + 1) * batch_size] for b in range(num_batches)])
+    return [[shares[rank][b] for rank in range(num_ranks)] for b in range(num_batches)]
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
+    """``time(fn) -> ms`` of one call, synchronised (CUDA events on GPU)."""
+
+    def cuda_time(fn: Callable[[], None]) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    def cpu_time(fn: Callable[[], None]) -> float:
+        started = time.perf_counter()
+        fn()
+        return (time.perf_counter() - started) * 1e3
+
+    return cuda_time if device.type == "cuda" else cpu_time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--num-ranks", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=32, help="users per rank per step")
+    parser.add_argument("--num-batches", type=int, default=6, help="global batches measured")
+    parser.add_argument("--reps", type=int, default=5, help="timed runs per rank share (median)")
+    parser.add_argument("--max-history-length", type=int, default=4096, help="lengths clip(L u^3, 16, L)")
+    parser.add_argument("--model-dim", type=int, default=256)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+
+    num_users = args.num_ranks * args.batch_size * args.num_batches
+    source = SyntheticRankingSource(
+        num_items=20_000,
+        num_train_users=num_users,
+        num_val_users=1,
+        num_test_users=1,
+        min_history_length=16,
+        max_history_length=args.max_history_length,
+        mean_candidates=16.0,
+        max_candidates=64,
+        seed=0,
+    )
+    dataset, lengths = source.dataset("train"), source.sample_lengths("train")
+    model = GEMRanker(
+        source.schema,
+        embedding_dim=64,
+        model_dim=args.model_dim,
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        head_hidden_dims=(256,),
+    ).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    # The cost model of this encoder's FLOPs (the interaction and embeddings are linear in the batch).
+    a, b = attention_cost_coefficients(args.model_dim, args.num_layers, num_heads=args.num_heads)
+    cost_model = AttentionCostModel(a=a, b=b)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def step(batch) -> None:  # noqa: ANN001
+        with autocast:
+            logits = model(batch)
+        loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels.float())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    time_ms = _timer(device)
+    results: dict[str, list[dict[str, float]]] = {}
+    for name, balanced in (("plain", False), ("balanced", True)):
+        rows = []
+        for ranks in _rank_shares(lengths, args.num_ranks, args.batch_size, args.num_batches, balanced, cost_model):
+            batches = [source.collate([dataset[i] for i in share]).to(device) for share in ranks]
+            for batch in batches:  # warm-up: autotune / allocator at every shape of this global batch
+                step(batch)
+            rank_ms = [
+                statistics.median(time_ms(lambda b=batch: step(b)) for _ in range(args.reps)) for batch in batches
+            ]
+            costs = [float(cost_model(lengths[share]).sum()) for share in ranks]
+            rows.append(
+                {
+                    "slowest_ms": max(rank_ms),
+                    "mean_ms": statistics.fmean(rank_ms),
+                    "time_imbalance": max(rank_ms) / statistics.fmean(rank_ms),
+                    "cost_imbalance": max(costs) / statistics.fmean(costs),
+                    "tokens": int(sum(lengths[i] for share in ranks for i in share)),
+                }
+            )
+        results[name] = rows
+
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(
+        f"{args.num_ranks} simulated ranks x {args.batch_size} users on {device_name}; histories "
+        f"clip({args.max_history_length} u^3, 16, {args.max_history_length}); GEMRanker dim {args.model_dim}, "
+        f"{args.num_layers} layers, {args.num_heads} heads; median of {args.reps}"
+    )
+    print(f"{'batch':>5} {'tokens':>7} | {'plain slowest ms':>16} {'mean':>7} {'max/mean':>8} | ", end="")
+    print(f"{'balanced slowest ms':>19} {'mean':>7} {'max/mean':>8} | {'speed-up':>8}")
+    for i, (plain, balanced) in enumerate(zip(results["plain"], results["balanced"], strict=True)):
+        print(
+            f"{i:>5} {plain['tokens']:>7} | {plain['slowest_ms']:>16.2f} {plain['mean_ms']:>7.2f} "
+            f"{plain['time_imbalance']:>8.3f} | {balanced['slowest_ms']:>19.2f} {balanced['mean_ms']:>7.2f} "
+            f"{balanced['time_imbalance']:>8.3f} | {plain['slowest_ms'] / balanced['slowest_ms']:>8.2f}"
+        )
+    slowest = {name: statistics.fmean(row["slowest_ms"] for row in rows) for name, rows in results.items()}
+    speedup = slowest["plain"] / slowest["balanced"]
+    print(
+        f"mean slowest-rank step: plain {slowest['plain']:.2f} ms, balanced {slowest['balanced']:.2f} ms: "
+        f"balanced is {speedup:.2f}x faster"
+    )
+    if args.out is not None:
+        summary = {"args": {k: str(v) for k, v in vars(args).items()}, "device": device_name, "speedup": speedup}
+        args.out.write_text(json.dumps({**summary, **results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
