@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_gem import jagged
+from lightning_gem.data.balancing import AttentionCostModel
+from lightning_gem.flops import attention_cost_coefficients, linear_flops
 from lightning_gem.ops import gdpa
 
 __all__ = ["HSTULayer", "JaggedHistoryEncoder", "make_norm", "recency_positions", "time_buckets"]
@@ -287,6 +289,36 @@ class JaggedHistoryEncoder(nn.Module):
     @property
     def use_time(self) -> bool:
         return self.time is not None
+
+    def sample_cost_model(self, backward: bool = True) -> AttentionCostModel:
+        """Training FLOPs of one sequence of ``len`` tokens through this stack: ``a * len + b * len**2``.
+
+        The layers' ``a`` and ``b`` come from :func:`lightning_gem.flops.attention_cost_coefficients` (the
+        same formulas the FLOP counter uses), plus ``input_proj``'s FLOPs per token. A ``window`` caps
+        each query's keys; the quadratic term then overestimates long sequences, which only makes
+        the balancer pair them more conservatively. ``GEMDataModule`` balances ranks with this.
+
+        Args:
+            backward: forward + backward FLOPs (False: forward only).
+        """
+        a = 0.0
+        if isinstance(self.input_proj, nn.Linear):
+            a = float(linear_flops(1, self.input_dim, self.dim)) * (3.0 if backward else 1.0)
+        b = 0.0
+        for layer in self.layers:
+            layer_a, layer_b = attention_cost_coefficients(
+                self.dim,
+                1,
+                num_heads=layer.num_heads,
+                attention_dim=layer.attention_dim,
+                linear_dim=layer.linear_dim,
+                causal=layer.causal,
+                backward=backward,
+            )
+            a, b = a + layer_a, b + layer_b
+        if b == 0.0:  # no layers: cost is linear in the length
+            a = max(a, 1.0)
+        return AttentionCostModel(a=a, b=b)
 
     def forward(
         self,

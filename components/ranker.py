@@ -30,6 +30,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor
 from typing_extensions import override
 
 from lightning_gem import jagged
+from lightning_gem.data.balancing import AttentionCostModel
 from lightning_gem.data.batch import RankingBatch
 from lightning_gem.data.schema import RankingSchema, RetrievalSchema, SparseFeature
 from lightning_gem.metrics import BinaryAUROC, NormalizedEntropy
@@ -249,6 +250,16 @@ class GEMRanker(L.LightningModule):
         schema = schema_from_datamodule(self, RankingSchema)
         self.hparams["schema"] = schema_to_hparams(schema)  # so checkpoints rebuild the same model
         self._build(schema)
+
+    def sample_cost_model(self) -> AttentionCostModel:
+        """Training FLOPs of one sample as ``a * len + b * len**2`` of its history length: the encoder's.
+
+        :class:`~lightning_gem.data.GEMDataModule` balances data-parallel ranks with it (Base Batch
+        Shuffling). Parts whose cost does not grow with the history (heads, the candidates' side) are
+        left out: they add the same to every rank of a balanced step on average.
+        """
+        self._require_schema()
+        return self.encoder.sample_cost_model()
 
     def metrics_names(self, stage: Literal["val", "test"]) -> list[str]:
         """The metric names logged at ``stage``: ``{stage}/auc_{task}`` and ``{stage}/ne_{task}``."""

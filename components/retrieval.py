@@ -22,6 +22,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from typing_extensions import override
 
 from lightning_gem import jagged
+from lightning_gem.data.balancing import AttentionCostModel
 from lightning_gem.data.batch import RetrievalBatch
 from lightning_gem.data.schema import RetrievalSchema
 from lightning_gem.metrics import NDCG, HitRate, rank_of_target
@@ -225,6 +226,11 @@ class SequentialRecommender(L.LightningModule):
         schema = schema_from_datamodule(self, RetrievalSchema)
         self.hparams["schema"] = schema_to_hparams(schema)  # so checkpoints rebuild the same model
         self._build(schema)
+
+    def sample_cost_model(self) -> AttentionCostModel:
+        """The encoder's training FLOPs of one sequence, ``a * len + b * len**2`` (``GEMDataModule`` balances by it)."""
+        self._require_schema()
+        return self.encoder.sample_cost_model()
 
     def metrics_names(self, stage: str) -> list[str]:
         """The metric names logged at ``stage``: ``{stage}/hr@K`` and ``{stage}/ndcg@K`` for each K."""

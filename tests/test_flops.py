@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from lightning_gem.components import GEMRanker, JaggedHistoryEncoder
@@ -117,6 +118,19 @@ def test_attention_cost_coefficients_match_an_encoder_stack() -> None:
     assert counter.get_total_flops() == pytest.approx(sum(a * n + b * n * n for n in lengths), rel=1e-9)
     a_fwd, b_fwd = attention_cost_coefficients(dim, num_layers, backward=False)
     assert a_fwd < a and b_fwd < b
+
+
+def test_encoder_sample_cost_model_is_its_training_flops() -> None:
+    torch.manual_seed(0)
+    lengths = [7, 0, 12, 1]
+    encoder = JaggedHistoryEncoder(24, 16, 3, num_heads=4, max_length=16)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    features = torch.randn(int(offsets[-1]), 24, requires_grad=True)  # embeddings: they need gradients
+    with FlopCounterMode(display=False) as counter:
+        encoder(features, offsets).sum().backward()
+    cost = encoder.sample_cost_model()
+    assert counter.get_total_flops() == pytest.approx(float(cost(np.array(lengths)).sum()), rel=1e-9)
+    assert encoder.sample_cost_model(backward=False).b < cost.b
 
 
 def test_peak_table() -> None:

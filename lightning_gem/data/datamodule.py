@@ -17,8 +17,10 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, SequentialSampler
@@ -27,6 +29,7 @@ from typing_extensions import override
 from lightning_gem.data.balancing import BalancedDistributedSampler
 from lightning_gem.data.schema import RankingSchema, RetrievalSchema
 from lightning_gem.data.sources import DataSource, check_split
+from lightning_gem.data.token_budget import BatchedDataset, TokenBudgetSampler
 
 __all__ = ["GEMDataModule"]
 
@@ -70,6 +73,14 @@ class GEMDataModule(LightningDataModule):
         balance: split each global training batch across ranks by cost
             (:class:`~lightning_gem.data.balancing.BalancedDistributedSampler` over
             ``source.sample_lengths("train")``); ``False``: a plain ``DistributedSampler``.
+        max_tokens: token-budget batching: each training batch holds as many samples as fit this many
+            history tokens per rank (at most ``batch_size``), split across ranks by cost
+            (:class:`~lightning_gem.data.token_budget.TokenBudgetSampler`); the number of steps per
+            epoch then depends on the lengths. ``None``: fixed ``batch_size``.
+        cost_model: per-sample cost ``lengths [N] -> costs [N]`` the ranks are balanced by; ``None``:
+            the model's ``sample_cost_model()`` when it has one (``GEMRanker`` and
+            ``SequentialRecommender`` derive it from their FLOPs), else
+            :class:`~lightning_gem.data.balancing.AttentionCostModel`.
     """
 
     def __init__(
@@ -83,6 +94,8 @@ class GEMDataModule(LightningDataModule):
         pin_memory: bool = False,
         persistent_workers: bool = False,
         balance: bool = True,
+        max_tokens: int | None = None,
+        cost_model: Callable[[np.ndarray], np.ndarray] | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(source, DataSource):
@@ -98,6 +111,10 @@ class GEMDataModule(LightningDataModule):
         self.pin_memory = bool(pin_memory)
         self.persistent_workers = bool(persistent_workers) and num_workers > 0
         self.balance = bool(balance)
+        self.max_tokens = None if max_tokens is None else _check_positive_int(max_tokens, "max_tokens")
+        if cost_model is not None and not callable(cost_model):
+            raise TypeError(f"`cost_model` must be callable (lengths -> costs), got {type(cost_model).__name__}")
+        self.cost_model = cost_model
         self._datasets: dict[str, Dataset] = {}
         self._epoch = 0
         # (epoch, trained batches) restored by `load_state_dict`, applied to the next train sampler of that epoch.
@@ -156,17 +173,21 @@ class GEMDataModule(LightningDataModule):
         if split != "train":
             return SequentialSampler(dataset)
         num_replicas, rank = self._replicas()
-        if self.balance:
+        if self.balance or self.max_tokens is not None:
             lengths = self.source.sample_lengths(split)
             if len(lengths) != len(dataset):
                 raise ValueError(
                     f"`source.sample_lengths({split!r})` has {len(lengths)} entries for {len(dataset)} samples"
                 )
+            kwargs = {"shuffle": True, "seed": self.seed, "drop_last": self.drop_last, "cost_model": self._cost_model()}
+        if self.max_tokens is not None:
+            sampler = TokenBudgetSampler(
+                lengths, self.max_tokens, num_replicas, rank, max_batch_size=self.batch_size, **kwargs
+            )
+        elif self.balance:
             # Under a Trainer the loader reports the whole epoch even when resumed mid-epoch (see below).
             sampler_cls = BalancedDistributedSampler if self.trainer is None else _WholeEpochSampler
-            sampler = sampler_cls(
-                lengths, self.batch_size, num_replicas, rank, shuffle=True, seed=self.seed, drop_last=self.drop_last
-            )
+            sampler = sampler_cls(lengths, self.batch_size, num_replicas, rank, **kwargs)
         else:
             sampler = DistributedSampler(
                 dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=self.seed, drop_last=self.drop_last
@@ -176,12 +197,20 @@ class GEMDataModule(LightningDataModule):
         self._apply_pending_position(sampler, epoch)
         return sampler
 
+    def _cost_model(self) -> Callable[[np.ndarray], np.ndarray] | None:
+        """``cost_model``, else the LightningModule's ``sample_cost_model()``, else None (the sampler's default)."""
+        if self.cost_model is not None:
+            return self.cost_model
+        module = None if self.trainer is None else self.trainer.lightning_module
+        hook = getattr(module, "sample_cost_model", None)
+        return hook() if callable(hook) else None
+
     def _apply_pending_position(self, sampler: Sampler, epoch: int) -> None:
         """Start ``sampler`` at the restored mid-epoch position, once, if it was saved in ``epoch``."""
         pending, self._pending_position = self._pending_position, None
         if pending is None or pending[0] != epoch or pending[1] <= 0:
             return
-        if not isinstance(sampler, BalancedDistributedSampler):
+        if not isinstance(sampler, BalancedDistributedSampler | TokenBudgetSampler):
             rank_zero_warn(
                 "GEMDataModule: the checkpoint was saved mid-epoch but the train sampler cannot resume mid-epoch"
                 " (`balance=False`): this epoch restarts from its first batch."
@@ -192,6 +221,15 @@ class GEMDataModule(LightningDataModule):
     def _loader(self, split: str) -> DataLoader:
         dataset = self.dataset(split)
         train = split == "train"
+        if train and self.max_tokens is not None:  # the sampler yields whole batches
+            return DataLoader(
+                BatchedDataset(dataset, self.source.collate),
+                batch_size=None,
+                sampler=self._make_sampler(split, dataset),
+                num_workers=self.num_workers,
+                pin_memory=self.pin_memory,
+                persistent_workers=self.persistent_workers,
+            )
         return DataLoader(
             dataset,
             batch_size=self.batch_size if train else self.eval_batch_size,
@@ -233,6 +271,8 @@ class GEMDataModule(LightningDataModule):
         checkpoint saved mid-epoch resumes at the next batch.
         """
         state = {"seed": self.seed, "epoch": self._current_epoch(), "batch_size": self.batch_size}
+        if self.max_tokens is not None:
+            state["max_tokens"] = self.max_tokens
         trained = self._trained_batches()
         if trained > 0:
             state["batches_trained"] = trained
@@ -255,5 +295,10 @@ class GEMDataModule(LightningDataModule):
             raise ValueError(
                 f"`state_dict` was saved mid-epoch with batch_size {state_dict['batch_size']}, this module's is"
                 f" {self.batch_size}: its batch position does not carry over"
+            )
+        if trained > 0 and state_dict.get("max_tokens") != self.max_tokens:
+            raise ValueError(
+                f"`state_dict` was saved mid-epoch with max_tokens {state_dict.get('max_tokens')}, this module's is"
+                f" {self.max_tokens}: its batch position does not carry over"
             )
         self._pending_position = (self._epoch, trained) if trained > 0 else None
