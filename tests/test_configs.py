@@ -44,7 +44,8 @@ def test_quickstart_config_trains(tmp_path: Path, capsys: pytest.CaptureFixture[
     )
     printed = capsys.readouterr().out
     assert "val/auc_ctr=" in printed and "val/ne_ctr=" in printed and "samples/s" in printed
-    assert list(tmp_path.rglob("metrics.csv"))
+    assert "MFU report over 2 training steps" in printed and "perf/tflops" in printed
+    assert list(tmp_path.rglob("metrics.csv")) and list(tmp_path.rglob("mfu.json")) and list(tmp_path.rglob("mfu.png"))
 
 
 @pytest.mark.parametrize(("config", "folder"), [("ml100k_ctr.yaml", "ml-100k"), ("ml1m_retrieval.yaml", "ml-1m")])

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import time
 
 import lightning as L
 import pytest
@@ -50,7 +52,15 @@ def test_fit_logs_mfu_and_prints_the_report(tmp_path, capsys) -> None:
         assert row["perf/e2e_mfu"] == pytest.approx(row["perf/mfu"] * row["perf/scaling_ratio"])
     assert trainer.callback_metrics["perf/mfu"] > 0
     out = capsys.readouterr().out
-    assert "MFU report over 5 training steps" in out and "perf/mfu" in out
+    assert "MFU report over 4 training steps" in out and "perf/mfu" in out
+    summary = json.loads((tmp_path / "mfu.json").read_text())
+    assert summary["steps"] == 4 and summary["mfu"] > 0 and summary["compute_imbalance"] == 1.0
+    assert 0 < summary["compute_time_s"] < summary["step_time_s"]
+    assert (tmp_path / "mfu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # A single-device run's summary is the baseline of a scaled run.
+    assert MFUMonitor(baseline_samples_per_s=tmp_path / "mfu.json").baseline_samples_per_s == pytest.approx(
+        summary["samples_per_s_per_device"]
+    )
 
 
 def test_no_mfu_without_a_peak_on_cpu_and_arguments_are_checked() -> None:
@@ -60,3 +70,41 @@ def test_no_mfu_without_a_peak_on_cpu_and_arguments_are_checked() -> None:
         MFUMonitor(peak_tflops=0.0)
     with pytest.raises(ValueError, match="flops_every_n_steps"):
         MFUMonitor(flops_every_n_steps=0)
+    with pytest.raises(ValueError, match="baseline_samples_per_s"):
+        MFUMonitor(baseline_samples_per_s="no/such/mfu.json")
+
+
+class _UnevenModule(L.LightningModule):
+    """Rank 1's forward takes ~3x longer (an unbalanced batch); the backward's all-reduce evens the steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        time.sleep(0.15 if self.global_rank == 1 else 0.05)
+        return self.layer(batch).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_two_gloo_ranks_report_the_compute_imbalance_that_step_times_hide(tmp_path) -> None:  # noqa: ANN001
+    monitor = MFUMonitor(plot=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_steps=4,
+        callbacks=[monitor],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(_UnevenModule(), DataLoader(torch.randn(64, 4), batch_size=4))
+    summary = json.loads((tmp_path / "mfu.json").read_text())
+    # Forward 0.15 s vs 0.05 s: max/mean = 0.15 / 0.10 = 1.5; the synchronised steps look balanced.
+    assert 1.3 < summary["compute_imbalance"] < 1.6, summary
+    assert summary["step_time_imbalance"] < 1.15, summary

@@ -6,6 +6,7 @@ device; the scaling ratio is the per-device throughput of the run over a single-
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
@@ -34,18 +35,30 @@ class MFUMonitor(L.Callback):
 
     Logged (``on_step``): ``perf/model_flops``, ``perf/step_time_s`` (CUDA synchronised, data loading
     excluded), ``perf/tflops`` (achieved, this rank), ``perf/mfu`` (when a peak is known),
-    ``perf/step_time_imbalance`` (max / mean step time over ranks: an all-gather of two scalars per step;
-    1.0 in one process), ``perf/samples_per_s_per_device`` (global samples / world size / slowest
-    rank's step time), and with ``baseline_samples_per_s`` ``perf/scaling_ratio`` and ``perf/e2e_mfu``.
+    ``perf/step_time_imbalance`` (max / mean step time over ranks), ``perf/compute_time_s`` and
+    ``perf/compute_imbalance`` (the forward pass, from the step's start to ``on_before_backward``,
+    and its max / mean over ranks), ``perf/samples_per_s_per_device`` (global samples / world size /
+    slowest rank's step time), and with a baseline ``perf/scaling_ratio`` and ``perf/e2e_mfu``. Ranks
+    are compared through one all-gather of three scalars per step (1.0 in one process).
+
+    Why the forward: gradient all-reduces make every rank's *step* wait for the slowest, so step times
+    come out nearly equal whatever the load; a data-parallel forward has no collective, so its time is
+    the rank's own compute (with sharded embeddings their all-to-all in the forward also synchronises:
+    the figure then measures the dense part only if the embeddings are cheap).
+
+    At the end of ``fit`` rank 0 prints :meth:`report`, writes :meth:`summary` to ``mfu.json`` and,
+    with ``plot``, the curves to ``mfu.png`` in the trainer's log dir. A single-device run's
+    ``mfu.json`` is a valid ``baseline_samples_per_s`` for a multi-device run: the scaling ratio is
+    then measured, not assumed.
 
     Args:
         peak_tflops: peak TFLOP/s of one device; None: looked up for CUDA devices
             (:func:`lightning_gem.flops.peak_tflops`, dense bf16); CPU has no default, so no MFU.
-        baseline_samples_per_s: single-device throughput of the same model and batch size, the
-            denominator of the scaling ratio.
+        baseline_samples_per_s: single-device throughput of the same model and per-device batch size,
+            the denominator of the scaling ratio: a number, or the path of a single-device run's
+            ``mfu.json`` (its ``samples_per_s_per_device``).
         flops_every_n_steps: count FLOPs every ``n`` steps (1: every step).
-        plot: save ``mfu.png`` (TFLOP/s and MFU over steps) to the trainer's log dir if matplotlib is
-            installed.
+        plot: save ``mfu.png`` (TFLOP/s, MFU, imbalance over steps) if matplotlib is installed.
 
     Example:
         >>> monitor = MFUMonitor(peak_tflops=989.0, baseline_samples_per_s=20_000.0)
@@ -54,12 +67,14 @@ class MFUMonitor(L.Callback):
     def __init__(
         self,
         peak_tflops: float | None = None,
-        baseline_samples_per_s: float | None = None,
+        baseline_samples_per_s: float | str | Path | None = None,
         flops_every_n_steps: int = 1,
         plot: bool = True,
     ) -> None:
         if peak_tflops is not None and not peak_tflops > 0:
             raise ValueError(f"`peak_tflops` must be > 0, got {peak_tflops}")
+        if isinstance(baseline_samples_per_s, str | Path):
+            baseline_samples_per_s = _baseline_from_summary(Path(baseline_samples_per_s))
         if baseline_samples_per_s is not None and not baseline_samples_per_s > 0:
             raise ValueError(f"`baseline_samples_per_s` must be > 0, got {baseline_samples_per_s}")
         if flops_every_n_steps < 1:
@@ -71,6 +86,7 @@ class MFUMonitor(L.Callback):
         self.history: list[dict[str, float]] = []
         self._counter: FlopCounterMode | None = None
         self._started: float | None = None
+        self._forward_seconds: float | None = None
         self._last_flops = 0
         self._num_batches = 0
         self._peak: float | None = None
@@ -89,7 +105,14 @@ class MFUMonitor(L.Callback):
         if self._num_batches % self.flops_every_n_steps == 0:
             self._counter = FlopCounterMode(display=False)
             self._counter.__enter__()
+        self._forward_seconds = None
         self._started = time.perf_counter()
+
+    @override
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        if self._started is not None and self._forward_seconds is None:
+            _synchronize(pl_module.device)
+            self._forward_seconds = time.perf_counter() - self._started
 
     @override
     def on_train_batch_end(
@@ -103,7 +126,7 @@ class MFUMonitor(L.Callback):
         if self._counter is not None:
             self._stop_counter()
         self._num_batches += 1
-        samples = float(getattr(batch, "batch_size", 0) or 0)
+        samples = float(batch.shape[0] if isinstance(batch, torch.Tensor) else getattr(batch, "batch_size", 0) or 0)
         metrics = self._step_metrics(pl_module, seconds, samples)
         self.history.append({"step": float(trainer.global_step), **metrics})
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
@@ -115,12 +138,14 @@ class MFUMonitor(L.Callback):
 
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        log_dir = Path(trainer.log_dir or trainer.default_root_dir)  # a collective: every rank asks
         if not self.history or not trainer.is_global_zero:
             return
         print(self.report(), flush=True)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        (log_dir / "mfu.json").write_text(json.dumps(self.summary(), indent=1))
         if self.plot:
-            log_dir = trainer.log_dir or trainer.default_root_dir
-            self.save_plot(Path(log_dir) / "mfu.png")
+            self.save_plot(log_dir / "mfu.png")
 
     def _stop_counter(self) -> None:
         counter, self._counter = self._counter, None
@@ -128,15 +153,18 @@ class MFUMonitor(L.Callback):
         self._last_flops = int(counter.get_total_flops())
 
     def _step_metrics(self, pl_module: L.LightningModule, seconds: float, samples: float) -> dict[str, float]:
-        gathered = pl_module.all_gather(torch.tensor([seconds, samples], dtype=torch.float64, device=pl_module.device))
-        gathered = gathered.reshape(-1, 2).cpu()
+        forward = seconds if self._forward_seconds is None else self._forward_seconds  # manual optimization: no hook
+        local = torch.tensor([seconds, samples, forward], dtype=torch.float64, device=pl_module.device)
+        gathered = pl_module.all_gather(local).reshape(-1, 3).cpu()
         times, world = gathered[:, 0], gathered.shape[0]
         slowest = float(times.max())
         metrics = {
             "perf/model_flops": float(self._last_flops),
             "perf/step_time_s": seconds,
             "perf/tflops": self._last_flops / seconds / 1e12 if seconds > 0 else math.nan,
-            "perf/step_time_imbalance": slowest / float(times.mean()) if float(times.mean()) > 0 else 1.0,
+            "perf/step_time_imbalance": _max_over_mean(times),
+            "perf/compute_time_s": forward,
+            "perf/compute_imbalance": _max_over_mean(gathered[:, 2]),
             "perf/samples_per_s_per_device": float(gathered[:, 1].sum()) / world / slowest if slowest > 0 else 0.0,
         }
         if self._peak is not None:
@@ -147,15 +175,26 @@ class MFUMonitor(L.Callback):
                 metrics["perf/e2e_mfu"] = metrics["perf/mfu"] * metrics["perf/scaling_ratio"]
         return metrics
 
+    def summary(self, skip_first: int = 1) -> dict[str, float]:
+        """The mean of each logged ``perf/*`` value over the run (without its first ``skip_first`` warm-up
+        steps when there are more), plus ``steps`` and ``peak_tflops``: what ``mfu.json`` holds."""
+        rows = self.history[skip_first:] if len(self.history) > skip_first else self.history
+        summary: dict[str, float] = {"steps": float(len(rows))}
+        if self._peak is not None:
+            summary["peak_tflops"] = float(self._peak)
+        for name in [name for name in rows[0] if name != "step"] if rows else []:
+            values = [row[name] for row in rows if name in row and math.isfinite(row[name])]
+            if values:
+                summary[name.removeprefix("perf/")] = statistics.fmean(values)
+        return summary
+
     def report(self) -> str:
         """A one-page summary: the mean of each logged ``perf/*`` value over the steps of the run."""
-        names = [name for name in self.history[0] if name != "step"] if self.history else []
-        lines = [f"MFU report over {len(self.history)} training steps (means)"]
-        lines.append(f"  peak TFLOP/s per device: {self._peak if self._peak is not None else 'unknown (no MFU)'}")
-        for name in names:
-            values = [row[name] for row in self.history if name in row and math.isfinite(row[name])]
-            if values:
-                lines.append(f"  {name:<32} {statistics.fmean(values):.6g}")
+        summary = self.summary()
+        lines = [f"MFU report over {int(summary.pop('steps'))} training steps (means, first step excluded)"]
+        peak = summary.pop("peak_tflops", None)
+        lines.append(f"  peak TFLOP/s per device: {peak if peak is not None else 'unknown (no MFU)'}")
+        lines += [f"  perf/{name:<27} {value:.6g}" for name, value in summary.items()]
         lines.append("  E2E MFU = local MFU x scaling ratio")
         return "\n".join(lines)
 
@@ -170,18 +209,37 @@ class MFUMonitor(L.Callback):
             print("MFUMonitor: matplotlib is not installed, skipping the plot (pip install matplotlib)", flush=True)
             return None
         steps = [row["step"] for row in self.history]
-        has_mfu = "perf/mfu" in self.history[0]
-        fig, axes = plt.subplots(2 if has_mfu else 1, 1, sharex=True, squeeze=False, figsize=(8, 5))
-        axes[0, 0].plot(steps, [row["perf/tflops"] for row in self.history])
-        axes[0, 0].set_ylabel("TFLOP/s")
-        if has_mfu:
-            axes[1, 0].plot(steps, [row["perf/mfu"] for row in self.history])
-            axes[1, 0].set_ylabel("MFU")
+        panels = [("TFLOP/s", ["perf/tflops"]), ("MFU", ["perf/mfu", "perf/e2e_mfu"])]
+        panels.append(("max / mean over ranks", ["perf/step_time_imbalance", "perf/compute_imbalance"]))
+        panels = [(label, [n for n in names if n in self.history[0]]) for label, names in panels]
+        panels = [(label, names) for label, names in panels if names]
+        fig, axes = plt.subplots(len(panels), 1, sharex=True, squeeze=False, figsize=(8, 2.5 * len(panels)))
+        for ax, (label, names) in zip(axes[:, 0], panels, strict=True):
+            for name in names:
+                ax.plot(steps, [row[name] for row in self.history], label=name.removeprefix("perf/"))
+            ax.set_ylabel(label)
+            ax.legend(loc="best", fontsize="small")
         axes[-1, 0].set_xlabel("step")
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(path)
         plt.close(fig)
         return path
+
+
+def _max_over_mean(values: torch.Tensor) -> float:
+    mean = float(values.mean())
+    return float(values.max()) / mean if mean > 0 else 1.0
+
+
+def _baseline_from_summary(path: Path) -> float:
+    """``samples_per_s_per_device`` of a single-device run's ``mfu.json``."""
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"`baseline_samples_per_s`: cannot read an mfu.json summary from {path}: {error}") from None
+    if "samples_per_s_per_device" not in summary:
+        raise ValueError(f"`baseline_samples_per_s`: {path} has no 'samples_per_s_per_device' (not an mfu.json?)")
+    return float(summary["samples_per_s_per_device"])
 
 
 def _synchronize(device: torch.device) -> None:
