@@ -105,6 +105,19 @@ def test_model_flops_of_a_ranker_agrees_with_the_analytic_sum() -> None:
     assert model_flops(model, batch, backward=False) < measured
 
 
+def test_lightning_measure_flops_counts_the_custom_attention_ops() -> None:
+    from lightning.fabric.utilities.throughput import measure_flops
+
+    torch.manual_seed(0)
+    schema, batch = _synthetic_batch()
+    model = GEMRanker(schema, embedding_dim=8, model_dim=16, num_layers=2, num_heads=2, head_hidden_dims=(16,))
+    counted = measure_flops(model, lambda: model(batch), lambda out: out.sum())
+    assert counted == model_flops(model, batch)
+    # GDPA (encoder and interaction) is part of it, as model_flops counts it (see the test above).
+    _, attention = _analytic_ranker_flops(model, batch)
+    assert attention > 0 and counted > attention
+
+
 def test_attention_cost_coefficients_match_an_encoder_stack() -> None:
     torch.manual_seed(0)
     dim, num_layers, lengths = 16, 2, [5, 0, 9, 1]
