@@ -1,0 +1,229 @@
+"""Public MX/FP8 quantization functions: validation, defaults and ``impl=`` dispatch.
+
+``impl="reference"`` is pure PyTorch (any device, the oracle); ``"triton"`` runs the kernels (CUDA, or
+CPU under ``TRITON_INTERPRET=1``) and never falls back; ``"auto"`` picks Triton for CUDA tensors of
+fp32/fp16/bf16 and the reference otherwise. Both produce bit-identical FP8 data and scales.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from lightning_gem.ops.mx.formats import LAYOUTS, QuantizedTensor, block_shape
+from lightning_gem.ops.mx.impl.reference import norm_reference, quantize_reference
+
+__all__ = ["IMPLS", "NormQuantized", "norm_quantize", "norm_quantize_transposed", "quantize", "resolve_impl"]
+
+IMPLS = ("auto", "reference", "triton")
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class NormQuantized(NamedTuple):
+    """What :func:`norm_quantize` returns.
+
+    Attributes:
+        q: the normalised ``[R, D]`` rows quantized along ``D``.
+        rstd: ``[R]`` fp32 reciprocal standard deviations (RMS for RMSNorm).
+        mean: ``[R]`` fp32 means (LayerNorm) or None.
+        y: the ``[R, D]`` normalised output in ``x``'s dtype if ``write_output``, else None.
+    """
+
+    q: QuantizedTensor
+    rstd: Tensor
+    mean: Tensor | None
+    y: Tensor | None
+
+
+def resolve_impl(impl: str, x: Tensor) -> str:
+    """``"reference"`` or ``"triton"`` for ``impl`` and input ``x`` (``"auto"``: Triton for CUDA floats)."""
+    if impl not in IMPLS:
+        raise ValueError(f"`impl` must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return "triton" if x.device.type == "cuda" and x.dtype in _FLOAT_DTYPES else "reference"
+    if impl == "triton":
+        from lightning_gem.ops.mx.impl.triton import SUPPORTED_DTYPES
+        from lightning_gem.ops.mx.impl.triton._common import interpreted
+        from lightning_gem.ops.mx.impl.triton.quantize import _quantize_kernel
+
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"impl='triton' takes float16, bfloat16 or float32 inputs, got {x.dtype}")
+        if x.device.type != "cuda" and not interpreted(_quantize_kernel):
+            raise ValueError(
+                f"impl='triton' needs CUDA tensors, got {x.device} (on CPU the kernels run only under "
+                "TRITON_INTERPRET=1, set before Triton is imported)"
+            )
+    return impl
+
+
+def _check_matrix(x: Tensor, name: str, layout: str) -> None:
+    if not isinstance(x, Tensor) or x.ndim != 2:
+        raise ValueError(f"`{name}` must be a 2-D [R, C] tensor, got {getattr(x, 'shape', type(x))}")
+    if not x.is_floating_point():
+        raise TypeError(f"`{name}` must be a floating-point tensor, got {x.dtype}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"`layout` must be one of {LAYOUTS}, got {layout!r}")
+
+
+def quantize(
+    x: Tensor,
+    layout: str = "mx",
+    *,
+    rounding: str = "rceil",
+    rows: bool = True,
+    cols: bool = False,
+    impl: str = "auto",
+) -> tuple[QuantizedTensor | None, QuantizedTensor | None]:
+    """Quantize ``[R, C]`` ``x`` to FP8 E4M3 with block scales, along ``C`` and/or along ``R``.
+
+    Args:
+        x: ``[R, C]`` float matrix.
+        layout: ``"mx"`` (OCP MXFP8: ``1 x 32`` blocks, E8M0 scales), ``"1x128"``, ``"128x128"`` (weights;
+            ``rows`` only) or ``"rowwise"`` (see :mod:`lightning_gem.ops.mx.formats`).
+        rounding: ``"rceil"`` (default; as cuBLAS / Transformer Engine / torchao RCEIL) or ``"floor"``
+            (the OCP reference rule, which may saturate).
+        rows: return ``x`` quantized along ``C`` (``[R, C]``).
+        cols: return ``x^T`` quantized along ``R`` (``[C, Rp]``, ``R`` zero-padded to a multiple of the
+            block, 128 for ``rowwise``): the layout of a weight-gradient GEMM's operands. The Triton path
+            reads ``x`` once for both.
+        impl: ``"auto"``, ``"reference"`` or ``"triton"`` (module docstring).
+
+    Returns:
+        ``(rows or None, cols or None)`` :class:`~lightning_gem.ops.mx.formats.QuantizedTensor` s.
+
+    Example:
+        >>> import torch
+        >>> q, _ = quantize(torch.randn(4, 64), "mx")
+        >>> q.data.dtype, q.scale.shape
+        (torch.float8_e4m3fn, torch.Size([4, 2]))
+    """
+    _check_matrix(x, "x", layout)
+    if rounding not in ("rceil", "floor"):
+        raise ValueError(f"`rounding` must be 'rceil' or 'floor', got {rounding!r}")
+    if layout == "128x128" and cols:
+        raise ValueError("layout '128x128' has no transposed quantization: transpose its data and scales instead")
+    block_cols = block_shape(layout, x.shape[1])[1]
+    if x.shape[1] == 0 or x.shape[1] % block_cols:
+        raise ValueError(f"`x` must have a positive multiple of {block_cols} columns for {layout!r}, got {x.shape[1]}")
+    if cols and layout == "mx" and x.shape[0] == 0:
+        raise ValueError("`x` must have rows to quantize along them")
+    if resolve_impl(impl, x) == "triton":
+        from lightning_gem.ops.mx.impl.triton import mx_quantize_op
+
+        q, s, qt, st = mx_quantize_op(x.contiguous(), layout, rounding, rows, cols)
+        return (QuantizedTensor(q, s, layout) if rows else None), (QuantizedTensor(qt, st, layout) if cols else None)
+    row_out = quantize_reference(x, layout, rounding) if rows else None
+    col_out = None
+    if cols:
+        pad = 128 if layout == "rowwise" else block_cols
+        padded = torch.zeros(-(-x.shape[0] // pad) * pad, x.shape[1], dtype=x.dtype, device=x.device)
+        padded[: x.shape[0]] = x
+        col_out = quantize_reference(padded.t().contiguous(), layout, rounding)
+    return row_out, col_out
+
+
+def norm_quantize(
+    x: Tensor,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    *,
+    kind: str = "rms",
+    eps: float = 1e-6,
+    layout: str = "mx",
+    rounding: str = "rceil",
+    write_output: bool = False,
+    impl: str = "auto",
+) -> NormQuantized:
+    """RMSNorm or LayerNorm over the last dim of ``[R, D]`` ``x``, its output quantized along ``D`` in one pass.
+
+    The output is rounded to ``x``'s dtype before quantization, exactly as an unfused norm's output would
+    be, so ``norm_quantize(...).q`` equals ``quantize(norm(x))`` bit for bit. The transposed layout for the
+    weight gradient comes from :func:`norm_quantize_transposed` without storing the normalised activation.
+
+    Args:
+        x: ``[R, D]`` input rows. weight, bias: ``[D]`` affine parameters or None.
+        kind: ``"rms"`` or ``"layer"``. eps: added to the variance.
+        layout: ``"mx"``, ``"1x128"`` or ``"rowwise"``. rounding: as in :func:`quantize`.
+        write_output: also return the normalised output in ``x``'s dtype.
+        impl: ``"auto"``, ``"reference"`` or ``"triton"``.
+
+    Returns:
+        :class:`NormQuantized`.
+
+    Example:
+        >>> import torch
+        >>> out = norm_quantize(torch.randn(8, 64), torch.ones(64), layout="mx")
+        >>> out.q.data.shape, out.rstd.shape
+        (torch.Size([8, 64]), torch.Size([8]))
+    """
+    _check_matrix(x, "x", layout)
+    if kind not in ("rms", "layer"):
+        raise ValueError(f"`kind` must be 'rms' or 'layer', got {kind!r}")
+    if layout == "128x128":
+        raise ValueError("norm outputs are activations: use layout 'mx', '1x128' or 'rowwise'")
+    dim = x.shape[1]
+    block_cols = block_shape(layout, dim)[1]
+    if dim == 0 or dim % block_cols:
+        raise ValueError(f"`x` must have a positive multiple of {block_cols} features for {layout!r}, got {dim}")
+    for name, param in (("weight", weight), ("bias", bias)):
+        if param is not None and tuple(param.shape) != (dim,):
+            raise ValueError(f"`{name}` must have shape [{dim}] (x's features), got {tuple(param.shape)}")
+    if resolve_impl(impl, x) == "triton":
+        from lightning_gem.ops.mx.impl.triton import mx_norm_quantize_op
+
+        q, s, rstd, mean, y = mx_norm_quantize_op(
+            x.contiguous(), weight, bias, float(eps), kind, layout, rounding, write_output
+        )
+        return NormQuantized(
+            QuantizedTensor(q, s, layout), rstd, mean if kind == "layer" else None, y if write_output else None
+        )
+    y, rstd, mean = norm_reference(x, weight, bias, eps, kind)
+    return NormQuantized(quantize_reference(y, layout, rounding), rstd, mean, y if write_output else None)
+
+
+def norm_quantize_transposed(
+    x: Tensor,
+    rstd: Tensor,
+    mean: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    *,
+    kind: str = "rms",
+    layout: str = "mx",
+    rounding: str = "rceil",
+    impl: str = "auto",
+) -> QuantizedTensor:
+    """The norm's output ``y = norm(x)`` (from saved ``rstd``/``mean``), transposed and quantized along ``R``.
+
+    This is ``quantize(y, layout, rows=False, cols=True)[1]`` without ``y`` ever being stored: the weight
+    gradient of the GEMM after a fused norm reads it, and the norm's backward keeps ``x`` anyway.
+
+    Args:
+        x: ``[R, D]`` the norm's input. rstd, mean: ``[R]`` fp32 from :func:`norm_quantize` (``mean`` for
+            LayerNorm only). weight, bias: the norm's ``[D]`` parameters or None.
+        kind, layout, rounding, impl: as in :func:`norm_quantize`.
+
+    Returns:
+        ``[D, Rp]`` :class:`~lightning_gem.ops.mx.formats.QuantizedTensor` (``Rp`` as in :func:`quantize`).
+    """
+    _check_matrix(x, "x", layout)
+    if kind not in ("rms", "layer") or (kind == "layer") != (mean is not None):
+        raise ValueError(f"`kind` must be 'rms' (no `mean`) or 'layer' (with `mean`), got {kind!r}")
+    if tuple(rstd.shape) != (x.shape[0],):
+        raise ValueError(f"`rstd` must have shape [{x.shape[0]}] (x's rows), got {tuple(rstd.shape)}")
+    if resolve_impl(impl, x) == "triton":
+        from lightning_gem.ops.mx.impl.triton import mx_quantize_op
+
+        outputs = mx_quantize_op(x.contiguous(), layout, rounding, False, True, kind, rstd, mean, weight, bias)
+        return QuantizedTensor(outputs[2], outputs[3], layout)
+    y = x.float()
+    if mean is not None:
+        y = y - mean[:, None]
+    y = y * rstd[:, None]
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    return quantize(y.to(x.dtype), layout, rounding=rounding, rows=False, cols=True, impl="reference")[1]

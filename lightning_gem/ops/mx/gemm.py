@@ -1,0 +1,89 @@
+"""GEMMs of block-scaled FP8 operands: ``a @ b^T`` with both operands quantized along the shared dim.
+
+Legend: ``a`` is ``[M, K]``, ``b`` is ``[N, K]``, the result ``[M, N]``; ``K`` is the contraction dim.
+
+Backends:
+
+- ``"emulated"``: dequantize both operands to fp32 and multiply in fp32, on any device. FP8 products are
+  exact in fp32 and the scales are powers of two, so this is the block-scaled GEMM's arithmetic up to the
+  fp32 summation order: the numerics of MXFP8 hardware without the hardware.
+- ``"scaled_mm"``: ``torch._scaled_mm`` (cuBLAS). Hopper (sm_90) runs ``rowwise`` x ``rowwise`` and the
+  blockwise pairs ``1x128`` x ``128x128`` (forward, input gradient) and ``1x128`` x ``1x128`` (weight
+  gradient); ``mx`` x ``mx`` (E8M0 scales in cuBLAS's swizzled tiles) needs sm_100 or newer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_gem.ops.mx.formats import QuantizedTensor
+
+__all__ = ["GEMM_BACKENDS", "scaled_mm", "scaled_mm_supported"]
+
+GEMM_BACKENDS = ("emulated", "scaled_mm")
+_NATIVE_PAIRS = {("rowwise", "rowwise"), ("1x128", "128x128"), ("1x128", "1x128"), ("mx", "mx")}
+
+
+def scaled_mm_supported(layout_a: str, layout_b: str, device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` runs this layout pair on ``device`` (asked at call time)."""
+    if device.type != "cuda" or (layout_a, layout_b) not in _NATIVE_PAIRS:
+        return False
+    major, minor = torch.cuda.get_device_capability(device)
+    if layout_a == "mx":
+        return major >= 10
+    if layout_a == "rowwise":
+        return (major, minor) >= (8, 9)
+    return major == 9  # cuBLAS's 1x128 / 128x128 block scaling is an sm_90 feature
+
+
+def scaled_mm(a: QuantizedTensor, b: QuantizedTensor, *, out_dtype: torch.dtype, backend: str) -> Tensor:
+    """``[M, N]`` ``dequantize(a) @ dequantize(b)^T`` in ``out_dtype``.
+
+    Args:
+        a: ``[M, K]`` quantized along ``K``.
+        b: ``[N, K]`` quantized along ``K`` (a weight is ``[out_features, in_features]``: ``x @ w^T``).
+        out_dtype: result dtype (``scaled_mm`` with ``rowwise`` scales supports bfloat16 only).
+        backend: ``"emulated"`` or ``"scaled_mm"`` (see the module docstring); never falls back.
+
+    Raises:
+        ValueError: mismatched contraction dims, or ``scaled_mm`` on a device or layout pair it lacks.
+    """
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"`a` [M, K] and `b` [N, K] must share K, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if backend == "emulated":
+        return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
+    if backend != "scaled_mm":
+        raise ValueError(f"`backend` must be one of {GEMM_BACKENDS}, got {backend!r}")
+    if not scaled_mm_supported(a.layout, b.layout, a.data.device):
+        raise ValueError(
+            f"torch._scaled_mm does not run {a.layout} x {b.layout} scales on {a.data.device}: use backend='emulated'"
+        )
+    scale_a, scale_b = _native_scales(a), _native_scales(b)
+    if b.layout == "rowwise":
+        scale_b = scale_b.reshape(1, -1)
+    elif b.layout != "mx":  # [N, K / 128] or [N / 128, K / 128] -> transposed, as b itself is passed
+        scale_b = scale_b.t()
+    return torch._scaled_mm(a.data, b.data.t(), scale_a, scale_b, out_dtype=out_dtype)
+
+
+def _native_scales(q: QuantizedTensor) -> Tensor:
+    """``q``'s scales as ``torch._scaled_mm`` reads them for the first operand's orientation."""
+    scale = q.scale
+    if q.layout == "1x128" and scale.stride(0) != 1:  # outer-dim-major ([R, K/128] with the rows contiguous)
+        scale = scale.t().contiguous().t()
+    elif q.layout == "mx":
+        scale = _to_blocked(scale).view(torch.float8_e8m0fnu)
+    return scale
+
+
+def _to_blocked(scale: Tensor) -> Tensor:
+    """E8M0 scales ``[R, K/32]`` in cuBLAS's block-scaling tiles: 128 rows x 4 scale columns per tile,
+    rows interleaved as ``(32, 4)``, the tile flattened; rows padded to 128 and columns to 4 with zeros.
+    """
+    rows, cols = scale.shape
+    padded_rows, padded_cols = -(-rows // 128) * 128, -(-cols // 4) * 4
+    padded = scale.new_zeros(padded_rows, padded_cols)
+    padded[:rows, :cols] = scale
+    tiles = padded.view(padded_rows // 128, 128, padded_cols // 4, 4).permute(0, 2, 1, 3)
+    return tiles.reshape(-1, 4, 32, 4).transpose(1, 2).reshape(padded_rows, padded_cols)

@@ -1,0 +1,103 @@
+"""RMSNorm / LayerNorm fused with quantization: the normalised rows go straight to FP8 in the GEMM's layout.
+
+Legend: ``R`` rows (tokens), ``D`` features (the next GEMM's contraction dim), ``B`` scale block along ``D``.
+
+One program normalises ``TILE_R`` whole rows held in registers (one read of ``x``), rounds the output to
+``x``'s dtype (exactly what an unfused norm would write) and quantizes it in ``1 x B`` blocks (``mx``,
+``1x128``) or per row (``rowwise``): it writes ``q [R, D]``, the scales and the ``rstd`` (and ``mean``) the
+norm's backward needs; the high-precision output itself only on request. The transposed layout the
+weight gradient needs is made later from ``x`` and the saved statistics by ``quantize_triton(...,
+norm=...)``, so no normalised activation is ever stored for backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from lightning_gem.ops.mx.impl.triton._common import _quantize_rows, _scale_value, run_kernel
+from lightning_gem.ops.mx.impl.triton.quantize import _TL_DTYPES
+
+__all__ = ["norm_quantize_triton"]
+
+
+@triton.jit
+def _norm_quantize_kernel(
+    X, WEIGHT, BIAS, Y, Q, S, RSTD, MEAN,  # [R, D], [D], [D], [R, D], [R, D] fp8, scales, [R], [R]
+    num_rows, dim, eps, stride_s_r, stride_s_c,
+    TILE_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, LAYER: tl.constexpr,
+    WRITE_Y: tl.constexpr, MX: tl.constexpr, RCEIL: tl.constexpr, OUT_DTYPE: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * TILE_R + tl.arange(0, TILE_R)
+    cols = tl.arange(0, BLOCK_D)
+    row_mask = rows < num_rows
+    col_mask = cols < dim
+    mask = row_mask[:, None] & col_mask[None, :]
+    offsets = rows[:, None] * dim + cols[None, :]
+    x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+    if LAYER:
+        mean = tl.sum(x, axis=1) / dim
+        x = tl.where(mask, x - mean[:, None], 0.0)
+        tl.store(MEAN + rows, mean, mask=row_mask)
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / dim + eps)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+    y = x * rstd[:, None]
+    if WEIGHT is not None:
+        y = y * tl.load(WEIGHT + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if BIAS is not None:
+        y = y + tl.load(BIAS + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    y = tl.where(mask, y, 0.0).to(OUT_DTYPE)
+    if WRITE_Y:
+        tl.store(Y + offsets, y, mask=mask)
+    q, exponent, nonfinite = _quantize_rows(y.to(tl.float32), TILE_R, BLOCK_D, BLOCK, RCEIL)
+    tl.store(Q + offsets, q, mask=mask)
+    blocks = tl.arange(0, BLOCK_D // BLOCK)
+    scale_mask = row_mask[:, None] & (blocks < tl.cdiv(dim, BLOCK))[None, :]
+    scale_ptrs = S + rows[:, None] * stride_s_r + blocks[None, :] * stride_s_c
+    tl.store(scale_ptrs, _scale_value(exponent, nonfinite, MX), mask=scale_mask)
+
+
+def norm_quantize_triton(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    kind: str,
+    layout: str,
+    rounding: str = "rceil",
+    *,
+    write_output: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+    """Normalise ``[R, D]`` ``x`` and quantize the result along ``D``.
+
+    Returns:
+        ``(q [R, D] fp8, scale, rstd [R] fp32, mean [R] fp32 or None, y [R, D] or None)``; scales as
+        :func:`~lightning_gem.ops.mx.impl.triton.quantize.quantize_triton` lays them out.
+    """
+    num_rows, dim = x.shape
+    device = x.device
+    block_d = triton.next_power_of_2(dim)
+    mx = layout == "mx"
+    block = {"mx": 32, "1x128": 128, "rowwise": block_d}[layout]
+    q = torch.empty(num_rows, dim, dtype=torch.float8_e4m3fn, device=device)
+    if mx:
+        scale = torch.empty(num_rows, dim // 32, dtype=torch.uint8, device=device)
+    elif layout == "1x128":
+        scale = torch.empty(dim // 128, num_rows, dtype=torch.float32, device=device).t()
+    else:
+        scale = torch.empty(num_rows, 1, dtype=torch.float32, device=device)
+    rstd = torch.empty(num_rows, dtype=torch.float32, device=device)
+    mean = torch.empty(num_rows, dtype=torch.float32, device=device) if kind == "layer" else None
+    y = torch.empty_like(x) if write_output else None
+    tile_r = max(1, min(16, 8192 // block_d))
+    args = (
+        x, weight, bias, y, q, scale, rstd, mean, num_rows, dim, float(eps), *scale.stride(),
+    )  # fmt: skip
+    meta = dict(
+        TILE_R=tile_r, BLOCK_D=block_d, BLOCK=block, LAYER=kind == "layer", WRITE_Y=write_output, MX=mx,
+        RCEIL=rounding == "rceil", OUT_DTYPE=_TL_DTYPES[x.dtype], num_warps=8 if block_d >= 2048 else 4,
+    )  # fmt: skip
+    run_kernel(_norm_quantize_kernel, (triton.cdiv(num_rows, tile_r),), args, meta)
+    return q, scale, rstd, mean, y

@@ -1,0 +1,74 @@
+"""The MX/FP8 Triton quantizers as torch custom ops, visible to ``torch.compile``.
+
+``lightning_gem::mx_quantize`` and ``lightning_gem::mx_norm_quantize`` are :func:`torch.library.triton_op` s:
+their bodies allocate outputs and launch through ``wrap_triton``, so they are their own fake impls and
+compiled graphs hold the kernels. Outputs that were not asked for come back as empty tensors (an op
+returns a fixed tuple of tensors).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch._subclasses.functional_tensor import FunctionalTensorMode
+from torch.library import triton_op
+
+from lightning_gem.ops.mx.impl.triton._common import interpreted
+from lightning_gem.ops.mx.impl.triton.norm_quantize import _norm_quantize_kernel, norm_quantize_triton
+from lightning_gem.ops.mx.impl.triton.quantize import quantize_triton
+
+__all__ = ["SUPPORTED_DTYPES", "mx_norm_quantize_op", "mx_quantize_op"]
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton_op("lightning_gem::mx_quantize", mutates_args=())
+def mx_quantize_op(
+    x: Tensor,
+    layout: str,
+    rounding: str,
+    rows: bool,
+    cols: bool,
+    norm_kind: str | None = None,
+    rstd: Tensor | None = None,
+    mean: Tensor | None = None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(q, scale, qt, scale_t)`` of :func:`quantize_triton` (empty where not requested)."""
+    norm = (norm_kind, rstd, mean, weight, bias) if norm_kind is not None else None
+    row_out, col_out = quantize_triton(x, layout, rounding, rows=rows, cols=cols, norm=norm)
+    empty_q, empty_s = x.new_empty(0, dtype=torch.float8_e4m3fn), x.new_empty(0, dtype=torch.float32)
+    q, s = row_out if row_out is not None else (empty_q, empty_s)
+    qt, st = col_out if col_out is not None else (empty_q, empty_s)
+    return q, s, qt, st
+
+
+@triton_op("lightning_gem::mx_norm_quantize", mutates_args=())
+def mx_norm_quantize_op(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    kind: str,
+    layout: str,
+    rounding: str,
+    write_output: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(q, scale, rstd, mean, y)`` of :func:`norm_quantize_triton` (``mean``/``y`` empty when absent)."""
+    q, scale, rstd, mean, y = norm_quantize_triton(
+        x, weight, bias, eps, kind, layout, rounding, write_output=write_output
+    )
+    empty = x.new_empty(0, dtype=torch.float32)
+    return q, scale, rstd, mean if mean is not None else empty, y if y is not None else x.new_empty(0)
+
+
+def _keep_opaque(mode, op, types, args, kwargs):  # noqa: ANN001, ANN202
+    return mode.__torch_dispatch__(op, types, args, kwargs)
+
+
+if interpreted(_norm_quantize_kernel):
+    # Under the interpreter (CPU tests) the kernels cannot be wrapped into a traced graph, so the ops stay
+    # opaque nodes that run eagerly instead of decomposing into allocations alone.
+    for _op in (mx_quantize_op, mx_norm_quantize_op):
+        _op.register_torch_dispatch(FunctionalTensorMode, _keep_opaque)

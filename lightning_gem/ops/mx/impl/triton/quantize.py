@@ -1,0 +1,220 @@
+"""Triton quantizers: one read of a high-precision tile, FP8 written in the layouts the GEMMs read.
+
+Legend: ``R`` rows, ``C`` columns, ``Rp`` rows padded to a multiple of the block (the transposed layout's
+contraction dim), ``B`` elements per scale block.
+
+``_quantize_kernel`` reads a ``[TILE_R, TILE_C]`` tile once and writes any of:
+
+- the row layout: ``q [R, C]`` in ``1 x B`` blocks along ``C`` (``mx``, ``1x128``), or one block per tile
+  (``128x128``), or with per-row exponents computed beforehand (``rowwise``);
+- the transposed layout: ``qt [C, Rp]`` in ``1 x B`` blocks along ``R`` (what a weight-gradient GEMM reads:
+  its contraction dim is the tokens), zero-padded to ``Rp``.
+
+An optional norm prologue (``NORM``: RMSNorm or LayerNorm with saved ``rstd``/``mean``) normalises the tile
+first, so a norm's output is quantized straight from its input without being written.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from lightning_gem.ops.mx.impl.triton._common import (
+    _quantize_rows,
+    _scale_value,
+    _shared_exponent,
+    _to_e4m3,
+    run_kernel,
+)
+
+__all__ = ["quantize_triton"]
+
+_NORM_CODES = {None: 0, "rms": 1, "layer": 2}
+
+
+@triton.jit
+def _normalize(
+    x, rows, cols, RSTD, MEAN, WEIGHT, BIAS, num_rows, num_cols, NORM: tl.constexpr, OUT_DTYPE: tl.constexpr
+):
+    """The norm's output for a tile, rounded to the activation dtype as the unfused norm would write it."""
+    row_mask = rows < num_rows
+    col_mask = cols < num_cols
+    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    if NORM == 2:
+        x = x - tl.load(MEAN + rows, mask=row_mask, other=0.0)[:, None]
+    y = x * rstd[:, None]
+    if WEIGHT is not None:
+        y = y * tl.load(WEIGHT + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    if BIAS is not None:
+        y = y + tl.load(BIAS + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    y = tl.where(row_mask[:, None] & col_mask[None, :], y, 0.0)
+    return y.to(OUT_DTYPE).to(tl.float32)
+
+
+@triton.jit
+def _quantize_kernel(
+    X, Q, S, QT, ST,  # [R, C] input, [R, C] fp8 + scales, [C, Rp] fp8 + scales
+    ROW_EXP, COL_EXP,  # [R] / [C] int32 exponents given in advance (rowwise; 128 marks a NaN row)
+    RSTD, MEAN, WEIGHT, BIAS,  # norm prologue: [R], [R], [C], [C]
+    num_rows, num_cols, padded_rows,
+    stride_s_r, stride_s_c, stride_st_c, stride_st_r,
+    TILE_R: tl.constexpr, TILE_C: tl.constexpr, BLOCK: tl.constexpr,
+    ROWS: tl.constexpr, COLS: tl.constexpr, SQUARE: tl.constexpr, GIVEN_EXP: tl.constexpr,
+    MX: tl.constexpr, RCEIL: tl.constexpr, NORM: tl.constexpr, OUT_DTYPE: tl.constexpr,
+):  # fmt: skip
+    pid_r = tl.program_id(0).to(tl.int64)
+    pid_c = tl.program_id(1).to(tl.int64)
+    rows = pid_r * TILE_R + tl.arange(0, TILE_R)
+    cols = pid_c * TILE_C + tl.arange(0, TILE_C)
+    in_bounds = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
+    x = tl.load(X + rows[:, None] * num_cols + cols[None, :], mask=in_bounds, other=0.0).to(tl.float32)
+    if NORM != 0:
+        x = _normalize(x, rows, cols, RSTD, MEAN, WEIGHT, BIAS, num_rows, num_cols, NORM, OUT_DTYPE)
+
+    if ROWS:
+        if SQUARE:  # one scale for the whole 128 x 128 tile
+            amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+            bad = (x != x) | (tl.abs(x) == float("inf"))
+            nonfinite = tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0) > 0
+            exponent = _shared_exponent(amax, RCEIL)
+            q = _to_e4m3(x, exponent, nonfinite)
+            tl.store(S + pid_r * stride_s_r + pid_c * stride_s_c, _scale_value(exponent, nonfinite, MX))
+        elif GIVEN_EXP:
+            exponent = tl.load(ROW_EXP + rows, mask=rows < num_rows, other=0)
+            nonfinite = exponent == 128
+            q = _to_e4m3(x, exponent[:, None], nonfinite[:, None])
+        else:
+            q, exponent, nonfinite = _quantize_rows(x, TILE_R, TILE_C, BLOCK, RCEIL)
+            blocks = pid_c * (TILE_C // BLOCK) + tl.arange(0, TILE_C // BLOCK)
+            scale_mask = (rows < num_rows)[:, None] & (blocks < num_cols // BLOCK)[None, :]
+            scale_ptrs = S + rows[:, None] * stride_s_r + blocks[None, :] * stride_s_c
+            tl.store(scale_ptrs, _scale_value(exponent, nonfinite, MX), mask=scale_mask)
+        tl.store(Q + rows[:, None] * num_cols + cols[None, :], q, mask=in_bounds)
+
+    if COLS:
+        xt = tl.trans(x)  # [TILE_C, TILE_R]: the tile's columns become rows of the transposed layout
+        if GIVEN_EXP:
+            exponent = tl.load(COL_EXP + cols, mask=cols < num_cols, other=0)
+            nonfinite = exponent == 128
+            qt = _to_e4m3(xt, exponent[:, None], nonfinite[:, None])
+        else:
+            qt, exponent, nonfinite = _quantize_rows(xt, TILE_C, TILE_R, BLOCK, RCEIL)
+            blocks = pid_r * (TILE_R // BLOCK) + tl.arange(0, TILE_R // BLOCK)
+            scale_mask = (cols < num_cols)[:, None] & (blocks < padded_rows // BLOCK)[None, :]
+            scale_ptrs = ST + cols[:, None] * stride_st_c + blocks[None, :] * stride_st_r
+            tl.store(scale_ptrs, _scale_value(exponent, nonfinite, MX), mask=scale_mask)
+        t_mask = (cols < num_cols)[:, None] & (rows < padded_rows)[None, :]
+        tl.store(QT + cols[:, None] * padded_rows + rows[None, :], qt, mask=t_mask)
+
+
+def _rowwise_exponents(x: Tensor, dim: int, rounding: str) -> Tensor:
+    """int32 exponents of ``x``'s rows (``dim=1``) or columns (``dim=0``); 128 marks a NaN/Inf row."""
+    from lightning_gem.ops.mx.impl.reference import shared_exponent
+
+    amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=dim, dtype=torch.float32)  # NaN and Inf propagate
+    exponent = shared_exponent(amax, rounding)
+    return torch.where(torch.isfinite(amax), exponent, 128).to(torch.int32)
+
+
+def quantize_triton(
+    x: Tensor,
+    layout: str,
+    rounding: str = "rceil",
+    *,
+    rows: bool = True,
+    cols: bool = False,
+    norm: tuple[str, Tensor, Tensor | None, Tensor | None, Tensor | None] | None = None,
+) -> tuple[tuple[Tensor, Tensor] | None, tuple[Tensor, Tensor] | None]:
+    """Quantize ``[R, C]`` ``x`` (contiguous) along ``C`` (``rows``) and/or along ``R`` transposed (``cols``).
+
+    Args:
+        x: ``[R, C]`` fp32/fp16/bf16 matrix (validated by the public API).
+        layout: ``"mx"``, ``"1x128"``, ``"128x128"`` (``rows`` only) or ``"rowwise"``.
+        rounding: ``"rceil"`` or ``"floor"``.
+        rows: write ``(q [R, C], scale)``.
+        cols: write ``(qt [C, Rp], scale_t)``, ``Rp`` = ``R`` rounded up to the block (zero rows appended).
+        norm: ``(kind, rstd [R], mean [R] or None, weight [C] or None, bias [C] or None)``: quantize the
+            norm's output ``norm(x)`` (rounded to ``x``'s dtype) instead of ``x``.
+
+    Returns:
+        ``((q, scale) or None, (qt, scale_t) or None)``. Scales: uint8 E8M0 ``[R, C/32]`` for ``mx``; fp32
+        column-major ``[R, C/128]`` for ``1x128`` (Hopper's GEMM reads them so); ``[R/128, C/128]`` for
+        ``128x128``; ``[R, 1]`` for ``rowwise``; the transposed layout's likewise with ``R`` and ``C`` swapped.
+    """
+    num_rows, num_cols = x.shape
+    mx, square, rowwise = layout == "mx", layout == "128x128", layout == "rowwise"
+    block = {"mx": 32, "1x128": 128, "128x128": 128, "rowwise": 1}[layout]
+    pad_block = 128 if rowwise else block  # rowwise's transposed contraction dim is padded like 1x128's
+    padded_rows = -(-num_rows // pad_block) * pad_block
+    device = x.device
+    scale_dtype = torch.uint8 if mx else torch.float32
+
+    q = s = qt = st = None
+    row_exp = col_exp = None
+    if rows:
+        q = torch.empty(num_rows, num_cols, dtype=torch.float8_e4m3fn, device=device)
+        if square:
+            s = torch.empty(-(-num_rows // 128), num_cols // 128, dtype=scale_dtype, device=device)
+        elif rowwise:
+            row_exp = _rowwise_exponents(x if norm is None else _norm_output(x, norm), 1, rounding)
+        elif mx:
+            s = torch.empty(num_rows, num_cols // block, dtype=scale_dtype, device=device)
+        else:
+            s = torch.empty(num_cols // block, num_rows, dtype=scale_dtype, device=device).t()
+    if cols:
+        qt = torch.empty(num_cols, padded_rows, dtype=torch.float8_e4m3fn, device=device)
+        if rowwise:
+            col_exp = _rowwise_exponents(x if norm is None else _norm_output(x, norm), 0, rounding)
+        elif mx:
+            st = torch.empty(num_cols, padded_rows // block, dtype=scale_dtype, device=device)
+        else:
+            st = torch.empty(padded_rows // block, num_cols, dtype=scale_dtype, device=device).t()
+
+    tile_r = 128 if (square or (cols and not mx)) else (32 if cols else 16)
+    tile_c = 128 if (square or not mx) else 64
+    if rowwise:
+        tile_r, tile_c = (128, 64) if cols else (16, 128)
+    tile_c = min(tile_c, triton.next_power_of_2(num_cols)) if rowwise else tile_c
+    placeholder = x.new_empty(0)
+    kind, rstd, mean, weight, bias = norm if norm is not None else (None, None, None, None, None)
+    grid = (triton.cdiv(padded_rows if cols else num_rows, tile_r), triton.cdiv(num_cols, tile_c))
+    args = (
+        x, q if rows else placeholder, s if s is not None else placeholder,
+        qt if cols else placeholder, st if st is not None else placeholder,
+        row_exp, col_exp, rstd, mean, weight, bias,
+        num_rows, num_cols, padded_rows,
+        *(s.stride() if s is not None else (0, 0)), *(st.stride() if st is not None else (0, 0)),
+    )  # fmt: skip
+    meta = dict(
+        TILE_R=tile_r, TILE_C=tile_c, BLOCK=max(block, 1) if not rowwise else tile_r, ROWS=rows, COLS=cols,
+        SQUARE=square, GIVEN_EXP=rowwise, MX=mx, RCEIL=rounding == "rceil", NORM=_NORM_CODES[kind],
+        OUT_DTYPE=_TL_DTYPES[x.dtype], num_warps=8 if tile_r * tile_c >= 128 * 128 else 4,
+    )  # fmt: skip
+    run_kernel(_quantize_kernel, grid, args, meta)
+    if rowwise:
+        from lightning_gem.ops.mx.impl.reference import pow2
+
+        if rows:
+            s = torch.where(row_exp == 128, float("nan"), pow2(row_exp))[:, None]
+        if cols:
+            st = torch.where(col_exp == 128, float("nan"), pow2(col_exp))[:, None]
+    return ((q, s) if rows else None), ((qt, st) if cols else None)
+
+
+def _norm_output(x: Tensor, norm: tuple) -> Tensor:
+    """The norm's output in ``x``'s dtype (rowwise scales need its row/column maxima before the cast)."""
+    kind, rstd, mean, weight, bias = norm
+    y = x.float()
+    if kind == "layer":
+        y = y - mean[:, None]
+    y = y * rstd[:, None]
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
