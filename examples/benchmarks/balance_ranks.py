@@ -10,7 +10,9 @@ embeddings, HSTU encoder, GDPA candidate interaction, multi-task head; forward +
 bf16 autocast on CUDA). Each share is timed with CUDA events (CPU: ``perf_counter``), median of
 ``--reps`` runs after a warm-up. Reported per global batch: the slowest rank, the mean rank, and over
 all batches the ratio plain / balanced of the mean slowest-rank time (the speed-up of a real N-rank
-step, all-reduce excluded, which is the same in both).
+step, all-reduce excluded, which is the same in both). A least-squares fit ``ms = fixed + slope *
+cost`` over all shares says how much of a step is per-step overhead that no balancing can even out
+(launches, host syncs, optimizer): balancing pays in proportion to the cost-dependent part.
 
 Usage:
     python examples/benchmarks/balance_ranks.py                      # CUDA if present, GEM example size
@@ -79,12 +81,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--num-ranks", type=int, default=8)
-    parser.add_argument("--batch-size", type=int, default=32, help="users per rank per step")
+    parser.add_argument("--batch-size", type=int, default=64, help="users per rank per step")
     parser.add_argument("--num-batches", type=int, default=6, help="global batches measured")
     parser.add_argument("--reps", type=int, default=5, help="timed runs per rank share (median)")
     parser.add_argument("--max-history-length", type=int, default=4096, help="lengths clip(L u^3, 16, L)")
-    parser.add_argument("--model-dim", type=int, default=256)
-    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--model-dim", type=int, default=512)
+    parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--num-heads", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     args = parser.parse_args()
@@ -140,6 +142,8 @@ def main() -> None:
             costs = [float(cost_model(lengths[share]).sum()) for share in ranks]
             rows.append(
                 {
+                    "rank_ms": rank_ms,
+                    "rank_cost": costs,
                     "slowest_ms": max(rank_ms),
                     "mean_ms": statistics.fmean(rank_ms),
                     "time_imbalance": max(rank_ms) / statistics.fmean(rank_ms),
@@ -169,8 +173,17 @@ def main() -> None:
         f"mean slowest-rank step: plain {slowest['plain']:.2f} ms, balanced {slowest['balanced']:.2f} ms: "
         f"balanced is {speedup:.2f}x faster"
     )
+    times = np.array([ms for rows in results.values() for row in rows for ms in row["rank_ms"]])
+    costs = np.array([c for rows in results.values() for row in rows for c in row["rank_cost"]])
+    slope, fixed = np.polyfit(costs, times, 1)
+    r2 = 1 - np.var(times - (fixed + slope * costs)) / np.var(times)
+    print(
+        f"fit over {len(times)} shares: ms = {fixed:.2f} + {slope * 1e12:.3f} x training TFLOP of the encoder "
+        f"(R^2 {r2:.2f}); the fixed part is {fixed / times.mean():.0%} of a mean share"
+    )
     if args.out is not None:
         summary = {"args": {k: str(v) for k, v in vars(args).items()}, "device": device_name, "speedup": speedup}
+        summary["fit"] = {"fixed_ms": fixed, "ms_per_tflop": slope * 1e12, "r2": r2}
         args.out.write_text(json.dumps({**summary, **results}, indent=1))
 
 
