@@ -12,7 +12,18 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_SUBMODULES = {"callbacks", "cli", "components", "data", "jagged", "metrics", "ops", "strategies", "testing"}
+_SUBMODULES = {
+    "callbacks",
+    "cli",
+    "components",
+    "data",
+    "jagged",
+    "metrics",
+    "ops",
+    "precision",
+    "strategies",
+    "testing",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,110 @@
+"""RMSNorm / LayerNorm whose output is quantized by the norm's own kernel for the Linear it feeds.
+
+:func:`lightning_gem.precision.convert` swaps the class of a norm registered right before a converted
+Linear of matching width (``fuse_norm=True``). While training, the norm then runs
+:func:`lightning_gem.ops.mx.norm_quantize`: one pass writes its output and that output quantized in the
+Linear's layout, and hands both to the Linear, which uses the quantized copy only if its input *is* that
+output (any other reader, or a different input, gets the ordinary path). Parameters and state-dict keys
+are the original norm's. The backward is the norm's exact backward in fp32.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import Tensor, nn
+
+from lightning_gem.ops.mx import QuantizedTensor, norm_quantize
+from lightning_gem.precision.config import resolve_plan
+from lightning_gem.precision.linear import MXLinear, NormHandoff
+
+__all__ = ["MXLayerNorm", "MXRMSNorm", "fuse_norm"]
+
+
+class _FusedNormMixin:
+    """Shared forward of the fused norms; the subclasses only say which norm they are."""
+
+    norm_kind: str
+    _consumer: weakref.ref
+
+    def forward(self, input: Tensor) -> Tensor:  # noqa: A002
+        consumer = self._consumer()
+        if consumer is None or not torch.is_grad_enabled() or input.shape[-1] != consumer.in_features:
+            return super().forward(input)
+        plan = resolve_plan(consumer.mx_config, input.device)
+        if consumer.mx_hadamard or not consumer._eligible(plan) or input.ndim != 2:
+            return super().forward(input)
+        device_type = input.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else input.dtype
+        weight = self.weight if self.elementwise_affine else None
+        bias = getattr(self, "bias", None)
+        with torch.autocast(device_type, enabled=False):
+            y, q_data, q_scale, rstd, mean = _FusedNormFn.apply(
+                input,
+                weight,
+                bias,
+                self.norm_kind,
+                self._eps(input.dtype),
+                plan.act_layout,
+                consumer.mx_config.rounding,
+                dtype,
+            )
+        q = QuantizedTensor(q_data, q_scale, plan.act_layout)
+        consumer._handoff = NormHandoff(
+            y, q, input, rstd, mean if self.norm_kind == "layer" else None, weight, bias, self.norm_kind
+        )
+        return y
+
+    def _eps(self, dtype: torch.dtype) -> float:
+        return torch.finfo(dtype).eps if self.eps is None else float(self.eps)  # nn.RMSNorm's default
+
+
+class MXRMSNorm(_FusedNormMixin, nn.RMSNorm):
+    """``nn.RMSNorm`` fused with the quantization of the Linear it feeds."""
+
+    norm_kind = "rms"
+
+
+class MXLayerNorm(_FusedNormMixin, nn.LayerNorm):
+    """``nn.LayerNorm`` fused with the quantization of the Linear it feeds."""
+
+    norm_kind = "layer"
+
+
+def fuse_norm(norm: nn.Module, consumer: MXLinear) -> nn.Module:
+    """Swap ``norm``'s class in place to its fused version feeding ``consumer`` (idempotent)."""
+    norm.__class__ = MXRMSNorm if isinstance(norm, nn.RMSNorm) else MXLayerNorm
+    norm._consumer = weakref.ref(consumer)
+    return norm
+
+
+class _FusedNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, kind, eps, layout, rounding, out_dtype):  # noqa: ANN001, ANN205
+        out = norm_quantize(
+            x, weight, bias, kind=kind, eps=eps, layout=layout, rounding=rounding, write_output=True,
+            out_dtype=out_dtype,
+        )  # fmt: skip
+        mean = out.mean if out.mean is not None else out.rstd.new_empty(0)
+        ctx.mark_non_differentiable(out.q.data, out.q.scale, out.rstd, mean)
+        ctx.save_for_backward(x, weight, out.rstd, out.mean)
+        ctx.has_bias = bias is not None
+        return out.y, out.q.data, out.q.scale, out.rstd, mean
+
+    @staticmethod
+    def backward(ctx, grad_y, *_):  # noqa: ANN001, ANN205
+        x, weight, rstd, mean = ctx.saved_tensors
+        xhat = x.float()
+        if mean is not None:
+            xhat = xhat - mean[:, None]
+        xhat = xhat * rstd[:, None]
+        dy = grad_y.float()
+        dxhat = dy * weight.float() if weight is not None else dy
+        grad_x = dxhat - xhat * (dxhat * xhat).mean(dim=1, keepdim=True)
+        if mean is not None:
+            grad_x = grad_x - dxhat.mean(dim=1, keepdim=True)
+        grad_x = (grad_x * rstd[:, None]).to(x.dtype)
+        grad_w = (dy * xhat).sum(0).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+        grad_b = dy.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
