@@ -121,6 +121,7 @@ def test_byte_budget() -> None:
     plan = plan_activation_checkpointing(net, step, peak - 500_000, cost="time", log=False)
     assert plan.budget == peak - 500_000 and plan.chosen and plan.cost == "time"
     assert all(c.forward_seconds > 0 for c in plan.candidates)
+    assert plan.compile_budget_fraction == pytest.approx(plan.budget / plan.unconstrained_peak)  # CPU: baseline 0
     assert _measured_peak(net, step, plan.chosen) <= plan.budget
 
 
