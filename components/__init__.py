@@ -8,9 +8,11 @@
 - :mod:`~lightning_gem.components.ranker`: :class:`GEMRanker`, multi-task ranking LightningModule.
 - :mod:`~lightning_gem.components.retrieval`: :class:`SequentialRecommender`, next-item retrieval.
 
-Importing this package imports Lightning and torchrec (the package root ``lightning_gem`` does not).
+Importing this package imports Lightning and torchrec (the package root ``lightning_gem`` does not), and
+registers the ``"gem5d"`` strategy name with Lightning (:mod:`lightning_gem.strategies`).
 """
 
+import lightning_gem.strategies  # noqa: F401  (registers strategy="gem5d"; Lightning is imported here anyway)
 from lightning_gem.components.embeddings import (
     TableConfig,
     build_embedding_bag_collection,

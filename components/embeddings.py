@@ -191,11 +191,15 @@ def concat_sequence_embeddings(embeddings: Mapping[str, JaggedTensor], keys: Seq
     """Concatenate per-token embeddings of features with identical lengths: ``[T, len(keys) * dim]``.
 
     Args:
-        embeddings: an ``EmbeddingCollection`` output (feature name -> ``JaggedTensor`` of ``[T, dim]``).
+        embeddings: an ``EmbeddingCollection`` output (feature name -> ``JaggedTensor`` of ``[T, dim]``), or
+            a sharded collection's awaitable of it.
         keys: the features to concatenate, in order; all must have the same ``T``.
     """
     if not keys:
         raise ValueError("`keys` must name at least one feature")
+    if not isinstance(embeddings, Mapping):
+        # A sharded collection's output, torchrec's LazyAwaitable: attribute access waits once and caches.
+        embeddings = dict(embeddings.items())
     missing = [k for k in keys if k not in embeddings]
     if missing:
         raise ValueError(f"features {missing} are not in the embeddings (have {sorted(embeddings)})")

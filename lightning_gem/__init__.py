@@ -3,11 +3,18 @@
 Importing the package is cheap: it imports torch only. Submodules that pull Lightning, torchrec or
 Triton (``lightning_gem.components``, ``lightning_gem.data``, ``lightning_gem.strategies``) load when
 first used.
+
+The ``"gem5d"`` strategy name: importing ``lightning_gem`` registers it in Lightning's strategy registry
+when Lightning is already imported (``import lightning`` first, as Lightning scripts do); importing
+``lightning_gem.strategies``, ``lightning_gem.components`` or ``lightning_gem.cli`` (the ``lightning-gem``
+command) registers it in any order. The package root does not import Lightning itself, which would
+make every ``lightning_gem.ops`` user pay for it.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 __version__ = "0.1.0"
@@ -34,3 +41,7 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(list(globals()) + list(_SUBMODULES))
+
+
+if "lightning.pytorch" in sys.modules:
+    importlib.import_module(f"{__name__}.strategies")  # registers "gem5d" (see the module docstring)

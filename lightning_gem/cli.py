@@ -26,6 +26,7 @@ def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lightning-gem`` console script."""
     import lightning_gem.components  # noqa: F401  (registers the kit's classes for class_path lookup)
     import lightning_gem.data  # noqa: F401
+    import lightning_gem.strategies  # noqa: F401  (registers `strategy: gem5d`)
 
     GEMCLI(
         LightningModule,

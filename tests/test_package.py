@@ -1,4 +1,5 @@
-"""Packaging: the import is light, components/ and strategies/ ship inside the package, the CLI exists."""
+"""Packaging: the import is light, components/ and strategies/ ship inside the package, the CLI exists,
+the "gem5d" strategy name resolves."""
 
 from __future__ import annotations
 
@@ -27,6 +28,21 @@ def test_import_is_light() -> None:
     elapsed = time.perf_counter() - start
     assert loaded == "[]", f"importing lightning_gem pulled {loaded}"
     assert elapsed < 3.0, f"import took {elapsed:.2f} s"
+
+
+@pytest.mark.parametrize(
+    "imports",
+    [
+        "import lightning as L, lightning_gem",  # Lightning loaded first: the package root registers
+        "import lightning_gem.components; import lightning as L",  # the kit first: its modules register
+    ],
+)
+def test_gem5d_strategy_name_resolves(imports: str) -> None:
+    name = _run(
+        f"{imports}; print(type(L.Trainer(strategy='gem5d', accelerator='cpu', devices=1, logger=False).strategy)"
+        ".__name__)"
+    ).splitlines()[-1]
+    assert name == "GEM5DStrategy"
 
 
 def test_subpackages_resolve_from_the_installed_package() -> None:

@@ -1,0 +1,197 @@
+"""Dense 3D parallelism: HSDP/FSDP2 over ``(dense_replicate, dense_shard)``, tensor parallel over ``tensor_parallel``.
+
+Plain functions over a model and the dense view of the mesh (``mesh.py``). The model may hold torchrec
+modules: FSDP2 is never applied to a module containing one (their parameters are sharded by torchrec
+and trained by the fused optimizer). Instead the *dense units* are found: the largest submodules with
+parameters and no torchrec module inside, each called through its own ``forward``. Each unit gets
+``fully_shard`` (and so does each block of an ``nn.ModuleList`` inside it, one all-gather per block);
+containers without a forward (``nn.ModuleDict``/``nn.ModuleList``) are descended into. Parameters
+held directly by a module that also holds torchrec modules (e.g. a bias on the LightningModule) stay
+replicated; :class:`ReplicatedGradients` all-reduces their gradients.
+
+Tensor parallelism uses the plan each component declares (``tensor_parallel_plan()``: submodule name
+-> ``"colwise"`` / ``"rowwise"``), applied with DTensor's ``parallelize_module`` before FSDP2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "ReplicatedGradients",
+    "apply_fsdp",
+    "apply_tensor_parallel",
+    "dense_units",
+    "tensor_parallel_modules",
+]
+
+
+def _is_torchrec(module: nn.Module) -> bool:
+    from torchrec.distributed.types import ShardedModule
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+    return isinstance(module, (EmbeddingCollection, EmbeddingBagCollection, ShardedModule))
+
+
+def _holds_torchrec(module: nn.Module) -> bool:
+    return any(_is_torchrec(sub) for sub in module.modules())
+
+
+def _has_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def dense_units(module: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Parameter]]]:
+    """``(units, replicated)``: the dense units of ``module`` and the parameters left outside them.
+
+    Units are ``(qualified name, module)`` for the largest parameter-holding submodules without a torchrec
+    module inside and with a ``forward`` of their own (``nn.ModuleDict``/``nn.ModuleList`` are descended
+    into). ``replicated`` are the parameters held directly by modules that contain torchrec modules.
+    """
+    units: list[tuple[str, nn.Module]] = []
+    replicated: list[tuple[str, nn.Parameter]] = []
+
+    def visit(prefix: str, sub: nn.Module) -> None:
+        if _is_torchrec(sub) or not _has_parameters(sub):
+            return
+        if not _holds_torchrec(sub) and not isinstance(sub, (nn.ModuleDict, nn.ModuleList)):
+            units.append((prefix, sub))
+            return
+        for name, param in sub.named_parameters(recurse=False):
+            replicated.append((f"{prefix}.{name}" if prefix else name, param))
+        for name, child in sub.named_children():
+            visit(f"{prefix}.{name}" if prefix else name, child)
+
+    visit("", module)
+    return units, replicated
+
+
+def tensor_parallel_modules(module: nn.Module) -> list[tuple[str, nn.Module, dict[str, str]]]:
+    """``(name, submodule, plan)`` for every submodule declaring a ``tensor_parallel_plan()``."""
+    found = []
+    for name, sub in module.named_modules():
+        plan_fn = getattr(type(sub), "tensor_parallel_plan", None)
+        if callable(plan_fn):
+            found.append((name, sub, dict(plan_fn())))
+    return found
+
+
+def apply_tensor_parallel(module: nn.Module, tp_mesh: Any) -> list[str]:
+    """Shard the linears named by each component's ``tensor_parallel_plan()`` over ``tp_mesh``, in place.
+
+    Column-wise linears keep their output sharded (heads split across ranks), row-wise linears take a
+    sharded input and all-reduce their output, so a plan pairs them around per-head computation. The
+    component's head count (``num_heads``) is divided by the tensor-parallel size so its reshapes see
+    the local heads.
+
+    Returns:
+        The qualified names of the parallelized components.
+
+    Raises:
+        ValueError: a component's head count is not divisible by the tensor-parallel size, or its plan
+            names a submodule that is not an ``nn.Linear``.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    size = tp_mesh.size()
+    done = []
+    for name, sub, plan in tensor_parallel_modules(module):
+        heads = getattr(sub, "num_heads", None)
+        if heads is not None and heads % size:
+            raise ValueError(
+                f"`tensor_parallel_size` ({size}) must divide the heads of {name or type(sub).__name__} ({heads})"
+            )
+        styles = {}
+        for target, style in plan.items():
+            linear = sub.get_submodule(target)
+            if not isinstance(linear, nn.Linear):
+                raise ValueError(
+                    f"tensor-parallel plan of {name}: {target!r} is a {type(linear).__name__}, not nn.Linear"
+                )
+            if style == "colwise":
+                styles[target] = ColwiseParallel()
+            elif style == "rowwise":
+                styles[target] = RowwiseParallel()
+            else:
+                raise ValueError(f"tensor-parallel plan of {name}: style must be 'colwise' or 'rowwise', got {style!r}")
+        parallelize_module(sub, tp_mesh, styles)
+        if heads is not None:
+            sub.num_heads = heads // size
+        done.append(name)
+    return done
+
+
+def apply_fsdp(
+    units: Iterable[tuple[str, nn.Module]],
+    dp_mesh: Any,
+    *,
+    reshard_after_forward: bool = True,
+    mp_policy: Any = None,
+    sum_reductions: bool = False,
+) -> list[str]:
+    """``fully_shard`` each dense unit (and each ``nn.ModuleList`` block inside it) over ``dp_mesh``.
+
+    Args:
+        units: from :func:`dense_units`.
+        dp_mesh: the data-parallel mesh (1D: FSDP, 2D ``(replicate, shard)``: HSDP).
+        reshard_after_forward: free the gathered parameters after forward (ZeRO-3) or keep them (ZeRO-2).
+        mp_policy: an FSDP2 ``MixedPrecisionPolicy`` or None.
+        sum_reductions: reduce with plain sums and scale separately (gloo has no pre-multiplied sum).
+
+    Returns:
+        The qualified names of the modules given ``fully_shard``.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    kwargs = {"mesh": dp_mesh, "reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    wrapped = []
+
+    def shard(module: nn.Module, name: str) -> None:
+        # Gradients are averaged over dp_mesh (FSDP2's default). No custom divide factor: with a shard
+        # axis of size 1 (HSDP n x 1) FSDP2 would divide twice.
+        fsdp_module = fully_shard(module, **kwargs)
+        if sum_reductions:
+            fsdp_module.set_force_sum_reduction_for_comms(True)
+        wrapped.append(name)
+
+    for name, unit in units:
+        for sub_name, sub in unit.named_modules():
+            if isinstance(sub, nn.ModuleList):
+                for index, block in enumerate(sub):
+                    if _has_parameters(block):
+                        shard(block, ".".join(p for p in (name, sub_name, str(index)) if p))
+        shard(unit, name)
+    return wrapped
+
+
+class ReplicatedGradients:
+    """Sums the gradients of replicated parameters over the data-parallel group and divides them.
+
+    Call after the last backward before the optimizer step (accumulated gradients are reduced once).
+    """
+
+    def __init__(self, params: list[torch.Tensor], group: dist.ProcessGroup | None, divide_factor: float) -> None:
+        self.params = params
+        self.group = group
+        self.divide_factor = divide_factor
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(flat, group=self.group)
+        flat /= self.divide_factor
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()

@@ -1,0 +1,446 @@
+"""``GEM5DStrategy`` (``strategy="gem5d"``): a thin Lightning adapter over ``mesh.py``, ``sparse.py``,
+``dense.py`` and ``checkpoint_io.py``.
+
+Example:
+    >>> import lightning as L
+    >>> from lightning_gem.strategies import GEM5DStrategy
+    >>> strategy = GEM5DStrategy(sparse_group_size=2, dense_replicate_size=2)
+    >>> trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from . import checkpoint_io, dense, sparse
+from .mesh import MeshLayout, build_device_mesh, check_size, resolve_layout
+from .sparse import EmbeddingOptimizerConfig, EmbeddingOptimizerName, TableConstraint
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["GEM5DStrategy"]
+
+log = logging.getLogger(__name__)
+
+
+class GEM5DStrategy(ParallelStrategy):
+    """Sparse 2D x dense 3D parallelism for recommendation models holding torchrec embedding modules.
+
+    Embedding tables (every torchrec ``EmbeddingCollection`` / ``EmbeddingBagCollection`` of the model) are
+    sharded by torchrec's planner inside sharding groups of ``sparse_group_size`` ranks and replicated
+    across groups; they are trained by a fused optimizer inside the backward. The rest of the model
+    trains with the LightningModule's optimizer under FSDP2 (HSDP when ``dense_replicate_size > 1``)
+    and optionally tensor parallelism over the plans the components declare. Every rank trains on its
+    own batch; gradients are those of the mean loss over the global batch.
+
+    Rank layout (``W`` ranks; details and an example in :mod:`lightning_gem.strategies.mesh`):
+    ``rank = (replicate * dense_shard + shard) * tensor_parallel + tp`` on the dense axes, and
+    sharding group ``rank // sparse_group_size`` on the sparse axes (groups are contiguous; shard
+    ``rank % sparse_group_size`` is replicated across groups).
+
+    Args:
+        sparse_group_size: ranks each embedding table is sharded over. ``None``: all ranks (plain
+            torchrec sharding); ``1``: every rank holds every table (pure replication). Must divide ``W``.
+        dense_replicate_size: HSDP replicas of the dense parameters.
+        dense_shard_size: ranks each dense parameter is sharded over; ``None``:
+            ``W / (dense_replicate_size x tensor_parallel_size)``.
+        tensor_parallel_size: ranks the tensor-parallel linears are split over (see ``dense.py``).
+        table_constraints: per-table planner constraints (table name -> :class:`TableConstraint`).
+        embedding_optimizer: fused optimizer of the tables: ``sgd``, ``adagrad``, ``rowwise_adagrad`` or ``adam``
+            (CUDA only).
+        embedding_lr: its learning rate; ``None``: the LightningModule's ``hparams.lr``.
+        embedding_eps: epsilon of the adaptive embedding optimizers.
+        embedding_weight_decay: weight decay of the embedding optimizer.
+        reshard_after_forward: FSDP2 frees gathered dense parameters after forward (``False``: ZeRO-2).
+        activation_memory_budget: activation checkpointing under this budget: bytes (``int``) or a fraction in
+            ``(0, 1]`` of the measured unconstrained peak; ``None``: no checkpointing.
+        process_group_backend: ``"nccl"``/``"gloo"``; ``None``: the device's default.
+        timeout: collective timeout.
+
+    Raises:
+        ValueError: at setup, sizes that do not fit the world size (naming the argument); at construction,
+            a bad size or optimizer.
+    """
+
+    strategy_name = "gem5d"
+
+    def __init__(
+        self,
+        sparse_group_size: int | None = None,
+        dense_replicate_size: int = 1,
+        dense_shard_size: int | None = None,
+        tensor_parallel_size: int = 1,
+        table_constraints: dict[str, TableConstraint] | None = None,
+        embedding_optimizer: EmbeddingOptimizerName = "rowwise_adagrad",
+        embedding_lr: float | None = None,
+        embedding_eps: float = 1e-8,
+        embedding_weight_decay: float = 0.0,
+        reshard_after_forward: bool = True,
+        activation_memory_budget: int | float | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        precision_plugin: Any = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision_plugin=precision_plugin,
+        )
+        # Checked now against a world that fits them, again at setup against the real world size.
+        for name, value in (
+            ("sparse_group_size", sparse_group_size),
+            ("dense_replicate_size", dense_replicate_size),
+            ("dense_shard_size", dense_shard_size),
+            ("tensor_parallel_size", tensor_parallel_size),
+        ):
+            if value is not None:
+                check_size(value, name)
+        if activation_memory_budget is not None and (
+            isinstance(activation_memory_budget, bool)
+            or activation_memory_budget <= 0
+            or (isinstance(activation_memory_budget, float) and activation_memory_budget > 1)
+        ):
+            raise ValueError(
+                "`activation_memory_budget` must be bytes (an int > 0) or a fraction in (0, 1] of the unconstrained "
+                f"peak, got {activation_memory_budget!r}"
+            )
+        self._sizes = {
+            "sparse_group_size": sparse_group_size,
+            "dense_replicate_size": dense_replicate_size,
+            "dense_shard_size": dense_shard_size,
+            "tensor_parallel_size": tensor_parallel_size,
+        }
+        self.table_constraints = {
+            name: c if isinstance(c, TableConstraint) else TableConstraint(**c)
+            for name, c in (table_constraints or {}).items()
+        }
+        self._embedding_lr = embedding_lr
+        self._embedding_optimizer = EmbeddingOptimizerConfig(
+            name=embedding_optimizer,
+            lr=1.0 if embedding_lr is None else embedding_lr,
+            eps=embedding_eps,
+            weight_decay=embedding_weight_decay,
+        )
+        self.reshard_after_forward = reshard_after_forward
+        self.activation_memory_budget = activation_memory_budget
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self.num_nodes = 1  # set by the Trainer's `num_nodes`
+        self.layout: MeshLayout | None = None
+        self._meshes: tuple[DeviceMesh, DeviceMesh, DeviceMesh] | None = None
+        self.sparse_result: sparse.SparseShardingResult | None = None
+        self.embedding_optimizer: Any = None
+        self.activation_checkpoint_plan: Any = None
+        self._replicated_grads: dense.ReplicatedGradients | None = None
+
+    # -- Lightning plumbing -----------------------------------------------------------------------
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The root mesh over all ranks (its dense and sparse views: :attr:`dense_mesh`, :attr:`sparse_mesh`)."""
+        return self._require_meshes()[0]
+
+    @property
+    def dense_mesh(self) -> DeviceMesh:
+        """``("dense_replicate", "dense_shard", "tensor_parallel")`` view of the mesh."""
+        return self._require_meshes()[1]
+
+    @property
+    def sparse_mesh(self) -> DeviceMesh:
+        """``("sparse_replicate", "sparse_shard")`` view of the mesh."""
+        return self._require_meshes()[2]
+
+    def _require_meshes(self) -> tuple[DeviceMesh, DeviceMesh, DeviceMesh]:
+        if self._meshes is None:
+            raise RuntimeError("the gem5d device mesh exists once the processes are initialised (Trainer setup)")
+        return self._meshes
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if backend == "nccl":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, backend, **kwargs)
+        self.layout = resolve_layout(self.world_size, **self._sizes)
+        self._meshes = build_device_mesh(self.layout, self.root_device.type)
+        rank_zero_info(f"gem5d: {self.layout.describe()}")
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.parallelize(self.model, trainer)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def parallelize(self, module: torch.nn.Module, trainer: pl.Trainer | None = None) -> None:
+        """Shard the embeddings (torchrec, 2D), move the rest to the device, apply activation checkpointing,
+        tensor parallelism and FSDP2, in that order (idempotent per module: run once, at setup)."""
+        layout = self.layout
+        assert layout is not None, "setup_environment must run first"
+        device = self.root_device
+        optimizer = self._embedding_optimizer
+        if self._embedding_lr is None:
+            lr = getattr(getattr(module, "hparams", {}), "get", lambda *_: None)("lr")
+            if lr is None:
+                raise ValueError("GEM5DStrategy needs `embedding_lr` when the LightningModule has no `hparams.lr`")
+            optimizer = EmbeddingOptimizerConfig(**{**asdict(optimizer), "lr": float(lr)})
+        self.sparse_result = sparse.shard_embeddings(
+            module, layout, self.sparse_mesh, device, optimizer, self.table_constraints, self.num_processes
+        )
+        module.to(device)
+        self.embedding_optimizer = sparse.fused_optimizer(module)
+        if self.activation_memory_budget is not None:
+            self._apply_activation_checkpointing(module, trainer)
+        if layout.tensor_parallel > 1:
+            dense.apply_tensor_parallel(module, self.dense_mesh["tensor_parallel"])
+        # Gradients of the mean loss over the global batch: mean over the data-parallel ranks (sparse.py).
+        divide = float(layout.data_parallel)
+        dp_mesh = (
+            self.dense_mesh["dense_replicate", "dense_shard"]
+            if layout.dense_replicate > 1
+            else self.dense_mesh["dense_shard"]
+        )
+        units, replicated = dense.dense_units(module)
+        dense.apply_fsdp(
+            units,
+            dp_mesh,
+            reshard_after_forward=self.reshard_after_forward,
+            sum_reductions=self._process_group_backend == "gloo",
+        )
+        dp_group = self._data_parallel_group()
+        self._replicated_grads = dense.ReplicatedGradients([p for _, p in replicated], dp_group, divide)
+
+    def _data_parallel_group(self) -> dist.ProcessGroup | None:
+        layout = self.layout
+        assert layout is not None
+        if layout.tensor_parallel == 1:
+            return dist.group.WORLD
+        return self.dense_mesh["dense_replicate", "dense_shard"]._flatten("data_parallel").get_group()
+
+    def _apply_activation_checkpointing(self, module: torch.nn.Module, trainer: pl.Trainer | None) -> None:
+        raise NotImplementedError  # wired in a later step
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+        # The tables are trained by the fused optimizer: Lightning's optimizers get the dense parameters only.
+        assert self.model is not None
+        sparse_ids = sparse.sparse_parameter_ids(self.model)
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if id(p) not in sparse_ids]
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        def closure_then_reduce() -> Any:
+            out = closure()
+            if self._replicated_grads is not None:
+                self._replicated_grads()
+            return out
+
+        out = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+        if self.sparse_result is not None and self.sparse_result.replica_sync is not None:
+            self.sparse_result.replica_sync()
+        return out
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        dist.broadcast_object_list(holder, src)
+        return holder[0]
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    # -- checkpoints ------------------------------------------------------------------------------
+
+    def _checkpoint_meta(self) -> dict[str, Any]:
+        plan = self.sparse_result.plan if self.sparse_result is not None else None
+        return {
+            "layout": asdict(self.layout) if self.layout is not None else None,
+            "plan": sparse.describe_plan(plan) if plan is not None else {},
+        }
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.model is not None
+        return self.model.state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        # Saved by save_checkpoint through DCP (flattened); Lightning's per-optimizer dump is not used.
+        return {}
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # loaded in place by load_checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # loaded in place by load_checkpoint
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("GEM5DStrategy.save_checkpoint does not take `storage_options` (it writes with DCP)")
+        assert self.model is not None
+        path = Path(self.broadcast(str(filepath)))
+        checkpoint.pop("state_dict", None)
+        checkpoint.pop("optimizer_states", None)
+        checkpoint["gem5d"] = self._checkpoint_meta()
+        checkpoint_io.save(
+            path,
+            self.model,
+            [_unwrap(o) for o in self.optimizers],
+            self.embedding_optimizer,
+            checkpoint,
+            is_global_zero=self.is_global_zero,
+        )
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        assert self.model is not None
+        path = Path(self.broadcast(str(checkpoint_path)))
+        meta = checkpoint_io.read_meta(path)
+        saved = meta.get("gem5d", {})
+        same_plan = (
+            saved.get("layout") == self._checkpoint_meta()["layout"]
+            and saved.get("plan") == (self._checkpoint_meta()["plan"])
+        )
+        fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        optimizers = [_unwrap(o) for o in self.optimizers] if fitting else []
+        return checkpoint_io.load(
+            path,
+            self.model,
+            optimizers,
+            self.embedding_optimizer,
+            same_embedding_plan=same_plan,
+            strict=self.lightning_module.strict_loading if self.lightning_module is not None else True,
+        )
+
+    def load_weights(self, path: str | Path) -> None:
+        """Load only the model weights of a gem5d checkpoint (any world size or layout), e.g. before ``fit``."""
+        assert self.model is not None
+        checkpoint_io.load(path, self.model, [], None, same_embedding_plan=True)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            checkpoint_io.remove(filepath)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description="GEM 5D: sparse 2D x dense 3D parallelism")
+
+
+def _unwrap(optimizer: Any) -> Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

@@ -1,0 +1,396 @@
+"""Sparse 2D parallelism: torchrec embedding modules sharded inside a sharding group, replicated across groups.
+
+Plain functions over a model and the sparse view of the mesh (see ``mesh.py`` for the rank layout):
+
+* :func:`make_sharders` - torchrec sharders for ``EmbeddingCollection`` / ``EmbeddingBagCollection`` with
+  a fused embedding optimizer, offering row-wise sharding on CPU too, never data-parallel (a table
+  placed data-parallel would be trained by the dense optimizer, which the strategy does not give it);
+* :func:`plan_sharding` - torchrec's planner for one sharding group, the same plan on every rank,
+  re-addressed to this rank's group;
+* :func:`shard_embeddings` - shards every torchrec embedding module of a model in place: torchrec's
+  ``DMPCollection`` on CUDA when there are replicas, ``DistributedModelParallel`` over a
+  ``ShardingEnv2D`` otherwise (CPU/gloo, and a single group anywhere), with :class:`ReplicaSync`
+  keeping the replicas equal.
+
+Gradient convention: every rank's loss is its batch mean. torchrec divides the embedding gradients
+arriving through its all-to-all by the sharding group size (``comm_ops`` gradient division, on by
+default and required here), so a group's update follows the mean gradient of its ranks; averaging the
+replicas after each step then gives the mean over the global batch (exactly so with SGD; with stateful
+optimizers the replica average of weights and optimizer states is torchrec's 2D semantics). The dense
+side matches it: FSDP2 averages over the data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .mesh import MeshLayout
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "EmbeddingOptimizerConfig",
+    "ReplicaSync",
+    "SparseShardingResult",
+    "TableConstraint",
+    "embedding_module_paths",
+    "fused_optimizer",
+    "make_sharders",
+    "plan_sharding",
+    "shard_embeddings",
+    "sparse_parameter_ids",
+]
+
+SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise")
+EC_TYPES = ("table_wise", "row_wise", "column_wise")  # what torchrec's sharded EmbeddingCollection implements
+EmbeddingOptimizerName = Literal["sgd", "adagrad", "rowwise_adagrad", "adam"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TableConstraint:
+    """Planner constraints of one embedding table (torchrec's ``ParameterConstraints``, typed)."""
+
+    sharding_types: tuple[str, ...] | None = None
+    """Sharding types the planner may pick for the table, from ``table_wise``, ``row_wise``,
+    ``column_wise``, ``table_row_wise``, ``table_column_wise``; None: any of them."""
+    min_partition: int | None = None
+    """Smallest column-wise shard width."""
+
+    def __post_init__(self) -> None:
+        if self.sharding_types is not None:
+            if not self.sharding_types:
+                raise ValueError("`sharding_types` must name at least one sharding type (or be None)")
+            bad = [t for t in self.sharding_types if t not in SHARDING_TYPES]
+            if bad:
+                raise ValueError(f"`sharding_types` must be among {SHARDING_TYPES}, got {bad}")
+        if self.min_partition is not None and self.min_partition < 1:
+            raise ValueError(f"`min_partition` must be >= 1, got {self.min_partition}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmbeddingOptimizerConfig:
+    """The fused optimizer torchrec runs inside the embedding backward."""
+
+    name: EmbeddingOptimizerName = "rowwise_adagrad"
+    """``sgd``, ``adagrad``, ``rowwise_adagrad`` (one accumulator per row, torchrec's usual choice) or
+    ``adam`` (CUDA only: fbgemm's CPU kernels offer the other three)."""
+    lr: float = 1e-3
+    """Learning rate."""
+    eps: float = 1e-8
+    """Epsilon of the adaptive optimizers."""
+    weight_decay: float = 0.0
+    """L2 weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam's moment decays."""
+
+    def __post_init__(self) -> None:
+        if self.name not in ("sgd", "adagrad", "rowwise_adagrad", "adam"):
+            raise ValueError(f"`embedding_optimizer` must be sgd, adagrad, rowwise_adagrad or adam, got {self.name!r}")
+        if not self.lr > 0:
+            raise ValueError(f"`embedding_lr` must be > 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ValueError(f"`embedding_weight_decay` must be >= 0, got {self.weight_decay}")
+
+    def check_device(self, device: torch.device) -> None:
+        """Raise if fbgemm has no kernel of this optimizer on ``device``."""
+        if self.name == "adam" and device.type != "cuda":
+            raise ValueError(
+                f"`embedding_optimizer='adam'` runs on CUDA only; on {device.type} fbgemm offers sgd, adagrad "
+                "and rowwise_adagrad"
+            )
+
+    def fused_params(self) -> dict[str, Any]:
+        """torchrec ``fused_params`` of the sharders."""
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType as FbgemmOptim
+
+        optimizer = {
+            "sgd": FbgemmOptim.EXACT_SGD,
+            "adagrad": FbgemmOptim.EXACT_ADAGRAD,
+            "rowwise_adagrad": FbgemmOptim.EXACT_ROWWISE_ADAGRAD,
+            "adam": FbgemmOptim.ADAM,
+        }[self.name]
+        params: dict[str, Any] = {"optimizer": optimizer, "learning_rate": self.lr}
+        if self.name != "sgd":
+            params["eps"] = self.eps
+            params["weight_decay"] = self.weight_decay
+        if self.name == "adam":
+            params["beta1"], params["beta2"] = self.betas
+        return params
+
+
+def _embedding_types() -> tuple[type, ...]:
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+    return (EmbeddingCollection, EmbeddingBagCollection)
+
+
+def embedding_module_paths(module: nn.Module) -> list[str]:
+    """Qualified names of the (unsharded) torchrec embedding modules of ``module``, outermost first."""
+    types = _embedding_types()
+    return [name for name, sub in module.named_modules() if isinstance(sub, types)]
+
+
+def make_sharders(device_type: str, optimizer: EmbeddingOptimizerConfig) -> list[Any]:
+    """Sharders of both torchrec collections with ``optimizer`` fused into the embedding backward.
+
+    They offer every sharding type the collection implements (``EmbeddingCollection``: table-, row- and
+    column-wise; ``EmbeddingBagCollection``: also table-row- and table-column-wise) on every device
+    (torchrec lists row-wise for CUDA only, yet it runs over gloo) and never data-parallel.
+    """
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    def _offering(types: tuple[str, ...]) -> Any:
+        return lambda self, compute_device_type: list(types)
+
+    fused = optimizer.fused_params()
+    ec = type("GEMEmbeddingCollectionSharder", (EmbeddingCollectionSharder,), {"sharding_types": _offering(EC_TYPES)})
+    ebc = type(
+        "GEMEmbeddingBagCollectionSharder",
+        (EmbeddingBagCollectionSharder,),
+        {"sharding_types": _offering(SHARDING_TYPES)},
+    )
+    return [ec(fused_params=dict(fused)), ebc(fused_params=dict(fused))]
+
+
+def _table_names(module: nn.Module) -> list[str]:
+    names: list[str] = []
+    for sub in module.modules():
+        if isinstance(sub, _embedding_types()):
+            configs = sub.embedding_configs() if hasattr(sub, "embedding_configs") else sub.embedding_bag_configs()
+            names.extend(c.name for c in configs)
+    return names
+
+
+def plan_sharding(
+    module: nn.Module,
+    layout: MeshLayout,
+    rank: int,
+    device: torch.device,
+    sharders: list[Any],
+    constraints: Mapping[str, TableConstraint] | None = None,
+    node_group_size: int | None = None,
+) -> Any:
+    """torchrec's sharding plan for one sharding group, addressed to the global ranks of ``rank``'s group.
+
+    The planner runs on rank 0 for a world of ``sparse_group_size`` ranks and is broadcast (every group
+    gets the same plan, so replicas hold identical shards); its rank ``j`` is then rank
+    ``group * sparse_group_size + j``.
+
+    Raises:
+        ValueError: a constraint names a table the model does not have.
+    """
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+
+    tables = _table_names(module)
+    constraints = dict(constraints or {})
+    unknown = sorted(set(constraints) - set(tables))
+    if unknown:
+        raise ValueError(f"`table_constraints` name tables {unknown} the model does not have (it has {tables})")
+    planner_constraints = {}
+    for table in tables:
+        given = constraints.get(table, TableConstraint())
+        planner_constraints[table] = ParameterConstraints(
+            sharding_types=list(given.sharding_types or SHARDING_TYPES),
+            compute_kernels=["fused"],
+            min_partition=given.min_partition,
+        )
+    size = layout.sparse_group_size
+    topology = Topology(world_size=size, local_world_size=node_group_size or size, compute_device=device.type)
+    planner = EmbeddingShardingPlanner(topology=topology, constraints=planner_constraints)
+    plan = planner.collective_plan(module, sharders, dist.group.WORLD) if dist.is_initialized() else None
+    if plan is None:
+        plan = planner.plan(module, sharders)
+    _readdress_plan(plan, offset=(rank // size) * size, device_type=device.type)
+    return plan
+
+
+def _readdress_plan(plan: Any, offset: int, device_type: str) -> None:
+    """Shift every rank of ``plan`` by ``offset`` (group-local ranks to global ranks), in place."""
+    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+    from torch.distributed.remote_device import _remote_device
+
+    if offset == 0:
+        return
+    for module_plan in plan.plan.values():
+        for param_sharding in module_plan.values():
+            param_sharding.ranks = [r + offset for r in param_sharding.ranks]
+            spec = param_sharding.sharding_spec
+            if isinstance(spec, EnumerableShardingSpec):
+                for shard in spec.shards:
+                    local = shard.placement.rank() + offset
+                    index = shard.placement.device().index
+                    device = device_type if index is None else f"{device_type}:{index}"
+                    shard.placement = _remote_device(f"rank:{local}/{device}")
+
+
+def describe_plan(plan: Any) -> dict[str, str]:
+    """``{"module.table": "sharding_type on ranks [...]"}`` of a plan, for logs and checkpoint metadata."""
+    out = {}
+    for path, module_plan in sorted(plan.plan.items()):
+        for table, param_sharding in sorted(module_plan.items()):
+            out[f"{path}.{table}"] = f"{param_sharding.sharding_type} on ranks {param_sharding.ranks}"
+    return out
+
+
+@dataclass
+class SparseShardingResult:
+    """What :func:`shard_embeddings` did: the plan, the modules it replaced and how replicas are kept equal."""
+
+    plan: Any
+    paths: list[str]
+    replica_sync: ReplicaSync | None
+
+
+def shard_embeddings(
+    module: nn.Module,
+    layout: MeshLayout,
+    sparse_mesh: Any,
+    device: torch.device,
+    optimizer: EmbeddingOptimizerConfig,
+    constraints: Mapping[str, TableConstraint] | None = None,
+    local_world_size: int | None = None,
+) -> SparseShardingResult:
+    """Shard every torchrec embedding module of ``module`` in place (2D: sharded in a group, replicated across).
+
+    Must run before the optimizers are built: the modules are replaced by torchrec's sharded ones,
+    whose fused optimizer (:func:`fused_optimizer`) updates the tables inside the backward.
+
+    Args:
+        module: the model (its other parts are untouched).
+        layout: the mesh sizes.
+        sparse_mesh: the ``("sparse_replicate", "sparse_shard")`` view of the device mesh.
+        device: this rank's device.
+        optimizer: the fused embedding optimizer.
+        constraints: per-table planner constraints (table name -> :class:`TableConstraint`).
+    """
+    from torchrec.distributed.comm_ops import get_gradient_division
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv2D
+
+    if not get_gradient_division():
+        raise ValueError(
+            "torchrec's gradient division is off (torchrec.distributed.comm_ops.set_gradient_division(False)): "
+            "gem5d needs it on so that embedding gradients are the mean over the sharding group"
+        )
+    paths = embedding_module_paths(module)
+    if not paths:
+        return SparseShardingResult(plan=None, paths=[], replica_sync=None)
+    optimizer.check_device(device)
+    sharders = make_sharders(device.type, optimizer)
+    rank = dist.get_rank()
+    node_group_size = math.gcd(layout.sparse_group_size, local_world_size or layout.sparse_group_size)
+    plan = plan_sharding(module, layout, rank, device, sharders, constraints, node_group_size)
+    env = ShardingEnv2D(
+        sharding_pg=sparse_mesh.get_group("sparse_shard"),
+        replica_pg=sparse_mesh.get_group("sparse_replicate"),
+        global_pg=dist.group.WORLD,
+        device_mesh=sparse_mesh,
+        node_group_size=node_group_size,
+        use_inter_host_allreduce=True,  # contiguous sharding groups (mesh.py)
+    )
+    # The sharded modules get fresh tables (EmbeddingBagCollection's are re-initialised): keep the model's.
+    initial = {path: module.get_submodule(path).state_dict() for path in paths}
+    DistributedModelParallel(
+        module, env=env, device=device, plan=plan, sharders=sharders, init_data_parallel=False, init_parameters=True
+    )
+    for path, state in initial.items():
+        copy_full_into_shards(module.get_submodule(path), state)
+    sync = ReplicaSync(module, sparse_mesh.get_group("sparse_replicate")) if layout.sparse_replicas > 1 else None
+    if rank == 0:
+        log.info("gem5d embedding plan (%s): %s", layout.describe(), describe_plan(plan))
+    return SparseShardingResult(plan=plan, paths=paths, replica_sync=sync)
+
+
+def _local_shards(value: Any) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+    """``(local shard, its offset in the full table)`` of a sharded state-dict entry (DTensor or ShardedTensor)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, ShardedTensor):
+        return [(s.tensor, tuple(s.metadata.shard_offsets)) for s in value.local_shards()]
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        if hasattr(local, "local_shards"):  # torchrec's LocalShardsWrapper
+            return list(zip(local.local_shards(), (tuple(o) for o in local.local_offsets()), strict=True))
+        raise TypeError("expected a torchrec sharded table (a DTensor over LocalShardsWrapper)")
+    return [(value, (0,) * value.dim())]
+
+
+@torch.no_grad()
+def copy_full_into_shards(sharded: nn.Module, full_state: Mapping[str, torch.Tensor]) -> None:
+    """Write the full tables ``full_state`` (an unsharded collection's state dict) into ``sharded``'s local shards."""
+    for name, value in sharded.state_dict().items():
+        full = full_state[name]
+        for shard, offset in _local_shards(value):
+            index = tuple(slice(o, o + n) for o, n in zip(offset, shard.shape, strict=True))
+            shard.copy_(full[index])
+
+
+def _sharded_modules(module: nn.Module) -> Iterable[tuple[str, nn.Module]]:
+    from torchrec.distributed.types import ShardedModule
+
+    for name, sub in module.named_modules():
+        if isinstance(sub, ShardedModule):
+            yield name, sub
+
+
+def fused_optimizer(module: nn.Module) -> Any:
+    """torchrec's ``CombinedOptimizer`` over the fused optimizers of the sharded modules of ``module`` (or None)."""
+    from torchrec.optim.keyed import CombinedOptimizer
+
+    parts = [(name, sub.fused_optimizer) for name, sub in _sharded_modules(module) if hasattr(sub, "fused_optimizer")]
+    return CombinedOptimizer(parts) if parts else None
+
+
+def sparse_parameter_ids(module: nn.Module) -> set[int]:
+    """``id`` of every parameter owned by a sharded torchrec module (trained by the fused optimizer)."""
+    return {id(p) for _, sub in _sharded_modules(module) for p in sub.parameters()}
+
+
+class ReplicaSync:
+    """Averages the embedding weights and fused-optimizer states of each shard over its replica group.
+
+    The all-reduce torchrec's ``DMPCollection.sync`` runs, here over the local shards of the sharded
+    modules' state dicts and of their fused optimizers' states (views of the embedding kernels' storage),
+    so it also runs on CPU/gloo where ``DMPCollection`` is not available.
+    """
+
+    def __init__(self, module: nn.Module, replica_group: dist.ProcessGroup) -> None:
+        self.group = replica_group
+        self.size = dist.get_world_size(replica_group)
+        tensors: list[torch.Tensor] = []
+        for _, sharded in _sharded_modules(module):
+            for value in sharded.state_dict().values():
+                tensors.extend(shard for shard, _ in _local_shards(value))
+            optimizer = getattr(sharded, "fused_optimizer", None)
+            if optimizer is not None:
+                for state in optimizer.state_dict()["state"].values():
+                    for value in state.values():
+                        if isinstance(value, torch.Tensor) and value.is_floating_point():
+                            tensors.extend(shard for shard, _ in _local_shards(value))
+        self.tensors = [t for t in tensors if t.numel()]
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        """Average every tensor over the replica group (one all-reduce per dtype)."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in self.tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in group])
+            dist.all_reduce(flat, group=self.group)  # SUM: gloo has no AVG
+            flat /= self.size
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()

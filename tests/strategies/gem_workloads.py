@@ -1,0 +1,186 @@
+"""What the spawned ranks run: the GEM example (``GEMRanker`` on synthetic data, tiny) under ``strategy="gem5d"``.
+
+Functions here run inside :func:`multiprocess.run_ranks` processes and return plain picklable results.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+PER_RANK_BATCH = 4
+NUM_USERS = 64
+
+
+def make_source() -> Any:
+    from lightning_gem.data import SyntheticRankingSource
+
+    # One candidate per user: every rank's batch has the same number of candidates, so the mean of the
+    # per-rank mean losses is the mean over the global batch (what a single process computes).
+    return SyntheticRankingSource(
+        num_items=200,
+        num_train_users=NUM_USERS,
+        num_val_users=8,
+        num_test_users=8,
+        min_history_length=2,
+        max_history_length=12,
+        mean_candidates=1.0,
+        max_candidates=1,
+        num_topics=4,
+        num_segments=8,
+        num_interest_tags=16,
+        seed=0,
+    )
+
+
+def make_model(schema: Any, dense_optimizer: str = "sgd") -> Any:
+    """The GEM example, tiny. ``dense_optimizer="sgd"``: plain SGD instead of the model's AdamW, because Adam's
+    first steps move each weight by about ``lr x sign(grad)``, which turns float-level differences of
+    near-zero gradients into ``lr``-sized ones and hides real mismatches between layouts."""
+    from lightning_gem.components import GEMRanker
+
+    kwargs = dict(
+        embedding_dim=8,
+        model_dim=16,
+        num_layers=2,
+        num_heads=2,
+        head_hidden_dims=(16,),
+        lr=0.05 if dense_optimizer == "sgd" else 1e-2,
+        attention_impl="reference",
+    )
+    if dense_optimizer == "sgd":
+        return _SGDRanker(schema, **kwargs)
+    return GEMRanker(schema, **kwargs)
+
+
+def _sgd_ranker_class() -> type:
+    from lightning_gem.components import GEMRanker
+
+    class SGDRanker(GEMRanker):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+    return SGDRanker
+
+
+def _SGDRanker(schema: Any, **kwargs: Any) -> Any:  # noqa: N802  (a class made on first use)
+    return _sgd_ranker_class()(schema, **kwargs)
+
+
+class LossRecorder:
+    """A callback recording the global-batch mean training loss of every step (mean of the ranks' losses)."""
+
+    def __new__(cls) -> Any:
+        import lightning as L
+
+        class _Recorder(L.Callback):
+            def __init__(self) -> None:
+                self.losses: list[float] = []
+
+            def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+                loss = outputs["loss"].detach().clone()
+                if torch.distributed.is_initialized():
+                    torch.distributed.all_reduce(loss)
+                    loss /= torch.distributed.get_world_size()
+                self.losses.append(float(loss))
+
+        return _Recorder()
+
+
+def fit_gem(
+    world_size: int,
+    strategy_kwargs: dict[str, Any],
+    *,
+    steps: int,
+    global_batch: int,
+    seed: int = 0,
+    root: str | None = None,
+    ckpt_every: int | None = None,
+    ckpt_path: str | None = None,
+) -> dict[str, Any]:
+    """Train the GEM example ``steps`` steps on ``world_size`` ranks; the losses and a checksum of the weights."""
+    import lightning as L
+    from lightning_gem.strategies import GEM5DStrategy
+
+    from lightning_gem.data import GEMDataModule
+
+    _forget_torchrec_node_groups()
+    L.seed_everything(seed, verbose=False)
+    data = GEMDataModule(source=make_source(), batch_size=global_batch // world_size, seed=seed)
+    model = make_model(data.schema)
+    recorder = LossRecorder()
+    callbacks: list[Any] = [recorder]
+    if ckpt_every is not None:
+        assert root is not None
+        callbacks.append(
+            L.pytorch.callbacks.ModelCheckpoint(
+                dirpath=root, every_n_train_steps=ckpt_every, save_top_k=-1, filename="{step}"
+            )
+        )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=GEM5DStrategy(**strategy_kwargs),
+        max_steps=steps,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=ckpt_every is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        default_root_dir=root,
+    )
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    return {"losses": recorder.losses, "weights": full_weights(model)}
+
+
+def _forget_torchrec_node_groups() -> None:
+    """torchrec caches its table-row-wise node groups in module globals for the life of the process; tests
+    that train several layouts in one process start each fit without them."""
+    from torchrec.distributed import comm
+
+    comm._INTRA_PG = comm._CROSS_PG = comm._INTRA_PG_2D = comm._CROSS_PG_2D = None
+    comm._NODE_GROUP_SIZE_2D = None
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """Every entry of the (sharded) model's state dict as a full array, the same on every rank (collective).
+
+    Arrays, not tensors: tensors cross process boundaries as shared memory that dies with the rank.
+    """
+    return {name: _full(value).numpy() for name, value in model.state_dict().items()}
+
+
+def _full(value: Any) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        local = value.to_local()
+        if not hasattr(local, "local_shards"):  # FSDP2 / tensor-parallel DTensor
+            return value.full_tensor().detach().clone()
+        # torchrec's sharded table: place this rank's shards, average over the ranks holding each element
+        # (replicas of a shard hold equal values).
+        full = torch.zeros(value.shape, dtype=value.dtype)
+        count = torch.zeros(value.shape, dtype=value.dtype)
+        for shard, offset in zip(local.local_shards(), local.local_offsets(), strict=True):
+            index = tuple(slice(o, o + n) for o, n in zip(offset, shard.shape, strict=True))
+            full[index] += shard.detach().to(full.dtype)
+            count[index] += 1
+        high = torch.where(count > 0, full, torch.finfo(full.dtype).min)
+        low = torch.where(count > 0, full, torch.finfo(full.dtype).max)
+        torch.distributed.all_reduce(full)
+        torch.distributed.all_reduce(count)
+        torch.distributed.all_reduce(high, op=torch.distributed.ReduceOp.MAX)
+        torch.distributed.all_reduce(low, op=torch.distributed.ReduceOp.MIN)
+        spread = float((high - low).abs().max())
+        assert spread == 0.0, f"replicas of a table differ by {spread}"
+        return full / count
+    return value.detach().clone()
+
+
+def check_dir(path: str) -> bool:
+    return Path(path).is_dir()

@@ -1,0 +1,189 @@
+"""gem5d without processes: mesh arithmetic, size checks, planner inputs, dense units, registration."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from lightning_gem.strategies import GEM5DStrategy
+from lightning_gem.strategies.dense import dense_units, tensor_parallel_modules
+from lightning_gem.strategies.mesh import (
+    MeshLayout,
+    replica_group_ranks,
+    resolve_layout,
+    sharding_group_ranks,
+)
+from lightning_gem.strategies.sparse import EmbeddingOptimizerConfig, TableConstraint, embedding_module_paths
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _all_layouts(world_size: int) -> list[MeshLayout]:
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    return [
+        resolve_layout(
+            world_size, sparse_group_size=s, dense_replicate_size=r, tensor_parallel_size=t, dense_shard_size=None
+        )
+        for s in divisors
+        for r in divisors
+        for t in divisors
+        if world_size % (r * t) == 0
+    ]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8, 12])
+def test_every_rank_has_one_place_on_each_axis(world_size: int) -> None:
+    for layout in _all_layouts(world_size):
+        dense = {layout.dense_coordinates(r) for r in range(world_size)}
+        sparse = {layout.sparse_coordinates(r) for r in range(world_size)}
+        assert len(dense) == len(sparse) == world_size, layout
+        for rank in range(world_size):
+            rep, shard, tp = layout.dense_coordinates(rank)
+            assert rank == (rep * layout.dense_shard + shard) * layout.tensor_parallel + tp
+        groups, replicas = sharding_group_ranks(layout), replica_group_ranks(layout)
+        assert sorted(r for g in groups for r in g) == list(range(world_size))
+        assert sorted(r for g in replicas for r in g) == list(range(world_size))
+        assert {len(g) for g in groups} == {layout.sparse_group_size}
+        assert {len(g) for g in replicas} == {layout.sparse_replicas}
+        # a replica group holds exactly one rank of every sharding group, at the same position in each
+        for replica in replicas:
+            positions = {layout.sparse_coordinates(r)[1] for r in replica}
+            assert len(positions) == 1 and len({layout.sparse_coordinates(r)[0] for r in replica}) == len(replica)
+
+
+def test_documented_example_layout() -> None:
+    layout = resolve_layout(8, sparse_group_size=4, dense_replicate_size=2, tensor_parallel_size=2)
+    assert layout.dense_shard == 2 and layout.data_parallel == 4 and layout.sparse_replicas == 2
+    assert sharding_group_ranks(layout) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert replica_group_ranks(layout) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [layout.dense_coordinates(r) for r in (0, 1, 2, 5, 7)] == [
+        (0, 0, 0),
+        (0, 0, 1),
+        (0, 1, 0),
+        (1, 0, 1),
+        (1, 1, 1),
+    ]
+
+
+def test_defaults_fill_the_world() -> None:
+    layout = resolve_layout(4)
+    assert (layout.sparse_group_size, layout.dense_replicate, layout.dense_shard, layout.tensor_parallel) == (
+        4,
+        1,
+        4,
+        1,
+    )
+    assert (
+        resolve_layout(1).describe()
+        == "world 1 = sparse 1 replicas x 1 shards = dense 1 replicate x 1 shard x 1 tensor"
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"sparse_group_size": 3}, "`sparse_group_size` \\(3\\) must divide the world size \\(4\\)"),
+        ({"sparse_group_size": 8}, "`sparse_group_size` \\(8\\) must be <= the world size"),
+        ({"dense_replicate_size": 3}, "must\\s+divide the world size \\(4\\)"),
+        ({"dense_replicate_size": 2, "dense_shard_size": 1}, "= 2 must equal the world size \\(4\\)"),
+        ({"tensor_parallel_size": 8}, "must\\s+divide the world size"),
+        ({"sparse_group_size": 0}, "`sparse_group_size` must be >= 1"),
+    ],
+)
+def test_bad_sizes_name_the_argument(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        resolve_layout(4, **kwargs)
+
+
+def test_bad_types_and_constructor_checks() -> None:
+    with pytest.raises(TypeError, match="`dense_shard_size` must be an int"):
+        resolve_layout(4, dense_shard_size=2.0)
+    with pytest.raises(TypeError, match="`tensor_parallel_size` must be an int"):
+        GEM5DStrategy(tensor_parallel_size=True)
+    with pytest.raises(ValueError, match="`sparse_group_size` must be >= 1"):
+        GEM5DStrategy(sparse_group_size=0)
+    with pytest.raises(ValueError, match="`embedding_optimizer` must be"):
+        GEM5DStrategy(embedding_optimizer="lamb")
+    with pytest.raises(ValueError, match="`embedding_lr` must be > 0"):
+        GEM5DStrategy(embedding_lr=0.0)
+    with pytest.raises(ValueError, match="`activation_memory_budget`"):
+        GEM5DStrategy(activation_memory_budget=1.5)
+    with pytest.raises(ValueError, match="`sharding_types` must be among"):
+        TableConstraint(sharding_types=("grid",))
+    with pytest.raises(ValueError, match="at least one sharding type"):
+        TableConstraint(sharding_types=())
+
+
+def test_table_constraints_accept_plain_dicts() -> None:
+    strategy = GEM5DStrategy(table_constraints={"item": {"sharding_types": ("row_wise",)}})
+    assert strategy.table_constraints == {"item": TableConstraint(sharding_types=("row_wise",))}
+
+
+def test_embedding_optimizer_fused_params() -> None:
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    adam = EmbeddingOptimizerConfig(name="adam", lr=0.01, betas=(0.8, 0.9)).fused_params()
+    assert adam["optimizer"] == EmbOptimType.ADAM and adam["learning_rate"] == 0.01
+    assert (adam["beta1"], adam["beta2"]) == (0.8, 0.9)
+    sgd = EmbeddingOptimizerConfig(name="sgd", lr=0.5).fused_params()
+    assert sgd == {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.5}
+
+
+def _ranker() -> nn.Module:
+    from gem_workloads import make_model, make_source
+
+    return make_model(make_source().schema, dense_optimizer="adamw")
+
+
+def test_dense_units_of_the_gem_example() -> None:
+    model = _ranker()
+    units, replicated = dense_units(model)
+    names = [n for n, _ in units]
+    assert embedding_module_paths(model) == ["sequence_embeddings", "pooled_embeddings"]
+    # ModuleDict of per-table projections is descended into; nothing holding torchrec modules is a unit
+    assert names == [
+        "feature_proj.item",
+        "feature_proj.action_type",
+        "encoder",
+        "pooled_proj",
+        "dense_proj",
+        "interaction",
+        "head",
+    ]
+    assert sorted(n for n, _ in replicated) == ["candidate_bias", "history_bias"]
+    unit_params = {id(p) for _, u in units for p in u.parameters()}
+    embedding_params = {id(p) for n in embedding_module_paths(model) for p in model.get_submodule(n).parameters()}
+    every = {id(p) for p in model.parameters()}
+    assert unit_params | embedding_params | {id(p) for _, p in replicated} == every
+    assert not unit_params & embedding_params
+
+
+def test_components_declare_tensor_parallel_plans() -> None:
+    found = {type(sub).__name__: plan for _, sub, plan in tensor_parallel_modules(_ranker())}
+    assert found["HSTULayer"] == {"uvqk": "colwise", "output": "rowwise"}
+    assert found["GDPAInteraction"]["attention_output"] == "rowwise"
+
+
+def test_cli_parses_a_gem5d_config(tmp_path: Path) -> None:
+    import lightning_gem.components  # noqa: F401
+    from lightning.pytorch import LightningDataModule, LightningModule
+
+    import lightning_gem.data  # noqa: F401
+    from lightning_gem.cli import GEMCLI
+
+    config = ROOT / "examples" / "configs" / "quickstart_gem5d.yaml"
+    cli = GEMCLI(
+        LightningModule,
+        LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        run=False,
+        args=["--config", str(config), "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "false"],
+    )
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, GEM5DStrategy)
+    assert strategy._sizes["sparse_group_size"] == 1
+    assert strategy.table_constraints["item"] == TableConstraint(sharding_types=("row_wise", "table_wise"))
+    assert not torch.distributed.is_initialized()  # building the Trainer starts no process group
