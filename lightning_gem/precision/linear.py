@@ -91,6 +91,8 @@ class MXLinear(nn.Linear):
         if not self._eligible(plan):
             _warn_ineligible(self, plan)
             return super().forward(input)
+        if input.numel() == 0:  # no tokens (an empty jagged batch): nothing to quantize
+            return super().forward(input)
         device_type = input.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else input.dtype
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -169,7 +171,7 @@ class _MXLinearFn(torch.autograd.Function):
         if layer.collect_stats:
             layer.record_stats("input", x, plan.act_layout)
             layer.record_stats("weight", weight, plan.weight_layout)
-        out = scaled_mm(xq, wq, out_dtype=x.dtype, backend=plan.gemm)
+        out = scaled_mm(xq, wq, out_dtype=_gemm_dtype(x.dtype, plan), backend=plan.gemm).to(x.dtype)
         if bias is not None:
             out = out + bias.to(out.dtype)
 
@@ -210,18 +212,24 @@ class _MXLinearFn(torch.autograd.Function):
             else:
                 w_t = weight.t().contiguous()
                 wq_t = quantize(_rotate(w_t, layer, plan), plan.weight_layout, rounding=rounding)[0]
-            grad_x = scaled_mm(dyq, wq_t, out_dtype=ctx.x_dtype, backend=plan.gemm)
+            grad_x = scaled_mm(dyq, wq_t, out_dtype=_gemm_dtype(ctx.x_dtype, plan), backend=plan.gemm).to(ctx.x_dtype)
         if needs_dw:
             rest = rest[2:] if ctx.wq_t_meta is not None else rest
             if layer.mx_hadamard:
                 dyq_t = _quantize_tokens(dy, layer, plan)
             xq_t = _saved_tokens_operand(ctx, rest, layer, plan)
-            # cuBLAS writes fp32 for blockwise scales; rowwise and MX scaling produce bf16 only.
-            w_dtype = torch.float32 if plan.gemm == "emulated" or plan.act_layout == "1x128" else torch.bfloat16
-            grad_w = scaled_mm(dyq_t, xq_t, out_dtype=w_dtype, backend=plan.gemm).to(weight.dtype)
+            grad_w = scaled_mm(dyq_t, xq_t, out_dtype=_gemm_dtype(torch.float32, plan), backend=plan.gemm)
+            grad_w = grad_w.to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_out.sum(0).to(weight.dtype)
         return grad_x, grad_w, grad_b, None, None, None
+
+
+def _gemm_dtype(wanted: torch.dtype, plan: Plan) -> torch.dtype:
+    """What the GEMM writes: ``wanted``, except that cuBLAS's rowwise and MX scaling write bf16 only."""
+    if plan.gemm == "scaled_mm" and plan.act_layout != "1x128":
+        return torch.bfloat16
+    return wanted
 
 
 def _saved_tokens_operand(ctx, rest: list[Tensor], layer: MXLinear, plan: Plan) -> QuantizedTensor:  # noqa: ANN001

@@ -107,8 +107,8 @@ def quantize(
     block_cols = block_shape(layout, x.shape[1])[1]
     if x.shape[1] == 0 or x.shape[1] % block_cols:
         raise ValueError(f"`x` must have a positive multiple of {block_cols} columns for {layout!r}, got {x.shape[1]}")
-    if cols and layout == "mx" and x.shape[0] == 0:
-        raise ValueError("`x` must have rows to quantize along them")
+    if cols and x.shape[0] == 0:
+        raise ValueError("`x` must have rows to quantize along them (cols=True)")
     if resolve_impl(impl, x) == "triton":
         from lightning_gem.ops.mx.impl.triton import mx_quantize_op
 
@@ -134,11 +134,12 @@ def norm_quantize(
     layout: str = "mx",
     rounding: str = "rceil",
     write_output: bool = False,
+    out_dtype: torch.dtype | None = None,
     impl: str = "auto",
 ) -> NormQuantized:
     """RMSNorm or LayerNorm over the last dim of ``[R, D]`` ``x``, its output quantized along ``D`` in one pass.
 
-    The output is rounded to ``x``'s dtype before quantization, exactly as an unfused norm's output would
+    The output is rounded to ``out_dtype`` before quantization, exactly as an unfused norm's output would
     be, so ``norm_quantize(...).q`` equals ``quantize(norm(x))`` bit for bit. The transposed layout for the
     weight gradient comes from :func:`norm_quantize_transposed` without storing the normalised activation.
 
@@ -146,7 +147,9 @@ def norm_quantize(
         x: ``[R, D]`` input rows. weight, bias: ``[D]`` affine parameters or None.
         kind: ``"rms"`` or ``"layer"``. eps: added to the variance.
         layout: ``"mx"``, ``"1x128"`` or ``"rowwise"``. rounding: as in :func:`quantize`.
-        write_output: also return the normalised output in ``x``'s dtype.
+        write_output: also return the normalised output.
+        out_dtype: dtype the output is rounded to (and returned in); default ``x``'s (under autocast, the
+            autocast dtype: the residual stream may be fp32 while the GEMMs read bf16).
         impl: ``"auto"``, ``"reference"`` or ``"triton"``.
 
     Returns:
@@ -174,12 +177,12 @@ def norm_quantize(
         from lightning_gem.ops.mx.impl.triton import mx_norm_quantize_op
 
         q, s, rstd, mean, y = mx_norm_quantize_op(
-            x.contiguous(), weight, bias, float(eps), kind, layout, rounding, write_output
+            x.contiguous(), weight, bias, float(eps), kind, layout, rounding, write_output, out_dtype
         )
         return NormQuantized(
             QuantizedTensor(q, s, layout), rstd, mean if kind == "layer" else None, y if write_output else None
         )
-    y, rstd, mean = norm_reference(x, weight, bias, eps, kind)
+    y, rstd, mean = norm_reference(x, weight, bias, eps, kind, out_dtype)
     return NormQuantized(quantize_reference(y, layout, rounding), rstd, mean, y if write_output else None)
 
 
@@ -193,6 +196,7 @@ def norm_quantize_transposed(
     kind: str = "rms",
     layout: str = "mx",
     rounding: str = "rceil",
+    out_dtype: torch.dtype | None = None,
     impl: str = "auto",
 ) -> QuantizedTensor:
     """The norm's output ``y = norm(x)`` (from saved ``rstd``/``mean``), transposed and quantized along ``R``.
@@ -203,7 +207,7 @@ def norm_quantize_transposed(
     Args:
         x: ``[R, D]`` the norm's input. rstd, mean: ``[R]`` fp32 from :func:`norm_quantize` (``mean`` for
             LayerNorm only). weight, bias: the norm's ``[D]`` parameters or None.
-        kind, layout, rounding, impl: as in :func:`norm_quantize`.
+        kind, layout, rounding, out_dtype, impl: as in :func:`norm_quantize`.
 
     Returns:
         ``[D, Rp]`` :class:`~lightning_gem.ops.mx.formats.QuantizedTensor` (``Rp`` as in :func:`quantize`).
@@ -216,7 +220,9 @@ def norm_quantize_transposed(
     if resolve_impl(impl, x) == "triton":
         from lightning_gem.ops.mx.impl.triton import mx_quantize_op
 
-        outputs = mx_quantize_op(x.contiguous(), layout, rounding, False, True, kind, rstd, mean, weight, bias)
+        outputs = mx_quantize_op(
+            x.contiguous(), layout, rounding, False, True, kind, rstd, mean, weight, bias, out_dtype
+        )
         return QuantizedTensor(outputs[2], outputs[3], layout)
     y = x.float()
     if mean is not None:
@@ -226,4 +232,5 @@ def norm_quantize_transposed(
         y = y * weight.float()
     if bias is not None:
         y = y + bias.float()
-    return quantize(y.to(x.dtype), layout, rounding=rounding, rows=False, cols=True, impl="reference")[1]
+    y = y.to(out_dtype or x.dtype)
+    return quantize(y, layout, rounding=rounding, rows=False, cols=True, impl="reference")[1]

@@ -58,8 +58,11 @@ def _blocks(x: Tensor, layout: str) -> tuple[Tensor, int, int]:
     if cols == 0 or cols % block_cols:
         raise ValueError(f"`x` must have a positive multiple of {block_cols} columns for layout {layout!r}, got {cols}")
     padded_rows = -(-rows // block_rows) * block_rows
-    xf = torch.zeros(padded_rows, cols, dtype=torch.float32, device=x.device)
-    xf[:rows] = x
+    if padded_rows == rows:
+        xf = x.to(torch.float32).contiguous()
+    else:
+        xf = torch.zeros(padded_rows, cols, dtype=torch.float32, device=x.device)
+        xf[:rows] = x
     return xf.view(padded_rows // block_rows, block_rows, cols // block_cols, block_cols), rows, cols
 
 
@@ -83,7 +86,7 @@ def quantize_reference(x: Tensor, layout: str, rounding: str = "rceil") -> Quant
     """
     blocks, rows, cols = _blocks(x, layout)
     amax = blocks.abs().amax(dim=(1, 3))
-    nonfinite = ~torch.isfinite(blocks).all(dim=3).all(dim=1)
+    nonfinite = ~torch.isfinite(amax)  # amax propagates NaN and Inf
     exponent = shared_exponent(amax, rounding)
     scaled = blocks * pow2(-exponent)[:, None, :, None]
     scaled = scaled.clamp(-E4M3_MAX, E4M3_MAX).masked_fill(nonfinite[:, None, :, None], float("nan"))
@@ -103,8 +106,9 @@ def quantization_stats(x: Tensor, layout: str, rounding: str = "rceil") -> Tenso
     holding a NaN or an infinity (they dequantize to NaN).
     """
     blocks, rows, cols = _blocks(x, layout)
-    nonfinite_block = ~torch.isfinite(blocks).all(dim=3).all(dim=1)
-    exponent = shared_exponent(blocks.abs().amax(dim=(1, 3)), rounding)
+    amax = blocks.abs().amax(dim=(1, 3))
+    nonfinite_block = ~torch.isfinite(amax)
+    exponent = shared_exponent(amax, rounding)
     scaled = blocks * pow2(-exponent)[:, None, :, None]
     finite = ~nonfinite_block[:, None, :, None]
     saturated = (scaled.abs() > E4M3_MAX) & finite
@@ -115,12 +119,17 @@ def quantization_stats(x: Tensor, layout: str, rounding: str = "rceil") -> Tenso
 
 
 def norm_reference(
-    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, kind: str
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    kind: str,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """RMSNorm (``kind="rms"``) or LayerNorm (``"layer"``) over the last dim of ``[R, D]`` ``x``, in fp32.
 
     Returns:
-        ``(y [R, D] in x's dtype, rstd [R] fp32, mean [R] fp32 or None)``.
+        ``(y [R, D] in out_dtype (default x's), rstd [R] fp32, mean [R] fp32 or None)``.
     """
     xf = x.float()
     mean = xf.mean(dim=-1) if kind == "layer" else None
@@ -131,7 +140,7 @@ def norm_reference(
         y = y * weight.float()
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype), rstd, mean
+    return y.to(out_dtype or x.dtype), rstd, mean
 
 
 def fwht(x: Tensor) -> Tensor:

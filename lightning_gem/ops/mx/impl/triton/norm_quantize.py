@@ -69,13 +69,16 @@ def norm_quantize_triton(
     rounding: str = "rceil",
     *,
     write_output: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """Normalise ``[R, D]`` ``x`` and quantize the result along ``D``.
 
     Returns:
         ``(q [R, D] fp8, scale, rstd [R] fp32, mean [R] fp32 or None, y [R, D] or None)``; scales as
-        :func:`~lightning_gem.ops.mx.impl.triton.quantize.quantize_triton` lays them out.
+        :func:`~lightning_gem.ops.mx.impl.triton.quantize.quantize_triton` lays them out. The output is
+        rounded to ``out_dtype`` (default ``x``'s) before quantization.
     """
+    out_dtype = out_dtype or x.dtype
     num_rows, dim = x.shape
     device = x.device
     block_d = triton.next_power_of_2(dim)
@@ -90,14 +93,15 @@ def norm_quantize_triton(
         scale = torch.empty(num_rows, 1, dtype=torch.float32, device=device)
     rstd = torch.empty(num_rows, dtype=torch.float32, device=device)
     mean = torch.empty(num_rows, dtype=torch.float32, device=device) if kind == "layer" else None
-    y = torch.empty_like(x) if write_output else None
+    y = torch.empty_like(x, dtype=out_dtype) if write_output else None
     tile_r = max(1, min(16, 8192 // block_d))
     args = (
         x, weight, bias, y, q, scale, rstd, mean, num_rows, dim, float(eps), *scale.stride(),
     )  # fmt: skip
     meta = dict(
         TILE_R=tile_r, BLOCK_D=block_d, BLOCK=block, LAYER=kind == "layer", WRITE_Y=write_output, MX=mx,
-        RCEIL=rounding == "rceil", OUT_DTYPE=_TL_DTYPES[x.dtype], num_warps=8 if block_d >= 2048 else 4,
+        RCEIL=rounding == "rceil", OUT_DTYPE=_TL_DTYPES[out_dtype], num_warps=8 if block_d >= 2048 else 4,
     )  # fmt: skip
-    run_kernel(_norm_quantize_kernel, (triton.cdiv(num_rows, tile_r),), args, meta)
+    if num_rows:
+        run_kernel(_norm_quantize_kernel, (triton.cdiv(num_rows, tile_r),), args, meta)
     return q, scale, rstd, mean, y

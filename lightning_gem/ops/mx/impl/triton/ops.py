@@ -34,10 +34,11 @@ def mx_quantize_op(
     mean: Tensor | None = None,
     weight: Tensor | None = None,
     bias: Tensor | None = None,
+    norm_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(q, scale, qt, scale_t)`` of :func:`quantize_triton` (empty where not requested)."""
     norm = (norm_kind, rstd, mean, weight, bias) if norm_kind is not None else None
-    row_out, col_out = quantize_triton(x, layout, rounding, rows=rows, cols=cols, norm=norm)
+    row_out, col_out = quantize_triton(x, layout, rounding, rows=rows, cols=cols, norm=norm, norm_dtype=norm_dtype)
     empty_q, empty_s = x.new_empty(0, dtype=torch.float8_e4m3fn), x.new_empty(0, dtype=torch.float32)
     q, s = row_out if row_out is not None else (empty_q, empty_s)
     qt, st = col_out if col_out is not None else (empty_q, empty_s)
@@ -54,10 +55,11 @@ def mx_norm_quantize_op(
     layout: str,
     rounding: str,
     write_output: bool,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(q, scale, rstd, mean, y)`` of :func:`norm_quantize_triton` (``mean``/``y`` empty when absent)."""
     q, scale, rstd, mean, y = norm_quantize_triton(
-        x, weight, bias, eps, kind, layout, rounding, write_output=write_output
+        x, weight, bias, eps, kind, layout, rounding, write_output=write_output, out_dtype=out_dtype
     )
     empty = x.new_empty(0, dtype=torch.float32)
     return q, scale, rstd, mean if mean is not None else empty, y if y is not None else x.new_empty(0)

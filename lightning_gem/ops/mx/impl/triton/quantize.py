@@ -126,6 +126,7 @@ def quantize_triton(
     rows: bool = True,
     cols: bool = False,
     norm: tuple[str, Tensor, Tensor | None, Tensor | None, Tensor | None] | None = None,
+    norm_dtype: torch.dtype | None = None,
 ) -> tuple[tuple[Tensor, Tensor] | None, tuple[Tensor, Tensor] | None]:
     """Quantize ``[R, C]`` ``x`` (contiguous) along ``C`` (``rows``) and/or along ``R`` transposed (``cols``).
 
@@ -136,7 +137,7 @@ def quantize_triton(
         rows: write ``(q [R, C], scale)``.
         cols: write ``(qt [C, Rp], scale_t)``, ``Rp`` = ``R`` rounded up to the block (zero rows appended).
         norm: ``(kind, rstd [R], mean [R] or None, weight [C] or None, bias [C] or None)``: quantize the
-            norm's output ``norm(x)`` (rounded to ``x``'s dtype) instead of ``x``.
+            norm's output ``norm(x)`` (rounded to ``norm_dtype``, default ``x``'s) instead of ``x``.
 
     Returns:
         ``((q, scale) or None, (qt, scale_t) or None)``. Scales: uint8 E8M0 ``[R, C/32]`` for ``mx``; fp32
@@ -144,6 +145,7 @@ def quantize_triton(
         ``128x128``; ``[R, 1]`` for ``rowwise``; the transposed layout's likewise with ``R`` and ``C`` swapped.
     """
     num_rows, num_cols = x.shape
+    norm_dtype = norm_dtype or x.dtype
     mx, square, rowwise = layout == "mx", layout == "128x128", layout == "rowwise"
     block = {"mx": 32, "1x128": 128, "128x128": 128, "rowwise": 1}[layout]
     pad_block = 128 if rowwise else block  # rowwise's transposed contraction dim is padded like 1x128's
@@ -158,7 +160,7 @@ def quantize_triton(
         if square:
             s = torch.empty(-(-num_rows // 128), num_cols // 128, dtype=scale_dtype, device=device)
         elif rowwise:
-            row_exp = _rowwise_exponents(x if norm is None else _norm_output(x, norm), 1, rounding)
+            row_exp = _rowwise_exponents(x if norm is None else _norm_output(x, norm, norm_dtype), 1, rounding)
         elif mx:
             s = torch.empty(num_rows, num_cols // block, dtype=scale_dtype, device=device)
         else:
@@ -166,17 +168,14 @@ def quantize_triton(
     if cols:
         qt = torch.empty(num_cols, padded_rows, dtype=torch.float8_e4m3fn, device=device)
         if rowwise:
-            col_exp = _rowwise_exponents(x if norm is None else _norm_output(x, norm), 0, rounding)
+            col_exp = _rowwise_exponents(x if norm is None else _norm_output(x, norm, norm_dtype), 0, rounding)
         elif mx:
             st = torch.empty(num_cols, padded_rows // block, dtype=scale_dtype, device=device)
         else:
             st = torch.empty(padded_rows // block, num_cols, dtype=scale_dtype, device=device).t()
 
-    tile_r = 128 if (square or (cols and not mx)) else (32 if cols else 16)
-    tile_c = 128 if (square or not mx) else 64
-    if rowwise:
-        tile_r, tile_c = (128, 64) if cols else (16, 128)
-    tile_c = min(tile_c, triton.next_power_of_2(num_cols)) if rowwise else tile_c
+    # A tile spans whole blocks both ways: 128 rows where the transposed layout has 128-row blocks.
+    tile_r, tile_c = (128, 128) if square or (cols and not mx) else (32, 128)
     placeholder = x.new_empty(0)
     kind, rstd, mean, weight, bias = norm if norm is not None else (None, None, None, None, None)
     grid = (triton.cdiv(padded_rows if cols else num_rows, tile_r), triton.cdiv(num_cols, tile_c))
@@ -190,9 +189,10 @@ def quantize_triton(
     meta = dict(
         TILE_R=tile_r, TILE_C=tile_c, BLOCK=max(block, 1) if not rowwise else tile_r, ROWS=rows, COLS=cols,
         SQUARE=square, GIVEN_EXP=rowwise, MX=mx, RCEIL=rounding == "rceil", NORM=_NORM_CODES[kind],
-        OUT_DTYPE=_TL_DTYPES[x.dtype], num_warps=8 if tile_r * tile_c >= 128 * 128 else 4,
+        OUT_DTYPE=_TL_DTYPES[norm_dtype], num_warps=8 if tile_r * tile_c >= 128 * 128 else 4,
     )  # fmt: skip
-    run_kernel(_quantize_kernel, grid, args, meta)
+    if grid[0] > 0:  # no rows: nothing to launch
+        run_kernel(_quantize_kernel, grid, args, meta)
     if rowwise:
         from lightning_gem.ops.mx.impl.reference import pow2
 
@@ -203,8 +203,8 @@ def quantize_triton(
     return ((q, s) if rows else None), ((qt, st) if cols else None)
 
 
-def _norm_output(x: Tensor, norm: tuple) -> Tensor:
-    """The norm's output in ``x``'s dtype (rowwise scales need its row/column maxima before the cast)."""
+def _norm_output(x: Tensor, norm: tuple, dtype: torch.dtype) -> Tensor:
+    """The norm's output in ``dtype`` (rowwise scales need its row/column maxima before the cast)."""
     kind, rstd, mean, weight, bias = norm
     y = x.float()
     if kind == "layer":
@@ -214,7 +214,7 @@ def _norm_output(x: Tensor, norm: tuple) -> Tensor:
         y = y * weight.float()
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    return y.to(dtype)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}

@@ -1,0 +1,270 @@
+"""Speed of quantized Linear layers and of the quantization kernels, against bf16 in the same run.
+
+Run on a CUDA machine from the repository root::
+
+    python examples/benchmarks/precision.py                       # every shape and recipe, kernel bandwidth
+    python examples/benchmarks/precision.py --tokens 65536 --out precision.json
+    python examples/benchmarks/precision.py --device cpu --tiny   # smoke test: tiny sizes, emulated recipes
+
+**Linear forward + backward** at GEM MLP shapes (``tokens x in -> out``): ``y = layer(x); y.backward(dy)``
+with bf16 activations and parameters, quantization included (every operand quantized in every step, as in
+training). Recipes: ``bf16`` (``nn.Linear``), ``fp8-rowwise`` and ``fp8-blockwise`` (``torch._scaled_mm``),
+``mxfp8-emulated`` (exact MXFP8 numerics with fp32 GEMMs: a numerics reference, not a speed path).
+``x`` is ``bf16_ms / recipe_ms`` (above 1: faster than bf16). ``gemm-only`` is the three FP8 GEMMs alone
+on pre-quantized operands: the ceiling quantization eats into.
+
+**Kernel bandwidth**: bytes a kernel must move (its input read once, its FP8 outputs and scales written
+once) over its median time, against a device-to-device copy of the same input measured in the same run.
+
+**Quality** (``--quality-steps N``): a synthetic regression task (a frozen random teacher MLP), the same
+student (pre-norm residual blocks: RMSNorm -> Linear -> SiLU -> Linear) trained with AdamW for ``N`` steps
+from the same initialisation on the same batches per recipe; the final held-out MSE and its relative
+difference to the bf16 run.
+
+Times are medians of ``triton.testing.do_bench`` after a warm-up call (``time.perf_counter`` on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from lightning_gem.ops.mx import norm_quantize, norm_quantize_transposed, quantize, scaled_mm
+from lightning_gem.precision import MXConfig, convert
+
+SHAPES = ((1024, 4096), (4096, 1024), (4096, 4096))  # (in_features, out_features)
+RECIPES = {
+    "fp8-rowwise": MXConfig(recipe="fp8-rowwise"),
+    "fp8-blockwise": MXConfig(recipe="fp8-blockwise"),
+    "mxfp8-emulated": MXConfig(backend="mx_emulated"),
+}
+
+
+def bench(fn: Callable[[], object], device: str) -> float:
+    """Median milliseconds of ``fn`` after one warm-up call."""
+    fn()
+    if device == "cuda":
+        import triton
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def linear_step(layer: nn.Module, x: Tensor, grad: Tensor) -> Callable[[], None]:
+    def step() -> None:
+        x.grad = None
+        for p in layer.parameters():
+            p.grad = None
+        layer(x).backward(grad)
+
+    return step
+
+
+def bench_linear(tokens: int, shape: tuple[int, int], device: str, recipes: list[str], emulated_max: int) -> list[dict]:
+    in_features, out_features = shape
+    rows = []
+    base = nn.Linear(in_features, out_features, device=device, dtype=torch.bfloat16)
+    x = torch.randn(tokens, in_features, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(tokens, out_features, device=device, dtype=torch.bfloat16)
+    flops = 6 * tokens * in_features * out_features
+    bf16_ms = bench(linear_step(base, x, grad), device)
+    rows.append(dict(tokens=tokens, shape=shape, recipe="bf16", ms=bf16_ms, tflops=flops / bf16_ms / 1e9, x=1.0))
+    for recipe in recipes:
+        if recipe == "mxfp8-emulated" and tokens > emulated_max:
+            continue
+        layer = nn.Sequential(nn.Linear(in_features, out_features, device=device, dtype=torch.bfloat16))
+        layer.load_state_dict({"0." + k: v for k, v in base.state_dict().items()})
+        convert(layer, RECIPES[recipe])
+        ms = bench(linear_step(layer, x, grad), device)
+        row = dict(tokens=tokens, shape=shape, recipe=recipe, ms=ms, tflops=flops / ms / 1e9, x=bf16_ms / ms)
+        if recipe != "mxfp8-emulated" and device == "cuda":
+            row["gemm_only_ms"] = bench_gemms(x.detach(), base.weight.detach(), grad, recipe)
+            row["gemm_only_x"] = bf16_ms / row["gemm_only_ms"]
+        rows.append(row)
+    return rows
+
+
+def bench_gemms(x: Tensor, weight: Tensor, grad: Tensor, recipe: str) -> float:
+    """The recipe's three GEMMs on operands quantized beforehand."""
+    act, wgt = ("rowwise", "rowwise") if recipe == "fp8-rowwise" else ("1x128", "128x128")
+    xq, xq_t = quantize(x, act, cols=True)
+    wq = quantize(weight, wgt)[0]
+    wq_t = quantize(weight.t().contiguous(), wgt)[0]
+    gq, gq_t = quantize(grad, act, cols=True)
+    w_out = torch.bfloat16 if act == "rowwise" else torch.float32
+
+    def gemms() -> None:
+        scaled_mm(xq, wq, out_dtype=torch.bfloat16, backend="scaled_mm")
+        scaled_mm(gq, wq_t, out_dtype=torch.bfloat16, backend="scaled_mm")
+        scaled_mm(gq_t, xq_t, out_dtype=w_out, backend="scaled_mm")
+
+    return bench(gemms, "cuda")
+
+
+def bench_kernels(tokens: int, dim: int, device: str) -> list[dict]:
+    x = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16)
+    weight = torch.randn(dim, device=device)
+    numel = x.numel()
+    copy_ms = bench(lambda: torch.empty_like(x).copy_(x), device)
+    copy_gbs = 2 * numel * 2 / copy_ms / 1e6
+    rows = [dict(kernel="copy (bf16 -> bf16)", ms=copy_ms, gbs=copy_gbs, of_copy=1.0)]
+
+    def add(name: str, fn: Callable[[], object], bytes_moved: float) -> None:
+        ms = bench(fn, device)
+        gbs = bytes_moved / ms / 1e6
+        rows.append(dict(kernel=name, ms=ms, gbs=gbs, of_copy=gbs / copy_gbs))
+
+    scale_bytes = {"mx": numel / 32, "1x128": numel / 128 * 4, "rowwise": tokens * 4}
+    for layout in ("mx", "1x128", "rowwise"):
+        add(f"quantize {layout} rows", lambda lay=layout: quantize(x, lay), 2 * numel + numel + scale_bytes[layout])
+        add(
+            f"quantize {layout} rows+cols",
+            lambda lay=layout: quantize(x, lay, cols=True),
+            2 * numel + 2 * numel + 2 * scale_bytes[layout],
+        )
+    w = torch.randn(dim, dim, device=device, dtype=torch.bfloat16)
+    add("quantize 128x128 weight", lambda: quantize(w, "128x128"), 3 * w.numel())
+    for kind in ("rms", "layer"):
+        for layout in ("mx", "1x128"):
+            bias = torch.randn(dim, device=device) if kind == "layer" else None
+            add(
+                f"{kind}norm+quantize {layout}",
+                lambda k=kind, lay=layout, b=bias: norm_quantize(x, weight, b, kind=k, layout=lay),
+                2 * numel + numel + scale_bytes[layout] + tokens * 4 * (2 if kind == "layer" else 1),
+            )
+    stats = norm_quantize(x, weight, kind="rms", layout="1x128")
+    add(
+        "rmsnorm output, transposed quantize 1x128",
+        lambda: norm_quantize_transposed(x, stats.rstd, None, weight, None, kind="rms", layout="1x128"),
+        2 * numel + numel + scale_bytes["1x128"] + tokens * 4,
+    )
+    return rows
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.down(torch.nn.functional.silu(self.up(self.norm(x))))
+
+
+def _student(dim: int, hidden: int, depth: int, device: str) -> nn.Module:
+    torch.manual_seed(1)
+    blocks = [_Block(dim, hidden) for _ in range(depth)]
+    return nn.Sequential(*blocks, nn.RMSNorm(dim), nn.Linear(dim, 8)).to(device)
+
+
+def quality(steps: int, device: str, recipes: list[str], dim: int = 256, batch: int = 2048) -> list[dict]:
+    """Final held-out MSE of the same student trained per recipe (bf16 autocast around every run)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    teacher = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, 8)).to(device)
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+
+    def batch_of(seed: int) -> tuple[Tensor, Tensor]:
+        generator.manual_seed(seed)
+        x = torch.randn(batch, dim, device=device, generator=generator)
+        return x, teacher(x)
+
+    eval_x, eval_y = batch_of(10**6)
+    rows = []
+    for recipe in ["bf16", *recipes]:
+        model = _student(dim, 4 * dim, 3, device)
+        if recipe != "bf16":
+            convert(model, RECIPES[recipe])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-3, total_steps=steps)
+        for step in range(steps):
+            x, y = batch_of(step)
+            with torch.autocast(device, dtype=torch.bfloat16):  # the forward only, as Lightning's bf16-mixed
+                loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
+            final = float(torch.nn.functional.mse_loss(model(eval_x).float(), eval_y))
+        rows.append(dict(recipe=recipe, steps=steps, eval_mse=final))
+    for row in rows:
+        row["rel_to_bf16"] = row["eval_mse"] / rows[0]["eval_mse"] - 1
+    return rows
+
+
+def markdown(linear_rows: list[dict], kernel_rows: list[dict], quality_rows: list[dict]) -> str:
+    lines = [
+        "| tokens | in -> out | recipe | f+b ms | TFLOP/s | x bf16 | gemm-only ms | gemm-only x |",
+        "|" + "---|" * 8,
+    ]
+    for r in linear_rows:
+        gemm = (f"{r['gemm_only_ms']:.3f}", f"{r['gemm_only_x']:.2f}") if "gemm_only_ms" in r else ("", "")
+        lines.append(
+            f"| {r['tokens']:,} | {r['shape'][0]} -> {r['shape'][1]} | {r['recipe']} | {r['ms']:.3f} | "
+            f"{r['tflops']:.0f} | {r['x']:.2f} | {gemm[0]} | {gemm[1]} |"
+        )
+    lines += ["", "| kernel | ms | GB/s | of copy |", "|---|---|---|---|"]
+    for r in kernel_rows:
+        lines.append(f"| {r['kernel']} | {r['ms']:.3f} | {r['gbs']:.0f} | {r['of_copy']:.0%} |")
+    if quality_rows:
+        lines += ["", "| recipe | steps | eval MSE | vs bf16 |", "|---|---|---|---|"]
+        for r in quality_rows:
+            lines.append(f"| {r['recipe']} | {r['steps']} | {r['eval_mse']:.5f} | {r['rel_to_bf16']:+.2%} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16384, 32768, 65536])
+    parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
+    parser.add_argument("--emulated-max-tokens", type=int, default=16384, help="skip mxfp8-emulated above this")
+    parser.add_argument("--kernel-tokens", type=int, default=65536)
+    parser.add_argument("--kernel-dim", type=int, default=4096)
+    parser.add_argument("--quality-steps", type=int, default=0, help="also train the synthetic task this long")
+    parser.add_argument("--skip-speed", action="store_true", help="only the quality comparison")
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes (CPU smoke test)")
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    shapes = SHAPES
+    if args.tiny:
+        args.tokens, shapes, args.kernel_tokens, args.kernel_dim = [256], ((128, 256),), 256, 128
+        args.recipes = [r for r in args.recipes if r != "fp8-blockwise" or args.device == "cuda"]
+    linear_rows, kernel_rows = [], []
+    if not args.skip_speed:
+        linear_rows = [
+            row
+            for tokens in args.tokens
+            for shape in shapes
+            for row in bench_linear(tokens, shape, args.device, args.recipes, args.emulated_max_tokens)
+        ]
+        kernel_rows = bench_kernels(args.kernel_tokens, args.kernel_dim, args.device)
+    quality_rows = quality(args.quality_steps, args.device, args.recipes) if args.quality_steps else []
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
+    table = markdown(linear_rows, kernel_rows, quality_rows)
+    print(f"{device_name}, torch {torch.__version__}, command: {' '.join(sys.argv)}\n\n{table}")
+    results = dict(device=device_name, torch=torch.__version__, linear=linear_rows, kernels=kernel_rows)
+    results["quality"] = quality_rows
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()

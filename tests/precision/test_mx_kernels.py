@@ -1,0 +1,111 @@
+"""Triton quantizers and fused norm + quantize against the reference: bit-exact over a matrix of shapes.
+
+Runs on CUDA when present (adding bf16), else on CPU under Triton's interpreter (fp32/fp16: the
+interpreter's bf16 arithmetic is unreliable).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_gem.ops.mx import norm_quantize, norm_quantize_transposed, quantize
+from lightning_gem.ops.mx.impl.reference import norm_reference
+from lightning_gem.testing.numerics import assert_within_budget
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+SHAPES = [(1, 128), (37, 256), (130, 384), (0, 128)]
+
+
+def _equal(a, b) -> bool:  # noqa: ANN001
+    """Same dequantized values (NaN where NaN), same layout."""
+    da, db = a.dequantize(), b.dequantize()
+    return a.layout == b.layout and a.shape == b.shape and bool(((da == db) | (da.isnan() & db.isnan())).all())
+
+
+def _input(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """Values over many binades (per-column magnitudes), a NaN and an Inf in separate blocks."""
+    x = torch.randn(rows, cols, device=DEVICE) * torch.logspace(-2, 2, cols, device=DEVICE)
+    if rows > 3:
+        x[3, 5], x[1, cols - 1] = float("nan"), float("inf")
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("layout", ["mx", "1x128", "128x128", "rowwise"])
+def test_quantize_matches_reference(layout: str, shape: tuple[int, int], dtype: torch.dtype) -> None:
+    x = _input(*shape, dtype)
+    cols = layout != "128x128" and shape[0] > 0
+    rows_t, cols_t = quantize(x, layout, cols=cols, impl="triton")
+    rows_r, cols_r = quantize(x, layout, cols=cols, impl="reference")
+    assert rows_t.data.dtype == torch.float8_e4m3fn and _equal(rows_t, rows_r)
+    if cols:
+        assert _equal(cols_t, cols_r)
+        padded = -(-shape[0] // (32 if layout == "mx" else 128)) * (32 if layout == "mx" else 128)
+        assert cols_t.shape == (shape[1], padded)
+
+
+@pytest.mark.parametrize("layout", ["mx", "1x128"])
+def test_floor_rounding_matches_reference(layout: str) -> None:
+    x = _input(64, 256, torch.float32)
+    assert _equal(quantize(x, layout, rounding="floor", impl="triton")[0], quantize(x, layout, rounding="floor")[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+@pytest.mark.parametrize("layout", ["mx", "1x128", "rowwise"])
+def test_norm_quantize(kind: str, layout: str, dtype: torch.dtype) -> None:
+    rows, dim = 45, 384
+    x = (torch.randn(rows, dim, device=DEVICE) * 2 + 0.5).to(dtype)
+    weight = torch.randn(dim, device=DEVICE)
+    bias = torch.randn(dim, device=DEVICE) if kind == "layer" else None
+    out = norm_quantize(x, weight, bias, kind=kind, layout=layout, write_output=True, impl="triton")
+    # The quantization of the norm's output is exact ...
+    assert _equal(out.q, quantize(out.y, layout, impl="reference")[0])
+    # ... and the output itself is a correctly computed norm.
+    oracle = norm_reference(x.double(), weight.double(), None if bias is None else bias.double(), 1e-6, kind)[0]
+    same_precision = norm_reference(x, weight, bias, 1e-6, kind)[0]
+    assert_within_budget(out.y, oracle, same_precision, name=f"{kind}norm output")
+    transposed = norm_quantize_transposed(x, out.rstd, out.mean, weight, bias, kind=kind, layout=layout, impl="triton")
+    assert _equal(transposed, quantize(out.y, layout, rows=False, cols=True, impl="reference")[1])
+
+
+def test_norm_quantize_rounds_to_out_dtype() -> None:
+    x = torch.randn(16, 128, device=DEVICE)
+    weight = torch.randn(128, device=DEVICE)
+    out = norm_quantize(x, weight, layout="1x128", write_output=True, out_dtype=torch.float16, impl="triton")
+    assert out.y.dtype == torch.float16
+    assert _equal(out.q, quantize(out.y, "1x128", impl="reference")[0])
+
+
+def test_norm_quantize_validates() -> None:
+    with pytest.raises(ValueError, match="weight"):
+        norm_quantize(torch.randn(4, 64), torch.randn(32))
+    with pytest.raises(ValueError, match="kind"):
+        norm_quantize(torch.randn(4, 64), kind="batch")
+    with pytest.raises(ValueError, match="activations"):
+        norm_quantize(torch.randn(4, 128), layout="128x128")
+
+
+def test_opcheck() -> None:
+    x = torch.randn(64, 128, device=DEVICE)
+    torch.library.opcheck(torch.ops.lightning_gem.mx_quantize.default, (x, "1x128", "rceil", True, True))
+    args = (x, torch.randn(128, device=DEVICE), None, 1e-6, "rms", "mx", "rceil", True)
+    torch.library.opcheck(torch.ops.lightning_gem.mx_norm_quantize.default, args)
+
+
+def test_quantize_under_torch_compile() -> None:
+    x = torch.randn(64, 256, device=DEVICE)
+
+    def run(t: torch.Tensor) -> torch.Tensor:
+        rows, cols = quantize(t, "mx", cols=True, impl="triton")
+        return rows.dequantize() + cols.dequantize().t()
+
+    torch.compiler.reset()
+    try:
+        compiled = torch.compile(run, fullgraph=True, backend="aot_eager" if DEVICE == "cpu" else "inductor")
+        torch.testing.assert_close(compiled(x), run(x), rtol=0, atol=0)
+    finally:
+        torch.compiler.reset()

@@ -1,0 +1,151 @@
+"""MXLinear and convert(): accuracy of the three quantized GEMMs, the fused norm, checkpoints, conversion rules."""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_gem.precision import MXConfig, MXLinear, MXRMSNorm, convert, converted_layers, resolve_plan
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BACKENDS = ["mx_emulated", "fp8_blockwise", "fp8_rowwise"]
+
+
+def sqnr_db(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    expected, actual = expected.detach().double(), actual.detach().double()
+    return float(10 * torch.log10(expected.pow(2).sum() / (actual - expected).pow(2).sum()))
+
+
+def _pair(config: MXConfig, norm: bool = True) -> tuple[nn.Module, nn.Module]:
+    layers = [nn.RMSNorm(256)] if norm else []
+    reference = nn.Sequential(*layers, nn.Linear(256, 384)).to(DEVICE)
+    return reference, convert(copy.deepcopy(reference), config)
+
+
+def _run(model: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    x = x.detach().clone().requires_grad_()
+    out = model(x)
+    out.backward(grad)
+    return out.detach(), x.grad, model[-1].weight.grad, model[-1].bias.grad
+
+
+@pytest.mark.parametrize("hadamard", [False, True], ids=["plain", "hadamard"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sqnr_against_fp32(backend: str, hadamard: bool) -> None:
+    reference, model = _pair(MXConfig(backend=backend, hadamard=hadamard), norm=False)
+    x = torch.randn(300, 256, device=DEVICE)
+    grad = torch.randn(300, 384, device=DEVICE)
+    out, dx, dw, db = _run(model, x, grad)
+    ref_out, ref_dx, ref_dw, ref_db = _run(reference, x, grad)
+    assert sqnr_db(out, ref_out) >= 27 and sqnr_db(dx, ref_dx) >= 25 and sqnr_db(dw, ref_dw) >= 24
+    torch.testing.assert_close(db, ref_db)  # the bias gradient is not quantized
+
+
+@pytest.mark.parametrize("backend", ["mx_emulated", "fp8_blockwise"])
+def test_fused_norm_is_the_unfused_computation(backend: str) -> None:
+    reference, fused = _pair(MXConfig(backend=backend))
+    unfused = convert(copy.deepcopy(reference), MXConfig(backend=backend, fuse_norm=False))
+    assert isinstance(fused[0], MXRMSNorm) and type(unfused[0]) is nn.RMSNorm
+    x, grad = torch.randn(200, 256, device=DEVICE) * 3, torch.randn(200, 384, device=DEVICE)
+    fused_out = _run(fused, x, grad)
+    unfused_out = _run(unfused, x, grad)
+    assert torch.equal(fused_out[0], unfused_out[0]), "same quantized operands: identical forward"
+    for a, b in zip(fused_out[1:], unfused_out[1:], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fused[0].weight.grad, unfused[0].weight.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_norm_output_read_elsewhere_stays_correct() -> None:
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.RMSNorm(64)
+            self.proj = nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.norm(x)
+            return self.proj(h * 2) + h  # the Linear reads another tensor: the handoff must not be used
+
+    reference = Branchy().to(DEVICE)
+    model = convert(copy.deepcopy(reference), MXConfig(backend="mx_emulated"))
+    assert isinstance(model.norm, MXRMSNorm)
+    x = torch.randn(50, 64, device=DEVICE)
+    assert sqnr_db(model(x), reference(x)) > 27
+
+
+def test_input_shapes_and_autocast() -> None:
+    _, model = _pair(MXConfig(backend="mx_emulated"), norm=False)
+    x = torch.randn(2, 7, 256, device=DEVICE)
+    assert model(x).shape == (2, 7, 384)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        out = model(x)
+    assert out.dtype == torch.bfloat16
+    empty = torch.randn(0, 256, device=DEVICE, requires_grad=True)
+    model(empty).sum().backward()
+    assert empty.grad.shape == (0, 256)
+
+
+def test_saved_activations_fp8_or_high_precision_give_the_same_gradients() -> None:
+    x, grad = torch.randn(100, 256, device=DEVICE), torch.randn(100, 384, device=DEVICE)
+    _, fp8 = _pair(MXConfig(backend="fp8_blockwise", quantize_saved_activations=True), norm=False)
+    _, high = _pair(MXConfig(backend="fp8_blockwise", quantize_saved_activations=False), norm=False)
+    high.load_state_dict(fp8.state_dict())
+    for a, b in zip(_run(fp8, x, grad), _run(high, x, grad), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_checkpoint_round_trip() -> None:
+    reference, model = _pair(MXConfig(recipe="mxfp8"))
+    assert list(model.state_dict()) == list(reference.state_dict())  # same keys as the plain model
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    fresh = convert(nn.Sequential(nn.RMSNorm(256), nn.Linear(256, 384)).to(DEVICE), MXConfig(recipe="mxfp8"))
+    fresh.load_state_dict(torch.load(buffer, weights_only=True))
+    x = torch.randn(20, 256, device=DEVICE)
+    assert torch.equal(fresh(x), model(x))
+    plain = nn.Sequential(nn.RMSNorm(256), nn.Linear(256, 384)).to(DEVICE)
+    plain.load_state_dict(model.state_dict())  # and back into an unconverted model
+    assert torch.equal(plain(x), reference(x))
+
+
+def test_conversion_rules(caplog: pytest.LogCaptureFixture) -> None:
+    model = nn.Sequential(
+        nn.Linear(64, 64), nn.Linear(64, 8), nn.Linear(48, 64), nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    )
+    with caplog.at_level(logging.WARNING):
+        convert(model, MXConfig(keep_bf16=("3.1",)))
+    assert sorted(converted_layers(model)) == ["0", "3.0"]
+    assert "2 Linear layer(s) stay in high precision" in caplog.text and "1 (64->8)" in caplog.text
+    convert(model, MXConfig(recipe="fp8-rowwise", keep_bf16=("3.1",)))  # idempotent; reconfigures
+    assert sorted(converted_layers(model)) == ["0", "2", "3.0"]  # 48 is a multiple of rowwise's 16
+    assert all(layer.mx_config.recipe == "fp8-rowwise" for layer in converted_layers(model).values())
+    assert isinstance(model[0], nn.Linear) and isinstance(model[0], MXLinear)
+
+
+def test_blockwise_dims_fall_back_at_run_time(caplog: pytest.LogCaptureFixture) -> None:
+    model = convert(nn.Sequential(nn.Linear(64, 96)).to(DEVICE), MXConfig(backend="mx_emulated"))
+    assert isinstance(model[0], MXLinear)
+    model[0].mx_config = MXConfig(backend="fp8_blockwise")  # 64/96 are not multiples of 128
+    with caplog.at_level(logging.WARNING):
+        out = model(torch.randn(4, 64, device=DEVICE))
+    assert out.shape == (4, 96) and "stays in high precision under fp8_blockwise" in caplog.text
+
+
+def test_plans(caplog: pytest.LogCaptureFixture) -> None:
+    cpu = torch.device("cpu")
+    assert resolve_plan(MXConfig(recipe="mxfp8"), cpu).backend == "mx_emulated"
+    assert resolve_plan(MXConfig(), cpu).gemm == "emulated"
+    with caplog.at_level(logging.WARNING):
+        plan = resolve_plan(MXConfig(recipe="fp8-blockwise"), cpu)
+    assert (plan.act_layout, plan.weight_layout, plan.gemm) == ("1x128", "128x128", "emulated")
+    assert "requested fp8-blockwise on cpu: running fp8-blockwise (emulated GEMMs)" in plan.description
+    with pytest.raises(ValueError, match="sm_100"):
+        resolve_plan(MXConfig(backend="mx_native"), cpu)
+    with pytest.raises(ValueError, match="recipe"):
+        MXConfig(recipe="fp4")
