@@ -365,9 +365,10 @@ class GEM5DStrategy(ParallelStrategy):
 
     def _checkpoint_meta(self) -> dict[str, Any]:
         plan = self.sparse_result.plan if self.sparse_result is not None else None
+        assert self.layout is not None
         return {
-            "layout": asdict(self.layout) if self.layout is not None else None,
-            "plan": sparse.describe_plan(plan) if plan is not None else {},
+            "layout": asdict(self.layout),
+            "plan": sparse.describe_plan(plan, self.layout.sparse_group_size) if plan is not None else {},
         }
 
     @override

@@ -233,12 +233,14 @@ def _readdress_plan(plan: Any, offset: int, device_type: str) -> None:
                     shard.placement = _remote_device(f"rank:{local}/{device}")
 
 
-def describe_plan(plan: Any) -> dict[str, str]:
-    """``{"module.table": "sharding_type on ranks [...]"}`` of a plan, for logs and checkpoint metadata."""
+def describe_plan(plan: Any, group_size: int) -> dict[str, str]:
+    """``{"module.table": "sharding_type on group ranks [...]"}``: the plan in sharding-group-local ranks,
+    the same on every rank (every group gets the same plan), for logs and checkpoint metadata."""
     out = {}
     for path, module_plan in sorted(plan.plan.items()):
         for table, param_sharding in sorted(module_plan.items()):
-            out[f"{path}.{table}"] = f"{param_sharding.sharding_type} on ranks {param_sharding.ranks}"
+            ranks = [r % group_size for r in param_sharding.ranks]
+            out[f"{path}.{table}"] = f"{param_sharding.sharding_type} on group ranks {ranks}"
     return out
 
 
@@ -307,7 +309,7 @@ def shard_embeddings(
         copy_full_into_shards(module.get_submodule(path), state)
     sync = ReplicaSync(module, sparse_mesh.get_group("sparse_replicate")) if layout.sparse_replicas > 1 else None
     if rank == 0:
-        log.info("gem5d embedding plan (%s): %s", layout.describe(), describe_plan(plan))
+        log.info("gem5d embedding plan (%s): %s", layout.describe(), describe_plan(plan, layout.sparse_group_size))
     return SparseShardingResult(plan=plan, paths=paths, replica_sync=sync)
 
 

@@ -11,7 +11,6 @@ from typing import Any
 import numpy as np
 import torch
 
-PER_RANK_BATCH = 4
 NUM_USERS = 64
 
 
@@ -100,6 +99,7 @@ def fit_gem(
     root: str | None = None,
     ckpt_every: int | None = None,
     ckpt_path: str | None = None,
+    dense_optimizer: str = "sgd",
 ) -> dict[str, Any]:
     """Train the GEM example ``steps`` steps on ``world_size`` ranks; the losses and a checksum of the weights."""
     import lightning as L
@@ -110,7 +110,7 @@ def fit_gem(
     _forget_torchrec_node_groups()
     L.seed_everything(seed, verbose=False)
     data = GEMDataModule(source=make_source(), batch_size=global_batch // world_size, seed=seed)
-    model = make_model(data.schema)
+    model = make_model(data.schema, dense_optimizer)
     recorder = LossRecorder()
     callbacks: list[Any] = [recorder]
     if ckpt_every is not None:
@@ -136,6 +136,33 @@ def fit_gem(
     )
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     return {"losses": recorder.losses, "weights": full_weights(model)}
+
+
+def validate_gem(
+    world_size: int, strategy_kwargs: dict[str, Any], *, ckpt_path: str, batch_size: int
+) -> dict[str, np.ndarray]:
+    """Load a checkpoint's weights through ``Trainer.validate`` on ``world_size`` ranks; the full weights.
+
+    ``batch_size``: the saved run's per-rank batch (the DataModule refuses another one mid-epoch)."""
+    import lightning as L
+    from lightning_gem.strategies import GEM5DStrategy
+
+    from lightning_gem.data import GEMDataModule
+
+    _forget_torchrec_node_groups()
+    data = GEMDataModule(source=make_source(), batch_size=batch_size)
+    model = make_model(data.schema)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=GEM5DStrategy(**strategy_kwargs),
+        limit_val_batches=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.validate(model, datamodule=data, ckpt_path=ckpt_path)
+    return full_weights(model)
 
 
 def _forget_torchrec_node_groups() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from gem_workloads import fit_gem
+from gem_workloads import fit_gem, validate_gem
 from gloo_runner import run_ranks
 
 STEPS = 5
@@ -90,3 +90,52 @@ def test_every_layout_trains_like_one_process(world_size: int) -> None:
         _check_matches(result, _single_process(layout["embedding_optimizer"]), layout)
     for (kwargs, message), error in zip(bad, errors, strict=True):
         assert message in error, (kwargs, error)
+
+
+CKPT_LAYOUT = {"sparse_group_size": 2, "dense_replicate_size": 2, "embedding_optimizer": "rowwise_adagrad"}
+
+
+def _save_then_resume(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """6 steps saving every 3, then a fresh run resumed from step 3 to step 6 (AdamW dense, stateful tables)."""
+    straight = fit_gem(
+        world_size, CKPT_LAYOUT, steps=6, global_batch=GLOBAL_BATCH, root=root, ckpt_every=3, dense_optimizer="adamw"
+    )
+    resumed = fit_gem(
+        world_size,
+        CKPT_LAYOUT,
+        steps=6,
+        global_batch=GLOBAL_BATCH,
+        ckpt_path=f"{root}/step=3.ckpt",
+        dense_optimizer="adamw",
+    )
+    return {"straight": straight, "resumed": resumed} if rank == 0 else {}
+
+
+def _load_elsewhere(rank: int, world_size: int, path: str) -> dict[str, Any]:
+    """Weights of a checkpoint loaded by ``validate`` at this world size; the error of resuming training here."""
+    weights = validate_gem(world_size, {"sparse_group_size": 1}, ckpt_path=path, batch_size=GLOBAL_BATCH // 4)
+    try:
+        # the saved per-rank batch (2) on 2 ranks, sharded over both: another embedding plan
+        layout = CKPT_LAYOUT | {"sparse_group_size": 2}
+        fit_gem(world_size, layout, steps=7, global_batch=GLOBAL_BATCH // 2, ckpt_path=path)
+    except ValueError as err:
+        error = str(err)
+    else:
+        error = "no error"
+    return {"weights": weights, "error": error} if rank == 0 else {}
+
+
+def test_checkpoint_resumes_exactly_and_loads_at_another_world_size(tmp_path) -> None:
+    out = run_ranks(_save_then_resume, 4, str(tmp_path))[0]
+    straight, resumed = out["straight"], out["resumed"]
+    assert (tmp_path / "step=3.ckpt" / "meta.pt").is_file() and (tmp_path / "step=6.ckpt" / "meta.pt").is_file()
+    assert len(resumed["losses"]) == 3  # steps 4..6 only: the DataModule resumed mid-epoch
+    np.testing.assert_allclose(resumed["losses"], straight["losses"][3:], rtol=1e-6)
+    for name, value in straight["weights"].items():
+        np.testing.assert_allclose(resumed["weights"][name], value, atol=1e-6, err_msg=name)
+
+    # weights reshard to 2 ranks and a replicated layout; the embedding optimizer state cannot
+    elsewhere = run_ranks(_load_elsewhere, 2, str(tmp_path / "step=6.ckpt"))[0]
+    for name, value in straight["weights"].items():
+        np.testing.assert_allclose(elsewhere["weights"][name], value, atol=0, err_msg=name)
+    assert "torchrec cannot reshard optimizer state" in elsewhere["error"]
