@@ -299,7 +299,28 @@ class GEM5DStrategy(ParallelStrategy):
         return self.dense_mesh["dense_replicate", "dense_shard"]._flatten("data_parallel").get_group()
 
     def _apply_activation_checkpointing(self, module: torch.nn.Module, trainer: pl.Trainer | None) -> None:
-        raise NotImplementedError  # wired in a later step
+        """Plan checkpointing on the first training batch under ``activation_memory_budget`` and apply it."""
+        from .recompute import plan_on_training_step
+
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return  # nothing trains, nothing to save memory for
+        datamodule = trainer.datamodule
+        loader = datamodule.train_dataloader() if datamodule is not None else module.train_dataloader()
+        batch = self.batch_to_device(next(iter(loader)))
+        self.activation_checkpoint_plan = plan_on_training_step(
+            module, batch, self.activation_memory_budget, sparse.local_state_tensors(module)
+        )
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        plan = self.activation_checkpoint_plan
+        if plan is None:
+            return super().training_step(*args, **kwargs)
+        from .checkpointing import compile_memory_budget
+
+        # Regions the user compiles get the same budget through the partitioner's activation memory budget.
+        with compile_memory_budget(plan.compile_budget_fraction):
+            return super().training_step(*args, **kwargs)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

@@ -359,6 +359,22 @@ def sparse_parameter_ids(module: nn.Module) -> set[int]:
     return {id(p) for _, sub in _sharded_modules(module) for p in sub.parameters()}
 
 
+def local_state_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """This rank's part of every table and of its fused optimizer state: views of the kernels' storage,
+    updated in place by the backward."""
+    tensors: list[torch.Tensor] = []
+    for _, sharded in _sharded_modules(module):
+        for value in sharded.state_dict().values():
+            tensors.extend(shard for shard, _ in _local_shards(value))
+        optimizer = getattr(sharded, "fused_optimizer", None)
+        if optimizer is not None:
+            for state in optimizer.state_dict()["state"].values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor) and value.is_floating_point():
+                        tensors.extend(shard for shard, _ in _local_shards(value))
+    return [t for t in tensors if t.numel()]
+
+
 class ReplicaSync:
     """Averages the embedding weights and fused-optimizer states of each shard over its replica group.
 
@@ -370,17 +386,7 @@ class ReplicaSync:
     def __init__(self, module: nn.Module, replica_group: dist.ProcessGroup) -> None:
         self.group = replica_group
         self.size = dist.get_world_size(replica_group)
-        tensors: list[torch.Tensor] = []
-        for _, sharded in _sharded_modules(module):
-            for value in sharded.state_dict().values():
-                tensors.extend(shard for shard, _ in _local_shards(value))
-            optimizer = getattr(sharded, "fused_optimizer", None)
-            if optimizer is not None:
-                for state in optimizer.state_dict()["state"].values():
-                    for value in state.values():
-                        if isinstance(value, torch.Tensor) and value.is_floating_point():
-                            tensors.extend(shard for shard, _ in _local_shards(value))
-        self.tensors = [t for t in tensors if t.numel()]
+        self.tensors = local_state_tensors(module)
 
     @torch.no_grad()
     def __call__(self) -> None:

@@ -135,7 +135,13 @@ def fit_gem(
         default_root_dir=root,
     )
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
-    return {"losses": recorder.losses, "weights": full_weights(model)}
+    from lightning_gem.strategies.checkpointing import checkpointed_modules
+
+    return {
+        "losses": recorder.losses,
+        "weights": full_weights(model),
+        "checkpointed": sorted(checkpointed_modules(model)),
+    }
 
 
 def validate_gem(
