@@ -32,15 +32,19 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import json
 import math
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -93,9 +97,9 @@ def make_workload(name: str, tiny: bool, seed: int) -> Workload:
         q_lengths = torch.full((users,), cands, dtype=torch.int64)
         modes = [("softmax cross (candidates x history)", dict(activation="softmax", causal=False))]
         return Workload(name, q_lengths, _cubic(gen, users, lo, hi), heads, dim, modes, seed)
-    # BlockAttention, block 128, equal-length sequences.
-    block = 8 if tiny else 128
-    n, length = {"block1k": (16, 1024), "block4k": (8, 4096), "block16k": (2, 16384)}[name]
+    # BlockAttention, block 64, 8 equal-length sequences (so 16x the length is 16x the work).
+    block = 8 if tiny else 64
+    n, length = {"block1k": (8, 1024), "block4k": (8, 4096), "block16k": (8, 16384)}[name]
     if tiny:
         n, length = {"block1k": (2, 16), "block4k": (2, 32), "block16k": (1, 64)}[name]
     modes = [(f"softmax block {block}", dict(activation="softmax", causal=False, block_size=block))]
@@ -180,10 +184,10 @@ class Impl:
     extra: tuple[Tensor, ...] = ()  # masks and other tensors the impl holds
 
 
-def build_gdpa(case: Case, impl: str) -> Impl:
+def build_gdpa(case: Case, impl: str, deterministic: bool = False) -> Impl:
     kv_offsets = None if case.self_attention else case.kv_offsets
     options = dict(case.options, scale=case.scale, max_seq_len_q=int(case.q_lengths.max()),
-                   max_seq_len_kv=int(case.kv_lengths.max()), impl=impl)  # fmt: skip
+                   max_seq_len_kv=int(case.kv_lengths.max()), impl=impl, deterministic=deterministic)  # fmt: skip
     gdpa(case.q, case.k, case.v, case.q_offsets, kv_offsets, **options)  # validates the offsets once
 
     def call(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -469,20 +473,23 @@ def _short(error: BaseException) -> str:
     return f"error: {type(error).__name__}: {text[:200]}"
 
 
-def run_case(case: Case, gdpa_impl: str, rep: int) -> tuple[list[list[str]], int, int]:
-    """Measure every impl on one case; returns the table rows and the useful forward / backward FLOPs."""
+def run_case(case: Case, gdpa_impl: str, rep: int) -> tuple[list[list[str]], int, int, dict[str, Result]]:
+    """Measure every impl on one case; returns the table rows, the useful forward / backward FLOPs and the
+    results by impl name."""
     flops_kwargs = dict(causal=case.causal, window=None, block_size=case.block_size)
     jag = (case.q_offsets, case.kv_offsets, None, None)
     fwd_flops = gdpa_flops(case.q, case.k, case.v, *jag, **flops_kwargs)
     bwd_flops = gdpa_flops(case.q, case.k, case.v, *jag, **flops_kwargs, backward=True)
     builders: list[tuple[str, Callable[[Case], Impl | str | None]]] = [
         (f"gdpa {gdpa_impl}", lambda c: build_gdpa(c, gdpa_impl)),
+        ("gdpa deterministic", lambda c: build_gdpa(c, gdpa_impl, True) if gdpa_impl == "triton" else None),
         ("flex", build_flex),
         ("sdpa padded", build_sdpa_padded),
         ("sdpa njt", build_sdpa_njt),
         ("eager padded", build_eager_padded),
     ]
     rows: list[list[str]] = []
+    results: dict[str, Result] = {}
     base: Result | None = None
     reference: Tensor | None = None
     for name, builder in builders:
@@ -497,17 +504,18 @@ def run_case(case: Case, gdpa_impl: str, rep: int) -> tuple[list[list[str]], int
             del impl
         except Exception as error:  # noqa: BLE001  (one failing impl is reported; the others still run)
             rows.append([name, _short(error)])
-            if name.startswith("gdpa"):
+            if name == f"gdpa {gdpa_impl}":
                 base = None
             _free(case.device)
             continue
-        if name.startswith("gdpa"):
+        if name == f"gdpa {gdpa_impl}":
             base, reference = result, result.out
             result.out = None
+        results[name] = result
         rows.append(_row(result, base, fwd_flops, bwd_flops))
         _free(case.device)
         print(f"    {name}: fwd {result.fwd_ms:.3f} ms, fwd+bwd {result.both_ms:.3f} ms", file=sys.stderr, flush=True)
-    return rows, fwd_flops, bwd_flops
+    return rows, fwd_flops, bwd_flops, results
 
 
 def _fmt(x: float | None, spec: str = ".3f") -> str:
@@ -579,6 +587,130 @@ def header(device: torch.device) -> list[str]:
     ]
 
 
+def _copy_bandwidth(device: torch.device) -> float | None:
+    """Device-to-device copy bandwidth in TB/s (bytes read + written) on 1 GiB, the ceiling for memory-bound work."""
+    if device.type != "cuda":
+        return None
+    buffers = [torch.empty(2**29, dtype=torch.bfloat16, device=device) for _ in range(2)]
+    ms = _bench_cuda(lambda: buffers[1].copy_(buffers[0]), None, 50)
+    buffers.clear()
+    _free(device)
+    return 2 * 2**30 / ms / 1e9
+
+
+def _summary(sections: list[dict], gdpa_impl: str) -> list[str]:
+    """GDPA per case: forward and forward+backward against flex, TFLOP/s, backward / forward; block scaling."""
+    lines = ["## Summary", "", "| case | fwd ms | f+b ms | fwd TF/s | bwd / fwd | fwd x flex | f+b x flex |",
+             "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    block_fwd: dict[int, float] = {}
+    for section in sections:
+        ours, flex = section["results"].get(f"gdpa {gdpa_impl}"), section["results"].get("flex")
+        if ours is None:
+            continue
+        fwd_x = "-" if flex is None else f"{flex['fwd_ms'] / ours['fwd_ms']:.2f}"
+        both_x = "-" if flex is None else f"{flex['both_ms'] / ours['both_ms']:.2f}"
+        ratio = (ours["both_ms"] - ours["fwd_ms"]) / ours["fwd_ms"]
+        tflops = _tflops(section["fwd_flops"], ours["fwd_ms"])
+        lines.append(f"| {section['title'].split(' | ')[0]} | {ours['fwd_ms']:.3f} | {ours['both_ms']:.3f} | "
+                     f"{tflops} | {ratio:.2f} | {fwd_x} | {both_x} |")  # fmt: skip
+        if section["block_size"] is not None:
+            block_fwd[section["max_len"]] = ours["fwd_ms"]
+    if len(block_fwd) > 1:
+        shortest, longest = min(block_fwd), max(block_fwd)
+        growth = block_fwd[longest] / block_fwd[shortest]
+        lines += ["", f"BlockAttention forward, {longest} vs {shortest} tokens per sequence (same batch): "
+                  f"{longest // shortest}x the length, {growth:.2f}x the time"]  # fmt: skip
+    return lines
+
+
+def run_workload(name: str, args: argparse.Namespace, device: torch.device, copy_tbs: float | None) -> list[dict]:
+    """Every mode of workload ``name``: one section each (title, table rows, notes, FLOPs, results)."""
+    gdpa_impl = "triton" if device.type == "cuda" else "reference"
+    workload = make_workload(name, args.tiny, args.seed)
+    sections = []
+    for label, options in workload.modes:
+        case = make_case(workload, label, options, device)
+        lengths = workload.q_lengths
+        kv = "" if workload.kv_lengths is None else (
+            f", kv {int(workload.kv_lengths.sum())} tokens (max {int(workload.kv_lengths.max())})")  # fmt: skip
+        title = (f"{name}: {label} | {len(lengths)} segments, {int(lengths.sum())} q tokens "
+                 f"(max {int(lengths.max())}){kv}, H={workload.heads}, D={workload.dim}, bf16")  # fmt: skip
+        case_start = time.perf_counter()
+        try:
+            rows, fwd_flops, bwd_flops, results = run_case(case, gdpa_impl, args.rep)
+        except Exception as error:  # noqa: BLE001
+            rows, fwd_flops, bwd_flops, results = [["(case)", _short(error)]], 0, 0, {}
+        gdpa_result = results.get(f"gdpa {gdpa_impl}")
+        if case.block_size is not None and gdpa_result is not None and copy_tbs:
+            moved = sum(t.numel() * t.element_size() for t in (case.q, case.k, case.v, case.q))  # Q, K, V, O
+            tbs = moved / gdpa_result.fwd_ms / 1e9
+            case.notes.append(f"forward moves Q, K, V, O ({moved / 1e6:.1f} MB) at {tbs:.2f} TB/s = "
+                              f"{100 * tbs / copy_tbs:.0f}% of the measured copy bandwidth "
+                              f"({copy_tbs:.2f} TB/s)")  # fmt: skip
+        notes = [f"useful GFLOP: fwd {fwd_flops / 1e9:.4g}, bwd {bwd_flops / 1e9:.4g}", *case.notes]
+        sections.append(dict(
+            title=title, rows=rows, notes=notes, fwd_flops=fwd_flops, bwd_flops=bwd_flops,
+            results={n: {k: v for k, v in vars(r).items() if k != "out"} for n, r in results.items()},
+            block_size=case.block_size, max_len=int(lengths.max()), seconds=time.perf_counter() - case_start,
+        ))  # fmt: skip
+        del case
+        _free(device)
+    return sections
+
+
+def _print_section(section: dict) -> list[str]:
+    """Print one section's table and notes; return its Markdown."""
+    print(f"\n== {section['title']} ==")
+    print(text_table(section["rows"]))
+    for note in section["notes"]:
+        print(f"  {note}")
+    print(f"  [{section['seconds']:.1f} s]", flush=True)
+    return [f"## {section['title']}", "", markdown_table(section["rows"]), "", *[f"- {n}" for n in section["notes"]],
+            ""]  # fmt: skip
+
+
+def _wait_for(path: Path, process: subprocess.Popen) -> None:
+    while not path.exists() and process.poll() is None:
+        time.sleep(0.1)
+
+
+def _worker(args: argparse.Namespace, device: torch.device) -> None:
+    """One workload in its own process: a warm-up pass (compiles; runs alongside the other workers), then,
+    once the parent says go, the timed pass alone on the device; sections go to ``<dir>/<name>.json``."""
+    folder, (name,) = Path(args.worker_dir), args.workloads.split(",")
+    warm = argparse.Namespace(**{**vars(args), "rep": 1})
+    run_workload(name, warm, device, None)
+    (folder / f"{name}.ready").touch()
+    while not (folder / f"{name}.go").exists():
+        time.sleep(0.05)
+    sections = run_workload(name, args, device, args.copy_tbs)
+    (folder / f"{name}.json").write_text(json.dumps(sections))
+
+
+def _parallel(names: list[str], args: argparse.Namespace, copy_tbs: float | None) -> Iterator[dict]:
+    """Workers compile every workload at once, then time one workload at a time (nothing else on the device);
+    yields each workload's sections as its worker finishes."""
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        base = [sys.executable, __file__, "--device", args.device, "--rep", str(args.rep), "--seed", str(args.seed),
+                "--worker-dir", tmp, "--copy-tbs", str(copy_tbs or 0.0)]  # fmt: skip
+        base += ["--tiny"] if args.tiny else []
+        workers = {name: subprocess.Popen([*base, "--workloads", name]) for name in names}
+        for name, process in workers.items():
+            _wait_for(folder / f"{name}.ready", process)
+        for name, process in workers.items():
+            (folder / f"{name}.go").touch()
+            process.wait()
+            result = folder / f"{name}.json"
+            if result.exists():
+                yield from json.loads(result.read_text())
+            else:
+                title = f"{name}: worker failed (exit {process.returncode})"
+                failed = dict(title=title, rows=[], notes=[], fwd_flops=0, bwd_flops=0, results={}, block_size=None,
+                              max_len=0, seconds=0.0)  # fmt: skip
+                yield failed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     choices = ", ".join(WORKLOAD_NAMES)
@@ -588,6 +720,10 @@ def main() -> None:
     parser.add_argument("--rep", type=int, default=75, help="do_bench rep in ms (default 75)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="also write the tables as Markdown to this file")
+    parser.add_argument("--parallel-compile", action="store_true",
+                        help="one process per workload compiles at once; timing still runs one at a time")  # fmt: skip
+    parser.add_argument("--worker-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--copy-tbs", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     names: list[str] = []
@@ -607,6 +743,9 @@ def main() -> None:
     for key in ("recompile_limit", "cache_size_limit"):  # flex recompiles once per workload shape
         if hasattr(torch._dynamo.config, key):
             setattr(torch._dynamo.config, key, 64)
+    if args.worker_dir:
+        _worker(args, device)
+        return
 
     start = time.perf_counter()
     top = header(device)
@@ -615,34 +754,23 @@ def main() -> None:
               "MiB = peak above pre-call allocation; in MiB = inputs + masks in the impl's layout")  # fmt: skip
     print(legend)
     md = ["# GDPA attention benchmark", "", *[f"- {line}" for line in top], f"- {legend}", ""]
-    for name in names:
-        workload = make_workload(name, args.tiny, args.seed)
-        for label, options in workload.modes:
-            case = make_case(workload, label, options, device)
-            lengths = workload.q_lengths
-            kv = "" if workload.kv_lengths is None else (
-                f", kv {int(workload.kv_lengths.sum())} tokens (max {int(workload.kv_lengths.max())})")  # fmt: skip
-            title = (f"{name}: {label} | {len(lengths)} segments, {int(lengths.sum())} q tokens "
-                     f"(max {int(lengths.max())}){kv}, H={workload.heads}, D={workload.dim}, bf16")  # fmt: skip
-            print(f"\n== {title} ==", flush=True)
-            case_start = time.perf_counter()
-            try:
-                rows, fwd_flops, bwd_flops = run_case(case, gdpa_impl, args.rep)
-            except Exception as error:  # noqa: BLE001
-                rows, fwd_flops, bwd_flops = [["(case)", _short(error)]], 0, 0
-            flops_line = f"useful GFLOP: fwd {fwd_flops / 1e9:.4g}, bwd {bwd_flops / 1e9:.4g}"
-            print(text_table(rows))
-            for note in [flops_line, *case.notes]:
-                print(f"  {note}")
-            print(f"  [{time.perf_counter() - case_start:.1f} s]", flush=True)
-            md += [f"## {title}", "", markdown_table(rows), "", *[f"- {n}" for n in [flops_line, *case.notes]], ""]
-            del case
-            _free(device)
+    copy_tbs = _copy_bandwidth(device)
+    sections = []
+    if args.parallel_compile:
+        produced = _parallel(names, args, copy_tbs)
+    else:
+        produced = (section for name in names for section in run_workload(name, args, device, copy_tbs))
+    for section in produced:
+        md += _print_section(section)
+        sections.append(section)
+    summary = _summary(sections, gdpa_impl)
+    print("\n" + "\n".join(summary))
+    md += summary
     total = f"total {time.perf_counter() - start:.1f} s"
     print(f"\n{total}")
     if args.out:
         with open(args.out, "w") as f:
-            f.write("\n".join([*md, total, ""]))
+            f.write("\n".join([*md, "", total, ""]))
         print(f"wrote {args.out}")
 
 

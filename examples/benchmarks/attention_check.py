@@ -1,9 +1,11 @@
 """GPU check of the GDPA Triton kernels: ``torch.compile`` against eager, bf16 correctness against the float64
-reference, speed against ``torch.nn.attention.flex_attention`` (compiled, document-causal block mask) on
-one jagged batch, and a table of tile shapes.
+reference (a few named cases, then a sweep of random jagged shapes per mode), speed against
+``torch.nn.attention.flex_attention`` (compiled, document-causal block mask) on one jagged batch, and a table
+of tile shapes per kernel on the benchmark workloads.
 
-Run on a CUDA machine from the repository root: ``python examples/benchmarks/attention_check.py``. Each section
-prints its own result (a failure is printed and the next section runs). Times are medians of
+Run on a CUDA machine from the repository root: ``python examples/benchmarks/attention_check.py [section ...]``
+(sections: compile, bf16, sweep, speed, tiles; default all but tiles). Each section prints its own result (a
+failure is printed and the next section runs). Times are medians of
 ``triton.testing.do_bench``; TFLOP/s count only allowed (query, key) pairs (``gdpa_flops``), the same
 useful work for both implementations.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import math
 import time
 import traceback
+from functools import partial
 
 import torch
 
@@ -44,6 +47,7 @@ def _check_bf16() -> None:
         "silu causal targets": dict(activation="silu", causal=True, num_targets=targets),
         "softmax window 64 targets": dict(activation="softmax", causal=True, window=64, num_targets=targets),
         "softmax block 128": dict(activation="softmax", block_size=128),
+        "softmax block 64": dict(activation="softmax", block_size=64),
         "softmax cross kv_index": dict(activation="softmax", causal=True, cross=True),
         "gelu cross kv_index": dict(activation="gelu", causal=False, cross=True),
     }
@@ -143,41 +147,145 @@ def _benchmark() -> None:
               f"{(fwd_flops + bwd_flops) / both / 1e9:13.1f}")  # fmt: skip
 
 
+def _tile_workloads() -> list[tuple[str, torch.Tensor, torch.Tensor | None, int, int, dict]]:
+    """The benchmark's workloads: (name, q lengths, kv lengths or None, heads, dim, gdpa options)."""
+    gen = torch.Generator().manual_seed(0)
+    cubic = lambda n, hi: (hi * torch.rand(n, generator=gen) ** 3).to(torch.int64).clamp(16, hi)  # noqa: E731
+    long, short = cubic(64, 4096), cubic(256, 1024)
+    causal = dict(causal=True)
+    return [
+        ("4k softmax", long, None, 4, 128, dict(activation="softmax", **causal)),
+        ("4k silu", long, None, 4, 128, dict(activation="silu", **causal)),
+        ("1k softmax", short, None, 8, 64, dict(activation="softmax", **causal)),
+        ("1k silu", short, None, 8, 64, dict(activation="silu", **causal)),
+        ("cross 32 x 2k", torch.full((512,), 32), cubic(512, 2048), 4, 128, dict(activation="softmax")),
+        ("block 64 8x4k", torch.full((8,), 4096), None, 4, 128, dict(activation="softmax", block_size=64)),
+    ]
+
+
 def _tiles() -> None:
-    """Kernel times of a few tile shapes on the benchmark batch (softmax causal): forward, then the backward
-    with one kernel's tiles varied and the other's at its default."""
-    from lightning_gem.ops.attention.impl.triton._common import Tiles, default_tiles
+    """Kernel times of each candidate tile shape (and a few more) on the benchmark workloads: forward, fused
+    backward (dK/dV with atomic dQ), and the deterministic backward's dQ kernel."""
+    from lightning_gem.ops.attention.impl.triton._tuning import Tiles, candidate_tiles
     from lightning_gem.ops.attention.impl.triton.backward import gdpa_backward
     from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
 
-    gen = torch.Generator().manual_seed(0)
-    lengths = (4096 * torch.rand(64, generator=gen) ** 3).to(torch.int64).clamp(16, 4096)
-    offsets = _offsets(lengths).cuda()
-    total, max_len = int(lengths.sum()), int(lengths.max())
-    q, k, v = (torch.randn(total, HEADS, DIM, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    grad_out = torch.randn_like(q)
-    options = dict(activation="softmax", causal=True, window=None, block_size=None, scale=1 / math.sqrt(DIM))
-    jagged = (offsets, offsets, None, None)
-    out, lse = gdpa_forward(q, k, v, *jagged, **options, max_seq_len_q=max_len)
-    lens = dict(max_seq_len_q=max_len, max_seq_len_kv=max_len)
-    shapes = [Tiles(*t) for t in ((64, 64, 4), (128, 64, 8), (128, 32, 4), (64, 128, 8), (32, 64, 4), (32, 128, 8),
-                                  (64, 32, 4), (128, 128, 8))]  # fmt: skip
-    defaults = {name: default_tiles(name, q.dtype, q.device) for name in ("fwd", "dkdv", "dq")}
-    print(f"\n== tile shapes (softmax causal, bf16; defaults {defaults}) ==")
-    print(f"{'BLOCK_M x BLOCK_N / warps':26s} {'fwd ms':>8s} {'bwd(dkdv=x) ms':>15s} {'bwd(dq=x) ms':>13s}")
-    for tiles in shapes:
-        times = []
-        for run in (
-            lambda: gdpa_forward(q, k, v, *jagged, **options, max_seq_len_q=max_len, tiles=tiles),  # noqa: B023
-            lambda: gdpa_backward(grad_out, q, k, v, out, lse, *jagged, **options, **lens, dkdv_tiles=tiles),  # noqa: B023
-            lambda: gdpa_backward(grad_out, q, k, v, out, lse, *jagged, **options, **lens, dq_tiles=tiles),  # noqa: B023
-        ):
-            try:
-                times.append(f"{_bench(run):.3f}")
-            except Exception as error:  # noqa: BLE001  (a tile that does not fit is reported, not fatal)
-                times.append(type(error).__name__)
-        print(f"{tiles.block_m:4d} x {tiles.block_n:4d} / {tiles.num_warps:2d}{'':12s} {times[0]:>8s} {times[1]:>15s} "
-              f"{times[2]:>13s}")  # fmt: skip
+    extra = {"fwd": [Tiles(128, 64, 8, 2), Tiles(128, 128, 8, 3), Tiles(64, 64, 4, 2), Tiles(128, 64, 4, 3)],
+             "dkdv": [Tiles(64, 64, 4, 3), Tiles(32, 64, 4, 3), Tiles(64, 128, 8, 3), Tiles(128, 128, 8, 2)],
+             "dq": [Tiles(64, 64, 4, 2), Tiles(128, 64, 8, 3)]}  # fmt: skip
+    for name, q_lengths, kv_lengths, heads, dim, mode in _tile_workloads():
+        offsets = _offsets(q_lengths).cuda()
+        kv_offsets = offsets if kv_lengths is None else _offsets(kv_lengths).cuda()
+        kv_index = None if kv_lengths is None else torch.arange(len(q_lengths), device="cuda")
+        total, total_k = int(q_lengths.sum()), int((q_lengths if kv_lengths is None else kv_lengths).sum())
+        q = torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(total_k, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        grad_out = torch.randn_like(q)
+        options = dict(activation=mode["activation"], causal=mode.get("causal", False), window=None,
+                       block_size=mode.get("block_size"), scale=1 / math.sqrt(dim))  # fmt: skip
+        jagged = (offsets, kv_offsets, kv_index, None)
+        max_q = int(q_lengths.max())
+        lens = dict(max_seq_len_q=max_q, max_seq_len_kv=int((q_lengths if kv_lengths is None else kv_lengths).max()))
+        out, lse = gdpa_forward(q, k, v, *jagged, **options, max_seq_len_q=max_q)
+        fwd_flops = gdpa_flops(
+            q, k, v, *jagged, causal=options["causal"], window=None, block_size=options["block_size"]
+        )
+        print(f"\n== tiles: {name} (H={heads}, D={dim}, {total} q tokens, fwd {fwd_flops / 1e9:.3g} GFLOP) ==")
+        for kernel in ("fwd", "dkdv", "dq"):
+            shapes = candidate_tiles(kernel, q.dtype, q.device, dim, block_size=options["block_size"], max_len_q=max_q)
+            shapes += [t for t in extra[kernel] if t not in shapes and (max_q > 64 or t.block_m <= 64)]
+            for tiles in shapes:
+                if kernel == "fwd":
+                    run = partial(gdpa_forward, q, k, v, *jagged, **options, max_seq_len_q=max_q, tiles=tiles)
+                else:
+                    which = {"dkdv_tiles": tiles} if kernel == "dkdv" else {"deterministic": True, "dq_tiles": tiles}
+                    run = partial(gdpa_backward, grad_out, q, k, v, out, lse, *jagged, **options, **lens, **which)
+                try:
+                    ms = f"{_bench(run):8.3f} ms"
+                except Exception as error:  # noqa: BLE001  (a tile that does not fit is reported, not fatal)
+                    ms = type(error).__name__
+                label = {"fwd": "forward", "dkdv": "backward, atomic dQ", "dq": "backward, deterministic"}[kernel]
+                print(f"  {label:24s} {tuple(tiles)!s:18s} {ms}", flush=True)
+
+
+SWEEP_MODES = {
+    "softmax causal": dict(layout="self", activation="softmax", causal=True),
+    "softmax bidirectional": dict(layout="self", activation="softmax"),
+    "silu causal targets": dict(layout="self_targets", activation="silu", causal=True),
+    "softmax causal window targets": dict(layout="self_targets", activation="softmax", causal=True, window=48),
+    "softmax block 64": dict(layout="self", activation="softmax", block_size=64),
+    "silu block 32 causal": dict(layout="self", activation="silu", causal=True, block_size=32),
+    "softmax cross": dict(layout="cross", activation="softmax"),
+    "softmax shared kv causal": dict(layout="shared_kv", activation="softmax", causal=True),
+    "gelu shared kv": dict(layout="shared_kv", activation="gelu"),
+}
+
+
+def _sweep(num_shapes: int = 200, modes: list[str] | None = None, device: str = "cuda") -> int:
+    """Random jagged shapes per mode (bf16 on GPUs, 1-8 segments of 0-300 tokens with an empty and a length-1
+    one, heads 1-4, head dims 32/64/128), forward and backward against the float64 reference: no NaN, and
+    the error within the budget of the same computation done by the reference on the same inputs: 2x its
+    error + 4 ulps of the case's scale (the largest exact value among out, dq, dk, dv: a gradient that is
+    exactly zero, as when every query sees a single key, is judged by the rounding of its case). Returns
+    the number of failures."""
+    from lightning_gem.ops.attention.impl.triton import gdpa_triton
+    from lightning_gem.testing.jagged_inputs import make_gdpa_inputs
+    from lightning_gem.testing.numerics import max_abs_error
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    print(f"\n== sweep: {num_shapes} random jagged shapes per mode, {dtype}, forward + backward vs float64 ==")
+    print(f"{'mode':32s} {'shapes':>6s} {'failed':>6s} {'non-finite':>10s} {'worst err/budget':>16s}")
+    total_failed = 0
+    for name in modes or list(SWEEP_MODES):
+        mode = dict(SWEEP_MODES[name])
+        gen = torch.Generator().manual_seed(list(SWEEP_MODES).index(name))
+        layout = mode.pop("layout")
+        failed = non_finite = 0
+        worst = 0.0
+        for i in range(num_shapes):
+            num_segments = int(torch.randint(1, 9, (), generator=gen))
+            dim = (32, 64, 128)[i % 3] if device == "cuda" else 16
+            heads = int(torch.randint(1, 5, (), generator=gen))
+            inputs = make_gdpa_inputs(layout, gen, num_segments=num_segments, max_len=300, heads=heads, dim=dim,
+                                      dim_v=dim, dtype=dtype)  # fmt: skip
+            dev = {
+                n: None if t is None else t.to(device) for n, t in vars(inputs).items() if isinstance(t, torch.Tensor)
+            }
+            kv_offsets = dev["q_offsets"] if dev.get("kv_offsets") is None else dev["kv_offsets"]
+            jagged = (dev["q_offsets"], kv_offsets, dev.get("kv_index"), dev.get("num_targets"))
+            options = dict(activation=mode["activation"], causal=mode.get("causal", False), window=mode.get("window"),
+                           block_size=mode.get("block_size"), scale=1 / math.sqrt(dim))  # fmt: skip
+            q, k, v = dev["q"], dev["k"], dev["v"]
+            grad_out = torch.randn(q.shape[0], heads, dim, generator=gen).to(device, dtype)
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = gdpa_triton(*leaves, *jagged, **options)
+            grads = torch.autograd.grad(out, leaves, grad_out) if q.shape[0] else (q, k, v)
+            f64 = [t.double() for t in (q, k, v)]
+            oracle = [gdpa_reference(*f64, *jagged, **options)]
+            oracle += gdpa_reference_backward(grad_out.double(), *f64, *jagged, **options)
+            same = [gdpa_reference(q, k, v, *jagged, **options)]
+            same += gdpa_reference_backward(grad_out, q, k, v, *jagged, **options)
+            case_scale = max(float(t.abs().max()) if t.numel() else 0.0 for t in oracle)
+            ulp = torch.finfo(dtype).eps * case_scale
+            bad = False
+            for got, exact, ref in zip([out, *grads], oracle, same, strict=True):
+                if got.numel() == 0:
+                    continue
+                if not bool(torch.isfinite(got).all()):
+                    non_finite += 1
+                budget = 2 * max_abs_error(ref, exact) + 4 * ulp
+                ratio = max_abs_error(got, exact) / max(budget, 1e-30)
+                worst = max(worst, ratio)
+                bad = bad or ratio > 1
+            failed += bad
+            if (i + 1) % 50 == 0 and i + 1 < num_shapes:
+                print(
+                    f"  {name}: {i + 1} shapes, {failed} failed, {non_finite} non-finite, worst {worst:.3f}", flush=True
+                )
+        total_failed += failed + non_finite
+        print(f"{name:32s} {num_shapes:6d} {failed:6d} {non_finite:10d} {worst:16.3f}", flush=True)
+    print(f"sweep: {'all within budget, no NaN' if total_failed == 0 else f'{total_failed} failures'}")
+    return total_failed
 
 
 def _compile() -> None:
@@ -209,15 +317,35 @@ def _compile() -> None:
             print(f"compile {dtype}: {type(error).__name__}:\n{text[:800]}\n...\n{text[-2500:]}")
 
 
+SECTIONS = {"compile": _compile, "bf16": _check_bf16, "sweep": _sweep, "speed": _benchmark, "tiles": _tiles}
+
+
 def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sections", nargs="*", default=["compile", "bf16", "sweep", "speed"], choices=list(SECTIONS))
+    parser.add_argument(
+        "--modes", help=f"comma-separated sweep modes or their indices (default all): {', '.join(SWEEP_MODES)}"
+    )
+    parser.add_argument("--shapes", type=int, default=200, help="random shapes per sweep mode (default 200)")
+    args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    for section in (_compile, _check_bf16, _benchmark, _tiles):
+    for name in args.sections:
         start = time.perf_counter()
         try:
-            section()
+            if name == "sweep":
+                picked = (
+                    [list(SWEEP_MODES)[int(m)] if m.isdigit() else m for m in args.modes.split(",")]
+                    if args.modes
+                    else None
+                )
+                _sweep(args.shapes, picked)
+            else:
+                SECTIONS[name]()
         except Exception:  # noqa: BLE001  (print and go on: one call should report every section)
             traceback.print_exc()
-        print(f"[{section.__name__}: {time.perf_counter() - start:.1f} s]", flush=True)
+        print(f"[{name}: {time.perf_counter() - start:.1f} s]", flush=True)
 
 
 if __name__ == "__main__":

@@ -76,12 +76,12 @@ def _run_triton(inputs: GDPAInputs, grad_out: torch.Tensor | None = None, **opti
     return out, torch.autograd.grad(out, (q, k, v), grad_out)
 
 
-def _check_against_reference(inputs: GDPAInputs, options: dict, name: str) -> None:
+def _check_against_reference(inputs: GDPAInputs, options: dict, name: str, **kernel_options: object) -> None:
     """Forward and gradients of the kernels vs the float64 reference, within the same-precision budget."""
     dtype = inputs.q.dtype
     grad_out = torch.randn(inputs.q.shape[0], inputs.q.shape[1], inputs.v.shape[2], dtype=torch.float64)
     grad_out = grad_out.to(device=inputs.q.device, dtype=dtype)
-    out, grads = _run_triton(inputs, grad_out, **options)
+    out, grads = _run_triton(inputs, grad_out, **options, **kernel_options)
 
     cpu = {n: None if t is None else t.cpu() for n, t in vars(inputs).items() if isinstance(t, torch.Tensor | None)}
     q64, k64, v64 = (cpu[n].to(torch.float64) for n in ("q", "k", "v"))
@@ -122,6 +122,15 @@ def test_matches_reference_fp16(device: str, layout: str, activation: str) -> No
     _check_against_reference(inputs, _options(activation, True, 9, 16), f"{layout}/{activation}")
 
 
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_whole_block_tiles(device: str, layout: str, activation: str) -> None:
+    """BlockAttention with blocks that the interpreter's 16 x 16 tiles cover whole: unmasked inner tiles."""
+    kv_lengths = {"cross": [40, 17, 33, 0, 29], "shared_kv": [40, 17, 33]}.get(layout)
+    inputs = _inputs(layout, 31, torch.float32, device, kv_lengths=kv_lengths)
+    _check_against_reference(inputs, _options(activation, activation == "silu", None, 16), f"{layout}/{activation}")
+
+
 @pytest.mark.parametrize("activation", ["gelu", "relu", "sigmoid"])
 def test_other_activations(device: str, activation: str) -> None:
     inputs = _inputs("self_targets", 3, torch.float32, device)
@@ -138,28 +147,67 @@ def test_matches_reference_bf16_gpu(layout: str) -> None:
     _check_against_reference(inputs, _options("softmax", True, 9, 16), layout)
 
 
-@pytest.mark.parametrize(("block_m", "block_n"), [(32, 16), (16, 32)])
-def test_other_tile_shapes(device: str, block_m: int, block_n: int) -> None:
-    """Key/query ranges with tiles of unequal sizes, through the launchers directly."""
-    from lightning_gem.ops.attention.impl.triton._common import Tiles
+TILE_CASES = [
+    # (block_m, block_n, mask options): unequal tiles, and tiles that windows / blocks cover whole (unmasked)
+    (32, 16, (True, 13, 20)),
+    (16, 32, (True, 13, 20)),
+    (16, 32, (True, None, None)),
+    (32, 16, (False, 40, None)),
+    (32, 32, (False, None, 32)),
+]
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dq", "deterministic"])
+@pytest.mark.parametrize(("block_m", "block_n", "mask"), TILE_CASES)
+def test_other_tile_shapes(device: str, block_m: int, block_n: int, mask: tuple, deterministic: bool) -> None:
+    """Key/query ranges with tiles of other and unequal sizes, through the launchers directly."""
+    from lightning_gem.ops.attention.impl.triton._tuning import Tiles
     from lightning_gem.ops.attention.impl.triton.backward import gdpa_backward
     from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
 
-    inputs = _inputs("self_targets", 5, torch.float32, device, q_lengths=[45, 1, 0, 33])
-    options = _options("softmax", True, 13, 20)
+    inputs = _inputs("self_targets", 5, torch.float32, device, q_lengths=[45, 1, 0, 33, 96])
+    options = _options("softmax", *mask)
     jagged = (inputs.q_offsets, inputs.q_offsets, None, inputs.num_targets)
     tiles = Tiles(block_m, block_n, 4)
-    out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, *jagged, **options, max_seq_len_q=45, tiles=tiles)
+    out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, *jagged, **options, max_seq_len_q=96, tiles=tiles)
     grad_out = torch.randn_like(out)
-    lens = {"max_seq_len_q": 45, "max_seq_len_kv": 45}
+    lens = {"max_seq_len_q": 96, "max_seq_len_kv": 96}
+    tiles_bwd = {"dkdv_tiles": tiles, "dq_tiles": Tiles(block_n, block_m, 4)}
     grads = gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, *jagged, **options, **lens,
-                          dkdv_tiles=tiles, dq_tiles=Tiles(block_n, block_m, 4))  # fmt: skip
+                          deterministic=deterministic, **tiles_bwd)  # fmt: skip
     cpu64 = [t.cpu().double() for t in (inputs.q, inputs.k, inputs.v)]
     jagged = tuple(None if t is None else t.cpu() for t in jagged)
     torch.testing.assert_close(out.cpu().double(), gdpa_reference(*cpu64, *jagged, **options), rtol=0, atol=1e-5)
     expected = gdpa_reference_backward(grad_out.cpu().double(), *cpu64, *jagged, **options)
     for got, want in zip(grads, expected, strict=True):
         torch.testing.assert_close(got.cpu().double(), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize("layout", ["self_targets", "shared_kv"])
+def test_deterministic(device: str, layout: str, activation: str) -> None:
+    """``deterministic=True`` (dQ in its own kernel) is right, and bitwise the same on a second run."""
+    inputs = _inputs(layout, 21, torch.float32, device)
+    options = _options(activation, True, None, None)
+    _check_against_reference(inputs, options, f"{layout}/{activation}/deterministic", deterministic=True)
+    grad_out = torch.randn(inputs.q.shape[0], 2, 16, device=device)
+    _, first = _run_triton(inputs, grad_out, **options, deterministic=True)
+    _, second = _run_triton(inputs, grad_out, **options, deterministic=True)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_deterministic_through_api(device: str) -> None:
+    from lightning_gem.ops import gdpa
+
+    inputs = _inputs("self", 22, torch.float32, device)
+    q, k, v = (t.clone().requires_grad_() for t in (inputs.q, inputs.k, inputs.v))
+    out = gdpa(q, k, v, inputs.q_offsets, causal=True, impl="triton", deterministic=True)
+    out.square().sum().backward()
+    expected = gdpa(inputs.q, inputs.k, inputs.v, inputs.q_offsets, causal=True, impl="reference")
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    with pytest.raises(TypeError, match="deterministic"):
+        gdpa(q, k, v, inputs.q_offsets, impl="triton", deterministic="yes")
 
 
 def test_int32_offsets_and_hints(device: str) -> None:

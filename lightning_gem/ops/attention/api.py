@@ -37,6 +37,7 @@ def gdpa(
     max_seq_len_kv: int | None = None,
     impl: str = "auto",
     check_offsets: bool = True,
+    deterministic: bool = False,
 ) -> Tensor:
     r"""Generalized dot-product attention over jagged sequences.
 
@@ -90,6 +91,8 @@ def gdpa(
             else the reference). A named impl never falls back: it raises if it cannot run.
         check_offsets: validate offsets, indices and targets by reading their values (a device sync).
             Pass False only for offsets already validated upstream. Skipped under ``torch.compile``.
+        deterministic: bitwise reproducible gradients. The Triton backward then computes dQ in a kernel of
+            its own instead of adding it up with fp32 atomics (slower). The reference is deterministic anyway.
 
     Returns:
         ``[Tq, H, Dv]`` attention output.
@@ -136,6 +139,8 @@ def gdpa(
     if check_offsets:
         _check_hint(max_seq_len_q, q_offsets, "max_seq_len_q")
         _check_hint(max_seq_len_kv, kv_offsets, "max_seq_len_kv")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"`deterministic` must be a bool, got {type(deterministic).__name__}")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
 
@@ -157,6 +162,7 @@ def gdpa(
             scale=float(scale),
             max_seq_len_q=max_seq_len_q,
             max_seq_len_kv=max_seq_len_kv,
+            deterministic=deterministic,
         )
     # Imported on first use: registering FLOP formulas imports torch.utils.flop_counter, which imports
     # Triton. FLOP counting that starts before the first call imports this module itself (lightning_gem.flops).

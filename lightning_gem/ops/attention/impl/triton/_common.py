@@ -13,7 +13,6 @@ masks' rule floors. A negative position (cross-attention with more queries than 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import torch
 import triton
@@ -106,6 +105,60 @@ def _query_range(
 
 
 @triton.jit
+def _full_query_range(
+    n_start,
+    n_end,
+    len_q,
+    shift,
+    num_history,
+    window,
+    block_size,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_BLOCK: tl.constexpr,
+):
+    """Queries ``[i_lo, i_hi)`` that see every history key of ``[n_start, n_end)`` (a subset: exact here).
+
+    A query sees the whole key block iff ``lo(p) <= n_start`` and ``hi(p) >= n_end`` (and the block lies
+    in the history); each rule bounds ``p`` to an interval, so these queries are contiguous. Inside that
+    range a tile needs no mask. Empty when no query qualifies.
+    """
+    ok = n_end <= num_history
+    p_lo = shift  # i >= 0
+    p_hi = n_start * 0 + 2147483647
+    if CAUSAL:
+        p_lo = tl.maximum(p_lo, n_end - 1)
+    if HAS_WINDOW:
+        p_lo = tl.maximum(p_lo, n_end - 1 - window)
+        p_hi = tl.minimum(p_hi, n_start + window)
+    if HAS_BLOCK:
+        start = (tl.maximum(n_start, 0) // block_size) * block_size
+        ok = ok & (n_end <= start + block_size)
+        p_lo = tl.maximum(p_lo, start)
+        p_hi = tl.minimum(p_hi, start + block_size - 1)
+    i_lo = p_lo - shift
+    # Self-attention: history rows have p = i < h, every target row p = h.
+    self_attention = shift == 0
+    ok = ok & ~(self_attention & (p_lo > num_history))
+    keep_targets = self_attention & (p_hi >= num_history)
+    i_hi = tl.where(keep_targets, len_q, tl.minimum(len_q, p_hi - shift + 1))
+    i_hi = tl.where(ok, i_hi, i_lo)
+    return i_lo, tl.maximum(i_hi, i_lo)
+
+
+@triton.jit
+def _stages(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
+    """Split ``[lo, hi)``, walked in steps of ``BLOCK`` from ``lo``, into masked / unmasked / masked parts.
+
+    Returns ``(a, b)``: tiles in ``[lo, a)`` and ``[b, hi)`` need the mask, tiles in ``[a, b)`` lie inside
+    ``[full_lo, full_hi)`` and need none. ``a`` and ``b`` stay on the ``lo + k * BLOCK`` grid.
+    """
+    a = tl.minimum(lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK) * BLOCK, hi)
+    b = a + (tl.maximum(tl.minimum(full_hi, hi) - a, 0) // BLOCK) * BLOCK
+    return a, b
+
+
+@triton.jit
 def _history_mask(
     p, t, num_history, window, block_size, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr
 ):
@@ -121,25 +174,41 @@ def _history_mask(
 
 
 @triton.jit
-def _activation(x, ACTIVATION: tl.constexpr):
+def _tanh_approx(x):
+    """``tanh`` in one MUFU instruction (``tanh.approx.f32``: relative error about 2^-11); CUDA only."""
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _sigmoid(x, FAST: tl.constexpr):
+    """``sigmoid`` in fp32; ``FAST``: ``0.5 + 0.5 tanh(x / 2)`` with the one-instruction tanh (bf16 inputs)."""
+    if FAST:
+        y = 0.5 + 0.5 * _tanh_approx(0.5 * x)
+    else:
+        y = tl.sigmoid(x)
+    return y
+
+
+@triton.jit
+def _activation(x, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
     """Pointwise activation in fp32 (``gelu`` is the exact erf form)."""
     if ACTIVATION == "silu":
-        y = x * tl.sigmoid(x)
+        y = x * _sigmoid(x, FAST)
     elif ACTIVATION == "gelu":
         y = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
     elif ACTIVATION == "relu":
         y = tl.maximum(x, 0.0)
     else:
         tl.static_assert(ACTIVATION == "sigmoid")
-        y = tl.sigmoid(x)
+        y = _sigmoid(x, FAST)
     return y
 
 
 @triton.jit
-def _activation_grad(x, ACTIVATION: tl.constexpr):
+def _activation_grad(x, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
     """Derivative of :func:`_activation` in fp32."""
     if ACTIVATION == "silu":
-        sig = tl.sigmoid(x)
+        sig = _sigmoid(x, FAST)
         y = sig * (1.0 + x * (1.0 - sig))
     elif ACTIVATION == "gelu":
         cdf = 0.5 * (1.0 + tl.erf(x * 0.7071067811865476))
@@ -148,30 +217,33 @@ def _activation_grad(x, ACTIVATION: tl.constexpr):
         y = tl.where(x > 0.0, 1.0, 0.0)
     else:
         tl.static_assert(ACTIVATION == "sigmoid")
-        sig = tl.sigmoid(x)
+        sig = _sigmoid(x, FAST)
         y = sig * (1.0 - sig)
     return y
 
 
-class Tiles(NamedTuple):
-    """A kernel's launch shape: query rows and key rows per tile, and warps per program."""
+@triton.jit
+def _load_tile(base, offs_r, stride_r, offs_c, rows_ok, NUM_COLS: tl.constexpr, BLOCK_C: tl.constexpr,
+               CHECK_ROWS: tl.constexpr):  # fmt: skip
+    """A ``[R, BLOCK_C]`` tile of rows ``offs_r``; masks only what can be out of range (zeros there)."""
+    ptrs = base + offs_r[:, None] * stride_r + offs_c[None, :]
+    if CHECK_ROWS:
+        if NUM_COLS == BLOCK_C:
+            tile = tl.load(ptrs, mask=rows_ok[:, None], other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=rows_ok[:, None] & (offs_c[None, :] < NUM_COLS), other=0.0)
+    else:
+        if NUM_COLS == BLOCK_C:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=offs_c[None, :] < NUM_COLS, other=0.0)
+    return tile
 
-    block_m: int
-    block_n: int
-    num_warps: int
 
-
-def default_tiles(kernel: str, dtype: torch.dtype, device: torch.device) -> Tiles:
-    """Tiles of ``kernel`` (``"fwd"``, ``"dkdv"`` or ``"dq"``): 16 x 16 in the CPU interpreter (fast there,
-    and several blocks per test segment); on GPUs, shapes picked from an H200 sweep at head dim 128, bf16
-    (``_gpu_check``'s tile table; not tuned per head dim yet); fp32 halves them, its tiles taking twice
-    the shared memory.
-    """
-    if device.type != "cuda":
-        return Tiles(16, 16, 1)
-    if dtype == torch.float32:
-        return Tiles(32, 32, 4)
-    return {"fwd": Tiles(64, 64, 4), "dkdv": Tiles(32, 128, 8), "dq": Tiles(64, 64, 4)}[kernel]
+def fast_math(q: torch.Tensor) -> bool:
+    """Whether pointwise activations may use one-instruction approximations: compiled CUDA kernels on bf16
+    inputs, whose rounding (2^-8) dwarfs the approximation's (2^-11)."""
+    return q.is_cuda and q.dtype == torch.bfloat16
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -1,5 +1,7 @@
-"""GDPA backward in Triton: a dK/dV kernel (one program per kv segment, head and key block) and a dQ kernel
-(one program per query segment, head and query block). No atomics: every output row has one writer.
+"""GDPA backward in Triton: a dK/dV kernel (one program per kv segment, head and key block) that by default
+also accumulates dQ through fp32 atomics, and, for ``deterministic=True``, a separate dQ kernel (one program
+per query segment, head and query block) instead of the atomics, so every output row has one writer and
+results are bitwise reproducible (at the price of computing ``Q K^T`` and ``dO V^T`` twice).
 
 Legend: ``T`` tokens, ``H`` heads, ``D`` / ``DV`` head dims, ``M`` / ``N`` a query / key block.
 
@@ -23,35 +25,114 @@ from torch import Tensor
 
 from lightning_gem.ops.attention.impl.triton._common import (
     LOG2E,
-    Tiles,
     _activation,
     _activation_grad,
+    _full_query_range,
     _history_mask,
     _history_range,
     _kv_segment,
+    _load_tile,
     _position,
     _query_range,
-    default_tiles,
+    _stages,
     dot_precision,
+    fast_math,
     launch,
 )
+from lightning_gem.ops.attention.impl.triton._tuning import Tiles, candidate_tiles, length_bucket, pick_tiles, tile_meta
 
 __all__ = ["gdpa_backward"]
 
 
 @triton.jit
+def _bwd_delta_kernel(
+    OUT, DO, DELTA,  # [Tq, H, DV] x2, [H, Tq] fp32
+    num_rows, stride_ot, stride_oh, stride_dot, stride_doh, stride_delta_h,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr,
+):  # fmt: skip
+    """``delta[h, t] = sum_d dO[t, h, d] * O[t, h, d]`` in fp32."""
+    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    head = tl.program_id(1).to(tl.int64)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    rows_ok = offs_t < num_rows
+    o_TDV = _load_tile(OUT + head * stride_oh, offs_t, stride_ot, offs_dv, rows_ok, HEAD_DIM_V, BLOCK_DV, True)
+    do_TDV = _load_tile(DO + head * stride_doh, offs_t, stride_dot, offs_dv, rows_ok, HEAD_DIM_V, BLOCK_DV, True)
+    delta_T = tl.sum(o_TDV.to(tl.float32) * do_TDV.to(tl.float32), axis=1)
+    tl.store(DELTA + head * stride_delta_h + offs_t, delta_T, mask=rows_ok)
+
+
+@triton.jit
+def _dkdv_query_blocks(
+    dk_ND, dv_NDV, k_ND, v_NDV, offs_n, q_base, do_base, lse_base, delta_base, dq_base,
+    stride_qt, stride_dot, stride_dqt, m_lo, m_hi, row_end, shift, num_history, window, block_size,
+    qk_scale, scale, inv_len_k,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, FUSED_DQ: tl.constexpr,
+    ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    """Query blocks ``[m_lo, m_hi)`` against one key tile; ``MASKED`` applies ``allowed``; ``FUSED_DQ`` adds
+    this tile's part of dQ (``scale dS K``) into the fp32 rows at ``dq_base`` atomically."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for m_start in tl.range(m_lo, m_hi, BLOCK_M):
+        offs_m = m_start + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < row_end
+        q_MD = _load_tile(q_base, offs_m, stride_qt, offs_d, row_ok, HEAD_DIM, BLOCK_D, MASKED)
+        do_MDV = _load_tile(do_base, offs_m, stride_dot, offs_dv, row_ok, HEAD_DIM_V, BLOCK_DV, MASKED)
+        qk_NM = tl.dot(k_ND, tl.trans(q_MD), input_precision=DOT_PRECISION)
+        dp_NM = tl.dot(v_NDV, tl.trans(do_MDV), input_precision=DOT_PRECISION)
+        if MASKED:
+            allowed_NM = row_ok[None, :] & _history_mask(
+                _position(offs_m, shift, num_history)[None, :], offs_n[:, None], num_history, window, block_size,
+                CAUSAL, HAS_WINDOW, HAS_BLOCK,
+            )  # fmt: skip
+        if ACTIVATION == "softmax":
+            if MASKED:
+                lse_M = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
+                delta_M = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+                p_NM = tl.where(allowed_NM, tl.exp2(qk_NM * qk_scale - lse_M[None, :]), 0.0)
+            else:
+                lse_M = tl.load(lse_base + offs_m)
+                delta_M = tl.load(delta_base + offs_m)
+                p_NM = tl.exp2(qk_NM * qk_scale - lse_M[None, :])
+            ds_NM = p_NM * (dp_NM - delta_M[None, :])
+        else:
+            s_NM = qk_NM * scale
+            p_NM = _activation(s_NM, ACTIVATION, FAST) * inv_len_k
+            ds_NM = _activation_grad(s_NM, ACTIVATION, FAST) * dp_NM * inv_len_k
+            if MASKED:
+                p_NM = tl.where(allowed_NM, p_NM, 0.0)
+                ds_NM = tl.where(allowed_NM, ds_NM, 0.0)
+        dv_NDV = tl.dot(p_NM.to(do_MDV.dtype), do_MDV, dv_NDV, input_precision=DOT_PRECISION)
+        ds_NM = ds_NM.to(q_MD.dtype)
+        dk_ND = tl.dot(ds_NM, q_MD, dk_ND, input_precision=DOT_PRECISION)
+        if FUSED_DQ:
+            dq_MD = tl.dot(tl.trans(ds_NM), k_ND, input_precision=DOT_PRECISION) * scale
+            dq_ptrs = dq_base + offs_m[:, None] * stride_dqt + offs_d[None, :]
+            if MASKED:
+                tl.atomic_add(dq_ptrs, dq_MD, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
+            elif HEAD_DIM == BLOCK_D:
+                tl.atomic_add(dq_ptrs, dq_MD, sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs, dq_MD, mask=offs_d[None, :] < HEAD_DIM, sem="relaxed")
+    return dk_ND, dv_NDV
+
+
+@triton.jit
 def _gdpa_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,  # [Tq, H, D], [Tk, H, D], [Tk, H, DV], [Tq, H, DV], [H, Tq] x2, like k, v
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ,  # [Tq, H, D], [Tk, H, D], [Tk, H, DV], [Tq, H, DV], [H, Tq] x2, like k v q
     Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,  # [B + 1], [Bkv + 1], [B], [Bkv + 1], [B]
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
-    stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
     scale, window, block_size,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_DQ: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
-    HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
+    qk_scale = scale * LOG2E
     kv_seg = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
     n_start = tl.program_id(2) * BLOCK_N
@@ -63,16 +144,10 @@ def _gdpa_bwd_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     col_ok = offs_n < len_k
-    k_ND = tl.load(
-        K + (k_start + offs_n)[:, None] * stride_kt + head * stride_kh + offs_d[None, :],
-        mask=col_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
-        other=0.0,
-    )
-    v_NDV = tl.load(
-        V + (k_start + offs_n)[:, None] * stride_vt + head * stride_vh + offs_dv[None, :],
-        mask=col_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V),
-        other=0.0,
-    )
+    k_ND = _load_tile(K + k_start * stride_kt + head * stride_kh, offs_n, stride_kt, offs_d, col_ok, HEAD_DIM, BLOCK_D,
+                      True)  # fmt: skip
+    v_NDV = _load_tile(V + k_start * stride_vt + head * stride_vh, offs_n, stride_vt, offs_dv, col_ok, HEAD_DIM_V,
+                       BLOCK_DV, True)  # fmt: skip
     dk_ND = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv_NDV = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     inv_len_k = 1.0 / len_k.to(tl.float32)
@@ -95,66 +170,59 @@ def _gdpa_bwd_dkdv_kernel(
         do_base = DO + q_start * stride_dot + head * stride_doh
         lse_base = LSE + head * stride_lse_h + q_start
         delta_base = DELTA + head * stride_lse_h + q_start
+        dq_base = DQ + q_start * stride_dqt + head * stride_dqh
 
+        n_end = tl.minimum(n_start + BLOCK_N, num_history)
         i_lo, i_hi = _query_range(
-            n_start, tl.minimum(n_start + BLOCK_N, num_history), len_q, shift, num_history, window, block_size,
-            CAUSAL, HAS_WINDOW, HAS_BLOCK,
+            n_start, n_end, len_q, shift, num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
+        )
+        full_lo, full_hi = _full_query_range(
+            n_start, n_start + BLOCK_N, len_q, shift, num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
+        )
+        a, b = _stages(i_lo, i_hi, full_lo, full_hi, BLOCK_M)
+        dk_ND, dv_NDV = _dkdv_query_blocks(
+            dk_ND, dv_NDV, k_ND, v_NDV, offs_n, q_base, do_base, lse_base, delta_base, dq_base,
+            stride_qt, stride_dot, stride_dqt, i_lo, a, i_hi, shift, num_history, window, block_size,
+            qk_scale, scale, inv_len_k, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, FUSED_DQ,
+            ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
         )  # fmt: skip
-        for m_start in range(i_lo, i_hi, BLOCK_M):
-            offs_m = m_start + tl.arange(0, BLOCK_M)
-            row_ok = offs_m < i_hi
-            q_MD = tl.load(
-                q_base + offs_m[:, None] * stride_qt + offs_d[None, :],
-                mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
-                other=0.0,
-            )
-            do_MDV = tl.load(
-                do_base + offs_m[:, None] * stride_dot + offs_dv[None, :],
-                mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V),
-                other=0.0,
-            )
-            qk_NM = tl.dot(k_ND, tl.trans(q_MD), input_precision=DOT_PRECISION)
-            allowed_NM = row_ok[None, :] & _history_mask(
-                _position(offs_m, shift, num_history)[None, :], offs_n[:, None], num_history, window, block_size,
-                CAUSAL, HAS_WINDOW, HAS_BLOCK,
-            )  # fmt: skip
-            dp_NM = tl.dot(v_NDV, tl.trans(do_MDV), input_precision=DOT_PRECISION)
-            if ACTIVATION == "softmax":
-                lse_M = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
-                delta_M = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
-                p_NM = tl.where(allowed_NM, tl.exp2(qk_NM * (scale * LOG2E) - lse_M[None, :]), 0.0)
-                ds_NM = p_NM * (dp_NM - delta_M[None, :])
-            else:
-                s_NM = qk_NM * scale
-                p_NM = tl.where(allowed_NM, _activation(s_NM, ACTIVATION) * inv_len_k, 0.0)
-                ds_NM = tl.where(allowed_NM, _activation_grad(s_NM, ACTIVATION) * dp_NM * inv_len_k, 0.0)
-            dv_NDV = tl.dot(p_NM.to(do_MDV.dtype), do_MDV, dv_NDV, input_precision=DOT_PRECISION)
-            dk_ND = tl.dot(ds_NM.to(q_MD.dtype), q_MD, dk_ND, input_precision=DOT_PRECISION)
+        dk_ND, dv_NDV = _dkdv_query_blocks(
+            dk_ND, dv_NDV, k_ND, v_NDV, offs_n, q_base, do_base, lse_base, delta_base, dq_base,
+            stride_qt, stride_dot, stride_dqt, a, b, i_hi, shift, num_history, window, block_size,
+            qk_scale, scale, inv_len_k, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, False, FUSED_DQ,
+            ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
+        )  # fmt: skip
+        dk_ND, dv_NDV = _dkdv_query_blocks(
+            dk_ND, dv_NDV, k_ND, v_NDV, offs_n, q_base, do_base, lse_base, delta_base, dq_base,
+            stride_qt, stride_dot, stride_dqt, b, i_hi, i_hi, shift, num_history, window, block_size,
+            qk_scale, scale, inv_len_k, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, FUSED_DQ,
+            ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
+        )  # fmt: skip
 
         if HAS_TARGETS:  # a target key t is seen by one query only: the target itself, row t of the segment
             own = col_ok & (shift == 0) & (offs_n >= num_history)
-            q_own_ND = tl.load(
-                q_base + offs_n[:, None] * stride_qt + offs_d[None, :],
-                mask=own[:, None] & (offs_d[None, :] < HEAD_DIM),
-                other=0.0,
-            ).to(tl.float32)
-            do_own_NDV = tl.load(
-                do_base + offs_n[:, None] * stride_dot + offs_dv[None, :],
-                mask=own[:, None] & (offs_dv[None, :] < HEAD_DIM_V),
-                other=0.0,
-            ).to(tl.float32)
+            q_own_ND = _load_tile(q_base, offs_n, stride_qt, offs_d, own, HEAD_DIM, BLOCK_D, True).to(tl.float32)
+            do_own_NDV = _load_tile(do_base, offs_n, stride_dot, offs_dv, own, HEAD_DIM_V, BLOCK_DV, True)
+            do_own_NDV = do_own_NDV.to(tl.float32)
             qk_N = tl.sum(k_ND.to(tl.float32) * q_own_ND, axis=1)
             dp_N = tl.sum(v_NDV.to(tl.float32) * do_own_NDV, axis=1)
             if ACTIVATION == "softmax":
                 lse_N = tl.load(lse_base + offs_n, mask=own, other=float("inf"))
                 delta_N = tl.load(delta_base + offs_n, mask=own, other=0.0)
-                p_N = tl.where(own, tl.exp2(qk_N * (scale * LOG2E) - lse_N), 0.0)
+                p_N = tl.where(own, tl.exp2(qk_N * qk_scale - lse_N), 0.0)
                 ds_N = p_N * (dp_N - delta_N)
             else:
-                p_N = tl.where(own, _activation(qk_N * scale, ACTIVATION) * inv_len_k, 0.0)
-                ds_N = tl.where(own, _activation_grad(qk_N * scale, ACTIVATION) * dp_N * inv_len_k, 0.0)
+                p_N = tl.where(own, _activation(qk_N * scale, ACTIVATION, FAST) * inv_len_k, 0.0)
+                ds_N = tl.where(own, _activation_grad(qk_N * scale, ACTIVATION, FAST) * dp_N * inv_len_k, 0.0)
             dv_NDV += p_N[:, None] * do_own_NDV
             dk_ND += ds_N[:, None] * q_own_ND
+            if FUSED_DQ:
+                tl.atomic_add(
+                    dq_base + offs_n[:, None] * stride_dqt + offs_d[None, :],
+                    ds_N[:, None] * k_ND.to(tl.float32) * scale,
+                    mask=own[:, None] & (offs_d[None, :] < HEAD_DIM),
+                    sem="relaxed",
+                )
 
     tl.store(
         DK + (k_start + offs_n)[:, None] * stride_dkt + head * stride_dkh + offs_d[None, :],
@@ -169,6 +237,39 @@ def _gdpa_bwd_dkdv_kernel(
 
 
 @triton.jit
+def _dq_key_blocks(
+    dq_MD, q_MD, do_MDV, lse_M, delta_M, k_base, v_base, stride_kt, stride_vt, n_lo, n_hi, hi, pos_m, row_ok,
+    qk_scale, scale, inv_len_k, num_history, window, block_size,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    """Key blocks ``[n_lo, n_hi)`` of one query tile's dQ (unscaled); ``MASKED`` applies ``allowed``."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for n_start in tl.range(n_lo, n_hi, BLOCK_N):
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < hi
+        k_ND = _load_tile(k_base, offs_n, stride_kt, offs_d, col_ok, HEAD_DIM, BLOCK_D, MASKED)
+        v_NDV = _load_tile(v_base, offs_n, stride_vt, offs_dv, col_ok, HEAD_DIM_V, BLOCK_DV, MASKED)
+        qk_MN = tl.dot(q_MD, tl.trans(k_ND), input_precision=DOT_PRECISION)
+        dp_MN = tl.dot(do_MDV, tl.trans(v_NDV), input_precision=DOT_PRECISION)
+        if ACTIVATION == "softmax":
+            p_MN = tl.exp2(qk_MN * qk_scale - lse_M[:, None])
+            ds_MN = p_MN * (dp_MN - delta_M[:, None])
+        else:
+            ds_MN = _activation_grad(qk_MN * scale, ACTIVATION, FAST) * dp_MN * inv_len_k
+        if MASKED:
+            allowed_MN = row_ok[:, None] & _history_mask(
+                pos_m[:, None], offs_n[None, :], num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
+            )
+            ds_MN = tl.where(allowed_MN, ds_MN, 0.0)
+        dq_MD = tl.dot(ds_MN.to(k_ND.dtype), k_ND, dq_MD, input_precision=DOT_PRECISION)
+    return dq_MD
+
+
+@triton.jit
 def _gdpa_bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ,  # [Tq, H, D], [Tk, H, D], [Tk, H, DV], [Tq, H, DV], [H, Tq] x2, like q
     Q_OFFSETS, KV_OFFSETS, KV_INDEX, NUM_TARGETS,  # [B + 1], [Bkv + 1], [B], [B]
@@ -178,12 +279,13 @@ def _gdpa_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
-    HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
+    qk_scale = scale * LOG2E
     seg = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
-    m_start = tl.program_id(2) * BLOCK_M
+    m_start = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M  # last query blocks first
     q_start = tl.load(Q_OFFSETS + seg).to(tl.int64)
     len_q = (tl.load(Q_OFFSETS + seg + 1) - q_start).to(tl.int32)
     if m_start >= len_q:
@@ -198,16 +300,12 @@ def _gdpa_bwd_dq_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < len_q
     pos_m = _position(offs_m, shift, num_history)
-    q_MD = tl.load(
-        Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-        mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
-        other=0.0,
-    )
-    do_MDV = tl.load(
-        DO + (q_start + offs_m)[:, None] * stride_dot + head * stride_doh + offs_dv[None, :],
-        mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V),
-        other=0.0,
-    )
+    q_MD = _load_tile(Q + q_start * stride_qt + head * stride_qh, offs_m, stride_qt, offs_d, row_ok, HEAD_DIM, BLOCK_D,
+                      True)  # fmt: skip
+    do_MDV = _load_tile(DO + q_start * stride_dot + head * stride_doh, offs_m, stride_dot, offs_dv, row_ok, HEAD_DIM_V,
+                        BLOCK_DV, True)  # fmt: skip
+    lse_M = tl.zeros([BLOCK_M], dtype=tl.float32)
+    delta_M = tl.zeros([BLOCK_M], dtype=tl.float32)
     if ACTIVATION == "softmax":
         lse_M = tl.load(LSE + head * stride_lse_h + q_start + offs_m, mask=row_ok, other=float("inf"))
         delta_M = tl.load(DELTA + head * stride_lse_h + q_start + offs_m, mask=row_ok, other=0.0)
@@ -216,57 +314,43 @@ def _gdpa_bwd_dq_kernel(
     dq_MD = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     last_row = tl.minimum(m_start + BLOCK_M, len_q) - 1
-    lo, _ = _history_range(
+    lo, hi_first = _history_range(
         _position(m_start, shift, num_history), num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
     )
-    _, hi = _history_range(
+    lo_last, hi = _history_range(
         _position(last_row, shift, num_history), num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
     )
-    for n_start in range(lo, hi, BLOCK_N):
-        offs_n = n_start + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < hi
-        k_ND = tl.load(
-            k_base + offs_n[:, None] * stride_kt + offs_d[None, :],
-            mask=col_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
-            other=0.0,
-        )
-        v_NDV = tl.load(
-            v_base + offs_n[:, None] * stride_vt + offs_dv[None, :],
-            mask=col_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V),
-            other=0.0,
-        )
-        qk_MN = tl.dot(q_MD, tl.trans(k_ND), input_precision=DOT_PRECISION)
-        allowed_MN = row_ok[:, None] & _history_mask(
-            pos_m[:, None], offs_n[None, :], num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
-        )
-        dp_MN = tl.dot(do_MDV, tl.trans(v_NDV), input_precision=DOT_PRECISION)
-        if ACTIVATION == "softmax":
-            p_MN = tl.where(allowed_MN, tl.exp2(qk_MN * (scale * LOG2E) - lse_M[:, None]), 0.0)
-            ds_MN = p_MN * (dp_MN - delta_M[:, None])
-        else:
-            s_MN = qk_MN * scale
-            ds_MN = tl.where(allowed_MN, _activation_grad(s_MN, ACTIVATION) * dp_MN * inv_len_k, 0.0)
-        dq_MD = tl.dot(ds_MN.to(k_ND.dtype), k_ND, dq_MD, input_precision=DOT_PRECISION)
+    full_lo, full_hi = _stages(lo, hi, lo_last, hi_first, BLOCK_N)
+    dq_MD = _dq_key_blocks(
+        dq_MD, q_MD, do_MDV, lse_M, delta_M, k_base, v_base, stride_kt, stride_vt, lo, full_lo, hi, pos_m, row_ok,
+        qk_scale, scale, inv_len_k, num_history, window, block_size,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
+        ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
+    )  # fmt: skip
+    dq_MD = _dq_key_blocks(
+        dq_MD, q_MD, do_MDV, lse_M, delta_M, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, hi, pos_m,
+        row_ok, qk_scale, scale, inv_len_k, num_history, window, block_size,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False,
+        ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
+    )  # fmt: skip
+    dq_MD = _dq_key_blocks(
+        dq_MD, q_MD, do_MDV, lse_M, delta_M, k_base, v_base, stride_kt, stride_vt, full_hi, hi, hi, pos_m, row_ok,
+        qk_scale, scale, inv_len_k, num_history, window, block_size,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
+        ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
+    )  # fmt: skip
 
     if HAS_TARGETS:  # a target query's own key: a row-wise product
         own = row_ok & (shift == 0) & (offs_m >= num_history)
-        k_own_MD = tl.load(
-            k_base + offs_m[:, None] * stride_kt + offs_d[None, :],
-            mask=own[:, None] & (offs_d[None, :] < HEAD_DIM),
-            other=0.0,
-        ).to(tl.float32)
-        v_own_MDV = tl.load(
-            v_base + offs_m[:, None] * stride_vt + offs_dv[None, :],
-            mask=own[:, None] & (offs_dv[None, :] < HEAD_DIM_V),
-            other=0.0,
-        ).to(tl.float32)
+        k_own_MD = _load_tile(k_base, offs_m, stride_kt, offs_d, own, HEAD_DIM, BLOCK_D, True).to(tl.float32)
+        v_own_MDV = _load_tile(v_base, offs_m, stride_vt, offs_dv, own, HEAD_DIM_V, BLOCK_DV, True).to(tl.float32)
         qk_M = tl.sum(q_MD.to(tl.float32) * k_own_MD, axis=1)
         dp_M = tl.sum(do_MDV.to(tl.float32) * v_own_MDV, axis=1)
         if ACTIVATION == "softmax":
-            p_M = tl.where(own, tl.exp2(qk_M * (scale * LOG2E) - lse_M), 0.0)
+            p_M = tl.where(own, tl.exp2(qk_M * qk_scale - lse_M), 0.0)
             ds_M = p_M * (dp_M - delta_M)
         else:
-            ds_M = tl.where(own, _activation_grad(qk_M * scale, ACTIVATION) * dp_M * inv_len_k, 0.0)
+            ds_M = tl.where(own, _activation_grad(qk_M * scale, ACTIVATION, FAST) * dp_M * inv_len_k, 0.0)
         dq_MD += ds_M[:, None] * k_own_MD
 
     tl.store(
@@ -276,10 +360,6 @@ def _gdpa_bwd_dq_kernel(
     )
 
 
-def _tile_meta(tiles: Tiles) -> dict[str, int]:
-    return {"BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "num_warps": tiles.num_warps}
-
-
 def _segments_by_kv(kv_index: Tensor, num_kv_segments: int) -> tuple[Tensor, Tensor]:
     """CSR of the query segments of each kv segment: ``seg_offsets [Bkv + 1]``, ``seg_order [B]``. No sync."""
     index = kv_index.to(torch.int64)
@@ -287,6 +367,24 @@ def _segments_by_kv(kv_index: Tensor, num_kv_segments: int) -> tuple[Tensor, Ten
     counts = torch.zeros(num_kv_segments + 1, dtype=torch.int64, device=index.device)
     counts.index_add_(0, index + 1, torch.ones_like(index))
     return counts.cumsum(0), order
+
+
+def _delta(out: Tensor, grad_out: Tensor) -> Tensor:
+    """``[H, Tq]`` fp32 row sums of ``grad_out * out`` (softmax's ``delta``)."""
+    num_q, heads, head_dim_v = out.shape
+    delta = torch.empty(heads, num_q, dtype=torch.float32, device=out.device)
+    if num_q == 0 or heads == 0:
+        return delta
+    block_dv = max(16, triton.next_power_of_2(head_dim_v))
+    block_t = max(1, min(64, 8192 // block_dv))
+    launch(
+        _bwd_delta_kernel,
+        (triton.cdiv(num_q, block_t), heads),
+        (out, grad_out, delta, num_q, out.stride(0), out.stride(1), grad_out.stride(0), grad_out.stride(1),
+         delta.stride(0)),
+        dict(HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, BLOCK_T=block_t, num_warps=4),
+    )  # fmt: skip
+    return delta
 
 
 def gdpa_backward(
@@ -308,11 +406,13 @@ def gdpa_backward(
     scale: float,
     max_seq_len_q: int,
     max_seq_len_kv: int,
+    deterministic: bool = False,
     dkdv_tiles: Tiles | None = None,
     dq_tiles: Tiles | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Launch the backward kernels. ``out`` and ``lse`` (from :func:`gdpa_forward`) are needed for softmax
-    only; the tiles override :func:`default_tiles`. Returns ``(dq, dk, dv)`` in the inputs' dtypes.
+    only; ``deterministic`` computes dQ in its own kernel instead of fp32 atomics; the tiles override the
+    tuned choice. Returns ``(dq, dk, dv)`` in the inputs' dtypes.
     """
     grad_out, q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (grad_out, q, k, v))
     num_q, heads, head_dim = q.shape
@@ -321,46 +421,70 @@ def gdpa_backward(
     softmax = activation == "softmax"
     if softmax:
         assert out is not None and lse is not None, "softmax backward needs the forward's out and lse"
-        delta = (grad_out.to(torch.float32) * out.to(torch.float32)).sum(-1).transpose(0, 1).contiguous()
+        delta = _delta(out if out.stride(-1) == 1 else out.contiguous(), grad_out)
     else:
         lse = delta = torch.empty(0, 0, dtype=torch.float32, device=q.device)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    fused = not deterministic
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else torch.empty_like(q)
     if num_segments == 0 or heads == 0:
-        return dq, dk.zero_(), dv.zero_()
+        return dq.to(q.dtype), dk.zero_(), dv.zero_()
     if kv_index is None:
         seg_offsets = seg_order = q_offsets  # placeholders, never read
     else:
         seg_offsets, seg_order = _segments_by_kv(kv_index, num_kv_segments)
-    dkdv_tiles = dkdv_tiles or default_tiles("dkdv", q.dtype, q.device)
-    dq_tiles = dq_tiles or default_tiles("dq", q.dtype, q.device)
+    flags = dict(
+        ACTIVATION=activation, CAUSAL=causal, HAS_WINDOW=window is not None, HAS_BLOCK=block_size is not None,
+        HAS_KV_INDEX=kv_index is not None, HAS_TARGETS=num_targets is not None,
+    )  # fmt: skip
     meta = dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)),
-        ACTIVATION=activation, CAUSAL=causal, HAS_WINDOW=window is not None, HAS_BLOCK=block_size is not None,
-        HAS_KV_INDEX=kv_index is not None, HAS_TARGETS=num_targets is not None,
-        DOT_PRECISION=dot_precision(q.dtype),
+        **flags, DOT_PRECISION=dot_precision(q.dtype), FAST=fast_math(q),
     )  # fmt: skip
     common_strides = (
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         grad_out.stride(0), grad_out.stride(1), lse.stride(0) if softmax else 0,
     )  # fmt: skip
     targets = q_offsets if num_targets is None else num_targets  # placeholder when absent
+    key = (head_dim, head_dim_v, q.dtype, tuple(flags.values()), block_size, length_bucket(max_seq_len_q),
+           length_bucket(max_seq_len_kv))  # fmt: skip
     if k.shape[0] > 0:
-        grid = (num_kv_segments, heads, max(1, triton.cdiv(max_seq_len_kv, dkdv_tiles.block_n)))
-        args = (
-            q, k, v, grad_out, lse, delta, dk, dv,
+        dkdv_args = (
+            q, k, v, grad_out, lse, delta, dk, dv, dq,
             q_offsets, kv_offsets, targets, seg_offsets, seg_order,
-            *common_strides, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+            *common_strides, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq.stride(0), dq.stride(1),
             scale, window or 0, block_size or 1,
         )  # fmt: skip
-        launch(_gdpa_bwd_dkdv_kernel, grid, args, {**meta, **_tile_meta(dkdv_tiles)})
+
+        def run_dkdv(tiles: Tiles) -> None:
+            if fused:
+                dq.zero_()
+            grid = (num_kv_segments, heads, max(1, triton.cdiv(max_seq_len_kv, tiles.block_n)))
+            launch(_gdpa_bwd_dkdv_kernel, grid, dkdv_args, {**meta, **tile_meta(tiles), "FUSED_DQ": fused})
+
+        if dkdv_tiles is None:
+            candidates = candidate_tiles("dkdv", q.dtype, q.device, head_dim, block_size=block_size,
+                                         max_len_q=max_seq_len_q)  # fmt: skip
+            dkdv_tiles = pick_tiles(("dkdv", fused, *key), candidates, run_dkdv, (q, k, v, grad_out))
+        run_dkdv(dkdv_tiles)
+    if fused:
+        return dq.to(q.dtype), dk, dv
     if num_q > 0:
-        grid = (num_segments, heads, max(1, triton.cdiv(max_seq_len_q, dq_tiles.block_m)))
-        args = (
+        dq_args = (
             q, k, v, grad_out, lse, delta, dq,
             q_offsets, kv_offsets, q_offsets if kv_index is None else kv_index, targets,
             *common_strides, dq.stride(0), dq.stride(1),
             scale, window or 0, block_size or 1,
         )  # fmt: skip
-        launch(_gdpa_bwd_dq_kernel, grid, args, {**meta, **_tile_meta(dq_tiles)})
+
+        def run_dq(tiles: Tiles) -> None:
+            grid = (num_segments, heads, max(1, triton.cdiv(max_seq_len_q, tiles.block_m)))
+            launch(_gdpa_bwd_dq_kernel, grid, dq_args, {**meta, **tile_meta(tiles)})
+
+        if dq_tiles is None:
+            candidates = candidate_tiles("dq", q.dtype, q.device, head_dim, block_size=block_size,
+                                         max_len_q=max_seq_len_q)  # fmt: skip
+            dq_tiles = pick_tiles(("dq", *key), candidates, run_dq, (q, k, v, grad_out))
+        run_dq(dq_tiles)
     return dq, dk, dv

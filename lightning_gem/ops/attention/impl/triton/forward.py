@@ -5,10 +5,16 @@ Legend: ``T`` tokens (``Tq`` queries, ``Tk`` keys), ``H`` heads, ``D`` q/k head 
 
 A program reads its segment's lengths from the offsets (lengths are runtime values, never constexpr: a
 new batch never recompiles), finds the history keys its query block can see (``[lo, hi)`` of its first
-and last rows) and visits only the key blocks in that range, masking inside each block with the exact
-``allowed`` rule; a target query's own key is a row-wise dot product that seeds its row. Softmax keeps an fp32
-running max and sum in base 2 and saves the log-sum-exp (base 2, ``+inf`` for rows that see no key) for
-the backward; pointwise activations accumulate ``act(s) v`` and divide by the kv segment's length.
+and last rows) and visits only the key blocks in that range. Key blocks that every row of the tile sees
+whole run without a mask; only the blocks at the edges (the causal diagonal, window and block borders,
+segment ends) apply the exact ``allowed`` rule. A target query's own key is a row-wise dot product that
+seeds its row. Softmax keeps an fp32 running max and sum in base 2 (the scale folded into one multiplier)
+and saves the log-sum-exp (base 2, ``+inf`` for rows that see no key) for the backward; pointwise
+activations accumulate ``act(s) v`` and divide by the kv segment's length.
+
+Schedule: query blocks are launched last block first (grid axis 2, the slowest, counts down), so the
+costliest tiles of causal attention, the late blocks of the longest sequences, start in the first wave
+instead of trailing behind the short sequences; programs past a segment's end return at once.
 """
 
 from __future__ import annotations
@@ -20,18 +26,65 @@ from torch import Tensor
 
 from lightning_gem.ops.attention.impl.triton._common import (
     LOG2E,
-    Tiles,
     _activation,
     _history_mask,
     _history_range,
     _kv_segment,
+    _load_tile,
     _position,
-    default_tiles,
+    _stages,
     dot_precision,
+    fast_math,
     launch,
 )
+from lightning_gem.ops.attention.impl.triton._tuning import Tiles, candidate_tiles, length_bucket, pick_tiles, tile_meta
 
 __all__ = ["gdpa_forward"]
+
+
+@triton.jit
+def _fwd_key_blocks(
+    acc_MDV, m_M, l_M, q_MD, k_base, v_base, stride_kt, stride_vt, n_lo, n_hi, hi, pos_m, row_ok,
+    qk_scale, scale, num_history, window, block_size,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    """Key blocks ``[n_lo, n_hi)`` of one query tile; ``MASKED`` applies ``allowed`` (else all are allowed)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for n_start in tl.range(n_lo, n_hi, BLOCK_N):
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < hi
+        k_ND = _load_tile(k_base, offs_n, stride_kt, offs_d, col_ok, HEAD_DIM, BLOCK_D, MASKED)
+        v_NDV = _load_tile(v_base, offs_n, stride_vt, offs_dv, col_ok, HEAD_DIM_V, BLOCK_DV, MASKED)
+        qk_MN = tl.dot(q_MD, tl.trans(k_ND), input_precision=DOT_PRECISION)
+        if MASKED:
+            allowed_MN = row_ok[:, None] & _history_mask(
+                pos_m[:, None], offs_n[None, :], num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
+            )
+        if ACTIVATION == "softmax":
+            if MASKED:
+                s_MN = tl.where(allowed_MN, qk_MN * qk_scale, float("-inf"))
+                m_new_M = tl.maximum(m_M, tl.max(s_MN, axis=1))
+                # A row with nothing allowed so far keeps -inf: subtract 0 instead (exp2(-inf) = 0, no NaN).
+                m_safe_M = tl.where(m_new_M == float("-inf"), 0.0, m_new_M)
+                p_MN = tl.exp2(s_MN - m_safe_M[:, None])
+            else:  # every score is finite: the new max is too
+                m_new_M = tl.maximum(m_M, tl.max(qk_MN, axis=1) * qk_scale)
+                m_safe_M = m_new_M
+                p_MN = tl.exp2(qk_MN * qk_scale - m_safe_M[:, None])
+            alpha_M = tl.exp2(m_M - m_safe_M)
+            l_M = l_M * alpha_M + tl.sum(p_MN, axis=1)
+            acc_MDV = acc_MDV * alpha_M[:, None]
+            m_M = m_new_M
+        else:
+            p_MN = _activation(qk_MN * scale, ACTIVATION, FAST)
+            if MASKED:
+                p_MN = tl.where(allowed_MN, p_MN, 0.0)
+        acc_MDV = tl.dot(p_MN.to(v_NDV.dtype), v_NDV, acc_MDV, input_precision=DOT_PRECISION)
+    return acc_MDV, m_M, l_M
 
 
 @triton.jit
@@ -43,12 +96,13 @@ def _gdpa_fwd_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
-    HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
+    qk_scale = scale * LOG2E  # softmax scores in base 2
     seg = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
-    m_start = tl.program_id(2) * BLOCK_M
+    m_start = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M  # last query blocks first
     q_start = tl.load(Q_OFFSETS + seg).to(tl.int64)
     len_q = (tl.load(Q_OFFSETS + seg + 1) - q_start).to(tl.int32)
     if m_start >= len_q:
@@ -62,11 +116,8 @@ def _gdpa_fwd_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < len_q
     pos_m = _position(offs_m, shift, num_history)
-    q_MD = tl.load(
-        Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-        mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
-        other=0.0,
-    )
+    q_base = Q + q_start * stride_qt + head * stride_qh
+    q_MD = _load_tile(q_base, offs_m, stride_qt, offs_d, row_ok, HEAD_DIM, BLOCK_D, True)
     k_base = K + k_start * stride_kt + head * stride_kh
     v_base = V + k_start * stride_vt + head * stride_vh
 
@@ -76,62 +127,45 @@ def _gdpa_fwd_kernel(
     l_M = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_TARGETS:
         own = row_ok & (shift == 0) & (offs_m >= num_history)
-        k_own_MD = tl.load(
-            k_base + offs_m[:, None] * stride_kt + offs_d[None, :],
-            mask=own[:, None] & (offs_d[None, :] < HEAD_DIM),
-            other=0.0,
-        )
-        v_own_MDV = tl.load(
-            v_base + offs_m[:, None] * stride_vt + offs_dv[None, :],
-            mask=own[:, None] & (offs_dv[None, :] < HEAD_DIM_V),
-            other=0.0,
-        ).to(tl.float32)
+        k_own_MD = _load_tile(k_base, offs_m, stride_kt, offs_d, own, HEAD_DIM, BLOCK_D, True)
+        v_own_MDV = _load_tile(v_base, offs_m, stride_vt, offs_dv, own, HEAD_DIM_V, BLOCK_DV, True).to(tl.float32)
         qk_own_M = tl.sum(q_MD.to(tl.float32) * k_own_MD.to(tl.float32), axis=1)
         if ACTIVATION == "softmax":
-            m_M = tl.where(own, qk_own_M * (scale * LOG2E), float("-inf"))
+            m_M = tl.where(own, qk_own_M * qk_scale, float("-inf"))
             l_M = tl.where(own, 1.0, 0.0)
             acc_MDV = tl.where(own[:, None], v_own_MDV, 0.0)
         else:
-            p_own_M = tl.where(own, _activation(qk_own_M * scale, ACTIVATION), 0.0)
+            p_own_M = tl.where(own, _activation(qk_own_M * scale, ACTIVATION, FAST), 0.0)
             acc_MDV = p_own_M[:, None] * v_own_MDV
 
+    # Key ranges of the tile's first and last rows: [lo, hi) is all it sees, [lo_last, hi_first) what every
+    # row sees (the ranges only move right with the row).
     last_row = tl.minimum(m_start + BLOCK_M, len_q) - 1
-    lo, _ = _history_range(
+    lo, hi_first = _history_range(
         _position(m_start, shift, num_history), num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
     )
-    _, hi = _history_range(
+    lo_last, hi = _history_range(
         _position(last_row, shift, num_history), num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
     )
-    for n_start in range(lo, hi, BLOCK_N):
-        offs_n = n_start + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < hi
-        k_ND = tl.load(
-            k_base + offs_n[:, None] * stride_kt + offs_d[None, :],
-            mask=col_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
-            other=0.0,
-        )
-        v_NDV = tl.load(
-            v_base + offs_n[:, None] * stride_vt + offs_dv[None, :],
-            mask=col_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V),
-            other=0.0,
-        )
-        qk_MN = tl.dot(q_MD, tl.trans(k_ND), input_precision=DOT_PRECISION)
-        allowed_MN = row_ok[:, None] & _history_mask(
-            pos_m[:, None], offs_n[None, :], num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
-        )
-        if ACTIVATION == "softmax":
-            s_MN = tl.where(allowed_MN, qk_MN * (scale * LOG2E), float("-inf"))
-            m_new_M = tl.maximum(m_M, tl.max(s_MN, axis=1))
-            # A row with nothing allowed so far keeps -inf: subtract 0 instead (exp2(-inf) = 0, no NaN).
-            m_safe_M = tl.where(m_new_M == float("-inf"), 0.0, m_new_M)
-            alpha_M = tl.exp2(m_M - m_safe_M)
-            p_MN = tl.exp2(s_MN - m_safe_M[:, None])
-            l_M = l_M * alpha_M + tl.sum(p_MN, axis=1)
-            acc_MDV = acc_MDV * alpha_M[:, None]
-            m_M = m_new_M
-        else:
-            p_MN = tl.where(allowed_MN, _activation(qk_MN * scale, ACTIVATION), 0.0)
-        acc_MDV = tl.dot(p_MN.to(v_NDV.dtype), v_NDV, acc_MDV, input_precision=DOT_PRECISION)
+    full_lo, full_hi = _stages(lo, hi, lo_last, hi_first, BLOCK_N)
+    acc_MDV, m_M, l_M = _fwd_key_blocks(
+        acc_MDV, m_M, l_M, q_MD, k_base, v_base, stride_kt, stride_vt, lo, full_lo, hi, pos_m, row_ok,
+        qk_scale, scale, num_history, window, block_size,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
+        ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
+    )  # fmt: skip
+    acc_MDV, m_M, l_M = _fwd_key_blocks(
+        acc_MDV, m_M, l_M, q_MD, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, hi, pos_m, row_ok,
+        qk_scale, scale, num_history, window, block_size,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False,
+        ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
+    )  # fmt: skip
+    acc_MDV, m_M, l_M = _fwd_key_blocks(
+        acc_MDV, m_M, l_M, q_MD, k_base, v_base, stride_kt, stride_vt, full_hi, hi, hi, pos_m, row_ok,
+        qk_scale, scale, num_history, window, block_size,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
+        ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
+    )  # fmt: skip
 
     if ACTIVATION == "softmax":
         has_key = l_M > 0.0
@@ -166,7 +200,7 @@ def gdpa_forward(
 ) -> tuple[Tensor, Tensor]:
     """Launch the forward kernel. Returns ``out [Tq, H, DV]`` (q's dtype) and ``lse [H, Tq]`` (fp32, base 2;
     empty for pointwise activations). ``max_seq_len_q`` sizes the grid and must bound every ``Lq``;
-    ``tiles`` overrides :func:`default_tiles`.
+    ``tiles`` overrides the tuned choice (:mod:`._tuning`).
     """
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     num_q, heads, head_dim = q.shape
@@ -175,10 +209,8 @@ def gdpa_forward(
     out = q.new_empty(num_q, heads, head_dim_v)
     softmax = activation == "softmax"
     lse = torch.empty(heads if softmax else 0, num_q, dtype=torch.float32, device=q.device)
-    tiles = tiles or default_tiles("fwd", q.dtype, q.device)
     if num_segments == 0 or num_q == 0 or heads == 0:
         return out, lse
-    grid = (num_segments, heads, max(1, triton.cdiv(max_seq_len_q, tiles.block_m)))
     args = (
         q, k, v, out, lse,
         q_offsets, kv_offsets,
@@ -188,14 +220,24 @@ def gdpa_forward(
         lse.stride(0) if softmax else 0,
         scale, window or 0, block_size or 1,
     )  # fmt: skip
+    flags = dict(
+        ACTIVATION=activation, CAUSAL=causal, HAS_WINDOW=window is not None, HAS_BLOCK=block_size is not None,
+        HAS_KV_INDEX=kv_index is not None, HAS_TARGETS=num_targets is not None,
+    )  # fmt: skip
     meta = dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)),
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        ACTIVATION=activation, CAUSAL=causal, HAS_WINDOW=window is not None, HAS_BLOCK=block_size is not None,
-        HAS_KV_INDEX=kv_index is not None, HAS_TARGETS=num_targets is not None,
-        DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=tiles.num_warps,
+        **flags, DOT_PRECISION=dot_precision(q.dtype), FAST=fast_math(q),
     )  # fmt: skip
-    launch(_gdpa_fwd_kernel, grid, args, meta)
+
+    def run(tiles: Tiles) -> None:
+        grid = (num_segments, heads, max(1, triton.cdiv(max_seq_len_q, tiles.block_m)))
+        launch(_gdpa_fwd_kernel, grid, args, {**meta, **tile_meta(tiles)})
+
+    if tiles is None:
+        candidates = candidate_tiles("fwd", q.dtype, q.device, head_dim, block_size=block_size, max_len_q=max_seq_len_q)
+        key = ("fwd", head_dim, head_dim_v, q.dtype, tuple(flags.values()), block_size,
+               length_bucket(max_seq_len_q))  # fmt: skip
+        tiles = pick_tiles(key, candidates, run, (q, k, v))
+    run(tiles)
     return out, lse

@@ -40,8 +40,12 @@ def _gdpa_triton_op(
     scale: float,
     max_seq_len_q: int,
     max_seq_len_kv: int,
+    deterministic: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """Forward: ``(out [Tq, H, Dv], lse [H, Tq] fp32 base-2 log-sum-exp; empty unless softmax)``."""
+    """Forward: ``(out [Tq, H, Dv], lse [H, Tq] fp32 base-2 log-sum-exp; empty unless softmax)``.
+
+    ``deterministic`` is for the backward (saved with the inputs); the forward is deterministic anyway.
+    """
     return gdpa_forward(
         q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation=activation, causal=causal,
         window=window, block_size=block_size, scale=scale, max_seq_len_q=max_seq_len_q,
@@ -67,12 +71,14 @@ def _gdpa_triton_backward_op(
     scale: float,
     max_seq_len_q: int,
     max_seq_len_kv: int,
+    deterministic: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Backward: ``(dq, dk, dv)``; ``out`` and ``lse`` are read for softmax only."""
+    """Backward: ``(dq, dk, dv)``; ``out`` and ``lse`` are read for softmax only; ``deterministic``: dQ without
+    atomics (bitwise reproducible)."""
     return gdpa_backward(
         grad_out, q, k, v, out, lse, q_offsets, kv_offsets, kv_index, num_targets, activation=activation,
         causal=causal, window=window, block_size=block_size, scale=scale, max_seq_len_q=max_seq_len_q,
-        max_seq_len_kv=max_seq_len_kv,
+        max_seq_len_kv=max_seq_len_kv, deterministic=deterministic,
     )  # fmt: skip
 
 
@@ -93,7 +99,7 @@ def _backward(ctx, grad_out: Tensor, grad_lse: Tensor | None):  # noqa: ANN001, 
     dq, dk, dv = _gdpa_triton_backward_op(
         grad_out, q, k, v, out, lse, q_offsets, kv_offsets, kv_index, num_targets, *ctx.options
     )
-    return dq, dk, dv, *(None,) * 11
+    return dq, dk, dv, *(None,) * 12
 
 
 _gdpa_triton_op.register_autograd(_backward, setup_context=_setup_context)
@@ -152,11 +158,14 @@ def gdpa_triton(
     scale: float,
     max_seq_len_q: int | None = None,
     max_seq_len_kv: int | None = None,
+    deterministic: bool = False,
 ) -> Tensor:
     """GDPA through the Triton kernels, differentiable; inputs already validated by :func:`lightning_gem.ops.gdpa`.
 
     Same arguments as :func:`lightning_gem.ops.attention.impl.reference.gdpa_reference` (``kv_offsets``
-    given: pass ``q_offsets`` for self-attention), plus the length hints. A missing hint is read from the
+    given: pass ``q_offsets`` for self-attention), plus the length hints and ``deterministic`` (the
+    backward computes dQ in its own kernel instead of accumulating it with fp32 atomics: bitwise
+    reproducible, somewhat slower). A missing hint is read from the
     offsets (one device sync) in eager mode and replaced by the token count under ``torch.compile``
     (correct, but launches more empty programs): pass the hints on hot paths.
 
@@ -180,6 +189,6 @@ def gdpa_triton(
         max_seq_len_kv = _max_length(kv_offsets, k.shape[0])
     out, _ = _gdpa_triton_op(
         q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size,
-        float(scale), max_seq_len_q, max_seq_len_kv,
+        float(scale), max_seq_len_q, max_seq_len_kv, deterministic,
     )  # fmt: skip
     return out

@@ -1,0 +1,153 @@
+"""Tile shapes of the GDPA kernels: a few candidates per kernel and mode, and a tuner that times them once per key.
+
+The key is what changes the best shape: the kernel, head dims, dtype, the mode's compile-time flags and the
+length hints bucketed to powers of two. Lengths stay runtime values in the kernels, so a new batch with a
+new longest sequence neither recompiles nor retunes unless it crosses a power of two.
+
+The tuner times candidates on the call's own inputs (CUDA events, after one compiling run), only for real CUDA
+tensors outside tracing and graph capture; elsewhere, and before a key is tuned, the first candidate runs
+(the shape the H200 sweep ranked first). ``LIGHTNING_GEM_GDPA_TUNE=0`` in the environment turns timing off.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import triton
+
+__all__ = ["Tiles", "candidate_tiles", "chosen_tiles", "length_bucket", "pick_tiles", "tile_meta"]
+
+
+class Tiles(NamedTuple):
+    """A kernel's launch shape: query rows and key rows per tile, warps per program, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int = 2
+
+
+_CHOSEN: dict[tuple, Tiles] = {}
+
+
+def length_bucket(length: int) -> int:
+    """The power of two at or above ``length`` (16 at least): the tuner's key for a length hint."""
+    return max(16, triton.next_power_of_2(max(int(length), 1)))
+
+
+def _block_tiles(block_size: int | None) -> int | None:
+    """The largest tile edge (<= 128) that divides ``block_size``: BlockAttention tiles then cover whole blocks."""
+    if block_size is None:
+        return None
+    for edge in (128, 64, 32, 16):
+        if block_size % edge == 0:
+            return edge
+    return None
+
+
+def candidate_tiles(
+    kernel: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    head_dim: int,
+    *,
+    block_size: int | None = None,
+    max_len_q: int = 1 << 30,
+) -> list[Tiles]:
+    """Candidate tiles of ``kernel`` (``"fwd"``, ``"dkdv"`` or ``"dq"``), best guess first.
+
+    16 x 16 in the CPU interpreter (fast there, several blocks per test segment); fp32 halves the shapes
+    (twice the shared memory per element). BlockAttention with a block that a tile edge divides gets
+    tiles of exactly that edge: one query tile against its own key tile, no mask inside whole blocks.
+    Short query segments (candidates over a history) get query tiles no taller than the longest one.
+    """
+    if device.type != "cuda":
+        return [Tiles(16, 16, 1, 1)]
+    if dtype == torch.float32:
+        return [Tiles(32, 32, 4, 2)]
+    edge = _block_tiles(block_size)
+    if edge is not None and edge <= 64:
+        return [Tiles(edge, edge, 4, 2), Tiles(edge, edge, 4, 3)]
+    if edge is not None:
+        return [Tiles(edge, 64, 8, 2), Tiles(edge, edge, 8, 2)] if kernel == "fwd" else [Tiles(64, edge, 8, 2)]
+    short = length_bucket(max_len_q)
+    if kernel == "fwd":
+        if short <= 64:
+            return [Tiles(short, 64, 4, 3), Tiles(short, 128, 4, 3), Tiles(short, 128, 8, 3)]
+        if head_dim <= 64:
+            return [Tiles(128, 64, 4, 3), Tiles(128, 128, 8, 3), Tiles(64, 64, 4, 3)]
+        if head_dim <= 128:
+            return [Tiles(128, 64, 8, 3), Tiles(128, 128, 8, 2), Tiles(64, 64, 4, 3)]
+        return [Tiles(64, 64, 4, 2), Tiles(128, 32, 8, 2)]
+    if kernel == "dkdv":
+        if short <= 32:
+            return [Tiles(short, 128, 8, 2), Tiles(short, 64, 4, 2)]
+        if head_dim <= 64:
+            return [Tiles(64, 128, 8, 2), Tiles(32, 128, 4, 3), Tiles(64, 64, 4, 3)]
+        if head_dim <= 128:
+            return [Tiles(64, 128, 8, 2), Tiles(32, 128, 8, 2), Tiles(64, 64, 4, 2)]
+        return [Tiles(32, 64, 4, 2), Tiles(32, 128, 8, 1)]
+    if short <= 64:
+        return [Tiles(short, 64, 4, 3), Tiles(short, 128, 8, 2)]
+    if head_dim <= 128:
+        return [Tiles(128, 64, 8, 2), Tiles(64, 64, 4, 3), Tiles(128, 32, 4, 3)]
+    return [Tiles(64, 64, 4, 2), Tiles(64, 32, 4, 2)]
+
+
+def _can_time(tensors: tuple[torch.Tensor, ...]) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    if os.environ.get("LIGHTNING_GEM_GDPA_TUNE", "1") == "0" or torch.compiler.is_compiling():
+        return False
+    if not all(type(t) is torch.Tensor and t.is_cuda and not is_fake(t) for t in tensors):
+        return False
+    return not torch.cuda.is_current_stream_capturing()
+
+
+def pick_tiles(
+    key: tuple, candidates: list[Tiles], run: Callable[[Tiles], None], tensors: tuple[torch.Tensor, ...]
+) -> Tiles:
+    """The tiles for ``key``: the remembered choice, else (when timing is possible) the fastest candidate.
+
+    ``run(tiles)`` launches the kernel with ``tiles`` on the call's own buffers; it is run once to compile,
+    then timed; a candidate that fails to compile (shared memory) is dropped. ``tensors`` are the call's
+    inputs: timing needs real CUDA tensors.
+    """
+    if len(candidates) == 1:
+        return candidates[0]
+    if key in _CHOSEN:
+        return _CHOSEN[key]
+    if not _can_time(tensors):
+        return candidates[0]
+    best, best_ms = candidates[0], float("inf")
+    for tiles in candidates:
+        try:
+            run(tiles)
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001  (triton.runtime.OutOfResources and kin: not a candidate here)
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            run(tiles)
+        end.record()
+        end.synchronize()
+        ms = start.elapsed_time(end) / 5
+        if ms < best_ms:
+            best, best_ms = tiles, ms
+    _CHOSEN[key] = best
+    return best
+
+
+def chosen_tiles() -> dict[tuple, Tiles]:
+    """A copy of the choices made so far in this process: ``{key: tiles}`` (for benchmarks and logs)."""
+    return dict(_CHOSEN)
+
+
+def tile_meta(tiles: Tiles) -> dict[str, int]:
+    """Launch options of ``tiles``: ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``."""
+    return {"BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "num_warps": tiles.num_warps,
+            "num_stages": tiles.num_stages}  # fmt: skip
