@@ -125,6 +125,13 @@ class HSTULayer(nn.Module):
         """Submodule name -> how a tensor-parallel plan shards that ``nn.Linear``."""
         return {"uvqk": "colwise", "output": "rowwise"}
 
+    @staticmethod
+    def tensor_parallel_head_local() -> tuple[str, ...]:
+        """Submodules replicated under tensor parallelism that run on each rank's own heads (the per-head
+        attention norm): each rank's gradient of their parameters covers its heads only and the plan sums
+        them over the tensor-parallel group."""
+        return ("attention_norm",)
+
     def forward(
         self,
         x: Tensor,

@@ -114,6 +114,8 @@ class GDPAInteraction(nn.Module):
             keys.copy_(self.query.weight.view(num_heads, self.head_dim, dim))
         if self_interaction:
             num_tokens = 2 + num_context_tokens
+            # Own head count: tensor parallelism splits the cross-attention heads (`num_heads`), not these.
+            self.token_num_heads = num_heads
             if dim % num_heads:
                 raise ValueError(f"`dim` ({dim}) must be divisible by `num_heads` ({num_heads}) for self_interaction")
             self.token_norm = make_norm(norm, dim)
@@ -201,7 +203,7 @@ class GDPAInteraction(nn.Module):
             raise ValueError("`context` was given but the interaction was built with num_context_tokens=0")
         tokens_CND = torch.stack(tokens, dim=1)
         num_candidates, num_tokens = tokens_CND.shape[:2]
-        h, d = self.num_heads, self.dim // self.num_heads
+        h, d = self.token_num_heads, self.dim // self.token_num_heads
         qkv = self.token_qkv(self.token_norm(tokens_CND)).view(num_candidates, num_tokens, 3, h, d)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [C, H, N, d]
         mixed = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(num_candidates, num_tokens, self.dim)

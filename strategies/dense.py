@@ -24,6 +24,7 @@ from torch import nn
 
 __all__ = [
     "ReplicatedGradients",
+    "TensorParallelGradients",
     "apply_fsdp",
     "apply_tensor_parallel",
     "dense_units",
@@ -90,7 +91,8 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: Any) -> list[str]:
     the local heads.
 
     Returns:
-        The qualified names of the parallelized components.
+        The qualified names of the parameters of the components' head-local submodules
+        (``tensor_parallel_head_local()``), whose gradients :class:`TensorParallelGradients` must sum.
 
     Raises:
         ValueError: a component's head count is not divisible by the tensor-parallel size, or its plan
@@ -99,9 +101,14 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: Any) -> list[str]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     size = tp_mesh.size()
-    done = []
+    head_local: list[str] = []
     for name, sub, plan in tensor_parallel_modules(module):
         heads = getattr(sub, "num_heads", None)
+        if getattr(sub, "per_head_norm", True) is False:
+            raise ValueError(
+                f"{name or type(sub).__name__} normalises all heads together (per_head_norm=False): its "
+                "tensor-parallel plan needs per-head norms"
+            )
         if heads is not None and heads % size:
             raise ValueError(
                 f"`tensor_parallel_size` ({size}) must divide the heads of {name or type(sub).__name__} ({heads})"
@@ -122,8 +129,11 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: Any) -> list[str]:
         parallelize_module(sub, tp_mesh, styles)
         if heads is not None:
             sub.num_heads = heads // size
-        done.append(name)
-    return done
+        local_fn = getattr(type(sub), "tensor_parallel_head_local", None)
+        for local in local_fn() if callable(local_fn) else ():
+            prefix = f"{name}.{local}" if name else local
+            head_local.extend(f"{prefix}.{p}" for p, _ in sub.get_submodule(local).named_parameters())
+    return head_local
 
 
 def apply_fsdp(
@@ -169,6 +179,26 @@ def apply_fsdp(
                         shard(block, ".".join(p for p in (name, sub_name, str(index)) if p))
         shard(unit, name)
     return wrapped
+
+
+class TensorParallelGradients:
+    """Sums the gradients of head-local parameters over the tensor-parallel group (each rank has its heads' part).
+
+    Works on the FSDP2-sharded gradients too: the ranks of a tensor-parallel group hold the same shard.
+    """
+
+    def __init__(self, params: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+        self.params = params
+        self.group = group
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        from torch.distributed.tensor import DTensor
+
+        for param in self.params:
+            grad = param.grad
+            if grad is not None:
+                dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=self.group)
 
 
 class ReplicatedGradients:

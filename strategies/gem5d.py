@@ -164,6 +164,7 @@ class GEM5DStrategy(ParallelStrategy):
         self.embedding_optimizer: Any = None
         self.activation_checkpoint_plan: Any = None
         self._replicated_grads: dense.ReplicatedGradients | None = None
+        self._tensor_parallel_grads: dense.TensorParallelGradients | None = None
 
     # -- Lightning plumbing -----------------------------------------------------------------------
 
@@ -272,8 +273,9 @@ class GEM5DStrategy(ParallelStrategy):
         self.embedding_optimizer = sparse.fused_optimizer(module)
         if self.activation_memory_budget is not None:
             self._apply_activation_checkpointing(module, trainer)
+        head_local: list[str] = []
         if layout.tensor_parallel > 1:
-            dense.apply_tensor_parallel(module, self.dense_mesh["tensor_parallel"])
+            head_local = dense.apply_tensor_parallel(module, self.dense_mesh["tensor_parallel"])
         # Gradients of the mean loss over the global batch: mean over the data-parallel ranks (sparse.py).
         divide = float(layout.data_parallel)
         dp_mesh = (
@@ -290,6 +292,11 @@ class GEM5DStrategy(ParallelStrategy):
         )
         dp_group = self._data_parallel_group()
         self._replicated_grads = dense.ReplicatedGradients([p for _, p in replicated], dp_group, divide)
+        self._tensor_parallel_grads = None
+        if head_local:  # resolved after fully_shard, which replaces the parameters
+            params = [module.get_parameter(name) for name in head_local]
+            tp_group = self.dense_mesh["tensor_parallel"].get_group()
+            self._tensor_parallel_grads = dense.TensorParallelGradients(params, tp_group)
 
     def _data_parallel_group(self) -> dist.ProcessGroup | None:
         layout = self.layout
@@ -337,6 +344,8 @@ class GEM5DStrategy(ParallelStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def closure_then_reduce() -> Any:
             out = closure()
+            if self._tensor_parallel_grads is not None:
+                self._tensor_parallel_grads()
             if self._replicated_grads is not None:
                 self._replicated_grads()
             return out
@@ -345,6 +354,16 @@ class GEM5DStrategy(ParallelStrategy):
         if self.sparse_result is not None and self.sparse_result.replica_sync is not None:
             self.sparse_result.replica_sync()
         return out
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        layout = self.layout
+        if layout is None or layout.tensor_parallel == 1:
+            return dataloader
+        from .tp_batches import merge_tensor_parallel_batches
+
+        first = self.global_rank - self.global_rank % layout.tensor_parallel
+        return merge_tensor_parallel_batches(dataloader, list(range(first, first + layout.tensor_parallel)))
 
     @override
     def model_to_device(self) -> None:

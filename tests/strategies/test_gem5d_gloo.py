@@ -59,25 +59,32 @@ def _check_matches(result: dict[str, Any], reference: dict[str, Any], layout: di
 
 
 def _layouts(world_size: int) -> list[dict[str, Any]]:
-    """Every sparse group size x (dense replicate, dense shard) of ``world_size`` ranks (tensor parallel 1)."""
+    """Every sparse group size x (dense replicate, dense shard, tensor parallel) of ``world_size`` ranks that the
+    model fits (its 2 heads allow tensor parallel sizes 1 and 2)."""
     sizes = [d for d in range(1, world_size + 1) if world_size % d == 0]
     return [
         {
             "sparse_group_size": group,
             "dense_replicate_size": replicate,
+            "tensor_parallel_size": tensor,
             # one group: no replicas, so an adaptive optimizer's update is exact too
             "embedding_optimizer": "rowwise_adagrad" if group == world_size else "sgd",
         }
+        for tensor in (1, 2)
         for group in sizes
         for replicate in sizes
+        if tensor <= world_size and world_size % (replicate * tensor) == 0
     ]
 
 
-BAD_LAYOUTS = (
-    ({"sparse_group_size": 3}, "`sparse_group_size` (3) must be <= the world size (2)"),
-    ({"dense_replicate_size": 2, "dense_shard_size": 2}, "= 4 must equal the world size (2)"),
-    ({"table_constraints": {"no_such_table": {"sharding_types": ["row_wise"]}}}, "tables ['no_such_table']"),
-)
+BAD_LAYOUTS = {
+    2: (
+        ({"sparse_group_size": 3}, "`sparse_group_size` (3) must be <= the world size (2)"),
+        ({"dense_replicate_size": 2, "dense_shard_size": 2}, "= 4 must equal the world size (2)"),
+        ({"table_constraints": {"no_such_table": {"sharding_types": ["row_wise"]}}}, "tables ['no_such_table']"),
+    ),
+    4: (({"tensor_parallel_size": 4}, "`tensor_parallel_size` (4) must divide the heads of encoder.layers.0 (2)"),),
+}
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -87,8 +94,8 @@ def test_every_layout_trains_like_one_process(world_size: int) -> None:
         # activation checkpointing planned on the first batch under 90% of the measured peak (this tiny
         # model's activations are a small part of its step)
         layouts.append({"embedding_optimizer": "rowwise_adagrad", "activation_memory_budget": 0.9})
-    # the bad configurations ride along in the 2-rank processes (a spawn costs more than a fit)
-    bad = BAD_LAYOUTS if world_size == 2 else ()
+    # the bad configurations ride along (a spawn costs more than a fit)
+    bad = BAD_LAYOUTS[world_size]
     results, errors = run_ranks(_train_layouts, world_size, layouts, tuple(kwargs for kwargs, _ in bad))[0]
     for layout, result in zip(layouts, results, strict=True):
         _check_matches(result, _single_process(layout["embedding_optimizer"]), layout)

@@ -187,3 +187,27 @@ def test_cli_parses_a_gem5d_config(tmp_path: Path) -> None:
     assert strategy._sizes["sparse_group_size"] == 1
     assert strategy.table_constraints["item"] == TableConstraint(sharding_types=("row_wise", "table_wise"))
     assert not torch.distributed.is_initialized()  # building the Trainer starts no process group
+
+
+def test_tensor_parallel_groups_train_on_the_union_of_their_batches() -> None:
+    from lightning_gem.strategies.tp_batches import merge_tensor_parallel_batches
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    data = list(range(40))
+
+    def loader(rank: int) -> DataLoader:
+        sampler = DistributedSampler(data, num_replicas=4, rank=rank, shuffle=True, seed=3)
+        return DataLoader(data, batch_size=3, sampler=sampler, collate_fn=list)
+
+    per_rank = [list(loader(r)) for r in range(4)]
+    for first in (0, 2):  # tensor-parallel groups [0, 1] and [2, 3]
+        for rank in (first, first + 1):
+            merged = merge_tensor_parallel_batches(loader(rank), [first, first + 1])
+            expected = [a + b for a, b in zip(per_rank[first], per_rank[first + 1], strict=True)]
+            assert list(merged) == expected and len(merged) == len(expected)
+            merged.batch_sampler.sampler.set_epoch(1)  # Lightning's per-epoch call reaches every rank's sampler
+            assert [s.epoch for s in merged.batch_sampler.sampler.samplers] == [1, 1]
+    single = loader(0)
+    assert merge_tensor_parallel_batches(single, [0]) is single  # no tensor parallelism: the loader as it was
+    with pytest.raises(TypeError, match="DistributedSampler"):
+        merge_tensor_parallel_batches(DataLoader(data, batch_size=3), [0, 1])
