@@ -88,11 +88,15 @@ def bench_linear(tokens: int, shape: tuple[int, int], device: str, recipes: list
         layer = nn.Sequential(nn.Linear(in_features, out_features, device=device, dtype=torch.bfloat16))
         layer.load_state_dict({"0." + k: v for k, v in base.state_dict().items()})
         convert(layer, RECIPES[recipe])
-        ms = bench(linear_step(layer, x, grad), device)
-        row = dict(tokens=tokens, shape=shape, recipe=recipe, ms=ms, tflops=flops / ms / 1e9, x=bf16_ms / ms)
-        if recipe != "mxfp8-emulated" and device == "cuda":
-            row["gemm_only_ms"] = bench_gemms(x.detach(), base.weight.detach(), grad, recipe)
-            row["gemm_only_x"] = bf16_ms / row["gemm_only_ms"]
+        try:
+            ms = bench(linear_step(layer, x, grad), device)
+            row = dict(tokens=tokens, shape=shape, recipe=recipe, ms=ms, tflops=flops / ms / 1e9, x=bf16_ms / ms)
+            if recipe != "mxfp8-emulated" and device == "cuda":
+                row["gemm_only_ms"] = bench_gemms(x.detach(), base.weight.detach(), grad, recipe)
+                row["gemm_only_x"] = bf16_ms / row["gemm_only_ms"]
+        except (RuntimeError, ValueError) as error:  # report a recipe this device cannot run, keep going
+            row = dict(tokens=tokens, shape=shape, recipe=recipe, error=f"{type(error).__name__}: {error}"[:300])
+            print(row, file=sys.stderr)
         rows.append(row)
     return rows
 
@@ -112,6 +116,23 @@ def bench_gemms(x: Tensor, weight: Tensor, grad: Tensor, recipe: str) -> float:
         scaled_mm(gq_t, xq_t, out_dtype=w_out, backend="scaled_mm")
 
     return bench(gemms, "cuda")
+
+
+def profile_step(tokens: int, shape: tuple[int, int], recipe: str) -> str:
+    """GPU time per kernel over 3 forward+backward steps of one converted layer (``torch.profiler``)."""
+    layer = convert(nn.Sequential(nn.Linear(*shape, device="cuda", dtype=torch.bfloat16)), RECIPES[recipe])
+    x = torch.randn(tokens, shape[0], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(tokens, shape[1], device="cuda", dtype=torch.bfloat16)
+    step = linear_step(layer, x, grad)
+    step()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+    return f"profile: {recipe} {tokens} x {shape}\n{table}"
 
 
 def bench_kernels(tokens: int, dim: int, device: str) -> list[dict]:
@@ -134,6 +155,11 @@ def bench_kernels(tokens: int, dim: int, device: str) -> list[dict]:
             f"quantize {layout} rows+cols",
             lambda lay=layout: quantize(x, lay, cols=True),
             2 * numel + 2 * numel + 2 * scale_bytes[layout],
+        )
+        add(
+            f"quantize {layout} cols",
+            lambda lay=layout: quantize(x, lay, rows=False, cols=True),
+            2 * numel + numel + scale_bytes[layout],
         )
     w = torch.randn(dim, dim, device=device, dtype=torch.bfloat16)
     add("quantize 128x128 weight", lambda: quantize(w, "128x128"), 3 * w.numel())
@@ -186,25 +212,33 @@ def quality(steps: int, device: str, recipes: list[str], dim: int = 256, batch: 
     eval_x, eval_y = batch_of(10**6)
     rows = []
     for recipe in ["bf16", *recipes]:
-        model = _student(dim, 4 * dim, 3, device)
-        if recipe != "bf16":
-            convert(model, RECIPES[recipe])
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-3, total_steps=steps)
-        for step in range(steps):
-            x, y = batch_of(step)
-            with torch.autocast(device, dtype=torch.bfloat16):  # the forward only, as Lightning's bf16-mixed
-                loss = torch.nn.functional.mse_loss(model(x).float(), y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-        with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
-            final = float(torch.nn.functional.mse_loss(model(eval_x).float(), eval_y))
-        rows.append(dict(recipe=recipe, steps=steps, eval_mse=final))
+        try:
+            mse = _train(recipe, steps, device, dim, batch_of, eval_x, eval_y)
+            rows.append(dict(recipe=recipe, steps=steps, eval_mse=mse))
+        except (RuntimeError, ValueError) as error:
+            print(f"quality {recipe}: {type(error).__name__}: {error}", file=sys.stderr)
     for row in rows:
         row["rel_to_bf16"] = row["eval_mse"] / rows[0]["eval_mse"] - 1
     return rows
+
+
+def _train(recipe: str, steps: int, device: str, dim: int, batch_of: Callable, eval_x: Tensor, eval_y: Tensor) -> float:
+    """Train the student with ``recipe`` and return its held-out MSE."""
+    model = _student(dim, 4 * dim, 3, device)
+    if recipe != "bf16":
+        convert(model, RECIPES[recipe])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-3, total_steps=steps)
+    for step in range(steps):
+        x, y = batch_of(step)
+        with torch.autocast(device, dtype=torch.bfloat16):  # the forward only, as Lightning's bf16-mixed
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
+        return float(torch.nn.functional.mse_loss(model(eval_x).float(), eval_y))
 
 
 def markdown(linear_rows: list[dict], kernel_rows: list[dict], quality_rows: list[dict]) -> str:
@@ -213,6 +247,9 @@ def markdown(linear_rows: list[dict], kernel_rows: list[dict], quality_rows: lis
         "|" + "---|" * 8,
     ]
     for r in linear_rows:
+        if "error" in r:
+            lines.append(f"| {r['tokens']:,} | {r['shape'][0]} -> {r['shape'][1]} | {r['recipe']} | {r['error']} |")
+            continue
         gemm = (f"{r['gemm_only_ms']:.3f}", f"{r['gemm_only_x']:.2f}") if "gemm_only_ms" in r else ("", "")
         lines.append(
             f"| {r['tokens']:,} | {r['shape'][0]} -> {r['shape'][1]} | {r['recipe']} | {r['ms']:.3f} | "
@@ -238,6 +275,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kernel-dim", type=int, default=4096)
     parser.add_argument("--quality-steps", type=int, default=0, help="also train the synthetic task this long")
     parser.add_argument("--skip-speed", action="store_true", help="only the quality comparison")
+    parser.add_argument("--profile", action="store_true", help="print per-kernel GPU time of one FP8 step")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (CPU smoke test)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -255,6 +293,10 @@ def main(argv: list[str] | None = None) -> dict:
         ]
         kernel_rows = bench_kernels(args.kernel_tokens, args.kernel_dim, args.device)
     quality_rows = quality(args.quality_steps, args.device, args.recipes) if args.quality_steps else []
+    if args.profile and args.device == "cuda":
+        print(profile_step(min(args.tokens), SHAPES[0], "fp8-rowwise"))  # small: where fixed costs show
+        for recipe in ("fp8-blockwise", "fp8-rowwise"):
+            print(profile_step(max(args.tokens), SHAPES[-1], recipe))
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
     table = markdown(linear_rows, kernel_rows, quality_rows)
     print(f"{device_name}, torch {torch.__version__}, command: {' '.join(sys.argv)}\n\n{table}")

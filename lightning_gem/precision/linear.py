@@ -171,7 +171,11 @@ class _MXLinearFn(torch.autograd.Function):
         if layer.collect_stats:
             layer.record_stats("input", x, plan.act_layout)
             layer.record_stats("weight", weight, plan.weight_layout)
-        out = scaled_mm(xq, wq, out_dtype=_gemm_dtype(x.dtype, plan), backend=plan.gemm).to(x.dtype)
+        # Fast accumulation on the forward GEMM of rowwise FP8 only (contraction over features, as torchao's
+        # float8 training does); blockwise and MX scaling promote per block anyway.
+        fast = plan.act_layout == "rowwise"
+        out = scaled_mm(xq, wq, out_dtype=_gemm_dtype(x.dtype, plan), backend=plan.gemm, fast_accum=fast)
+        out = out.to(x.dtype)
         if bias is not None:
             out = out + bias.to(out.dtype)
 

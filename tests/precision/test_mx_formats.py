@@ -18,13 +18,14 @@ from lightning_gem.ops.mx.impl.reference import shared_exponent
 
 IMPLS = ["reference", "triton"]
 NAN = float("nan")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton impl needs CUDA tensors where there is a GPU
 
 
 def _mx_block(*values: float) -> torch.Tensor:
     """One 32-wide block: ``values`` then zeros."""
     block = torch.zeros(1, 32)
     block[0, : len(values)] = torch.tensor(values)
-    return block
+    return block.to(DEVICE)
 
 
 def _quantize_one(x: torch.Tensor, layout: str, impl: str, rounding: str = "rceil"):  # noqa: ANN202
@@ -81,15 +82,15 @@ def test_fp32_subnormal_block_keeps_its_values(impl: str) -> None:
     q = _quantize_one(x, "mx", impl)
     assert int(q.scale) == 0  # 2^-127
     # Scaled up by 2^127 they are ordinary E4M3 values (torch's cast rounds them independently).
-    expected = (x.double() * 2.0**127).float().to(torch.float8_e4m3fn).double() * 2.0**-127
-    assert torch.equal(q.dequantize().double(), expected) and bool(q.data.float()[0, 0] > 0)
+    expected = (x.cpu().double() * 2.0**127).float().to(torch.float8_e4m3fn).double() * 2.0**-127
+    assert torch.equal(q.dequantize().cpu().double(), expected) and bool(q.data.float()[0, 0] > 0)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("bad", [NAN, math.inf, -math.inf])
 @pytest.mark.parametrize("layout", ["mx", "1x128", "rowwise"])
 def test_nonfinite_block_dequantizes_to_nan(impl: str, bad: float, layout: str) -> None:
-    x = torch.randn(2, 256)
+    x = torch.randn(2, 256, device=DEVICE)
     x[0, 5] = bad
     q = _quantize_one(x, layout, impl)
     out = q.dequantize()
@@ -111,7 +112,7 @@ def test_e8m0_decoding() -> None:
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_fp8_block_layouts_use_the_same_rule(impl: str) -> None:
-    x = torch.zeros(128, 256)
+    x = torch.zeros(128, 256, device=DEVICE)
     x[0, 0], x[0, 130], x[5, 3] = 480.0, 448.0, 1.0
     blockwise = _quantize_one(x, "1x128", impl)
     assert blockwise.scale[0].tolist() == [2.0, 1.0] and blockwise.scale[5, 0] == 2.0**-8

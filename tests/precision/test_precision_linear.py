@@ -149,3 +149,35 @@ def test_plans(caplog: pytest.LogCaptureFixture) -> None:
         resolve_plan(MXConfig(backend="mx_native"), cpu)
     with pytest.raises(ValueError, match="recipe"):
         MXConfig(recipe="fp4")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["fp8_blockwise", "fp8_rowwise"])
+def test_native_gemms_match_emulated_ones_in_training(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A norm + MLP under bf16 autocast with fp32 weights: cuBLAS's FP8 GEMMs vs the same operands in fp32."""
+    import dataclasses
+
+    import lightning_gem.precision.linear as linear_module
+    import lightning_gem.precision.norm as norm_module
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.RMSNorm(256), nn.Linear(256, 512), nn.SiLU(), nn.Linear(512, 256)).cuda()
+    native = convert(copy.deepcopy(reference), MXConfig(backend=backend))
+    x, grad = torch.randn(384, 256, device="cuda"), torch.randn(384, 256, device="cuda")
+
+    def step(model: nn.Module) -> list[torch.Tensor]:
+        inputs = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(inputs)
+        out.float().backward(grad)
+        return [out.float(), inputs.grad, *(p.grad for p in model.parameters())]
+
+    native_results = step(native)
+    emulate = lambda config, device: dataclasses.replace(resolve_plan(config, device), gemm="emulated")  # noqa: E731
+    monkeypatch.setattr(linear_module, "resolve_plan", emulate)
+    monkeypatch.setattr(norm_module, "resolve_plan", emulate)
+    emulated = convert(copy.deepcopy(reference), MXConfig(backend=backend))
+    for a, b in zip(native_results, step(emulated), strict=True):
+        assert bool(torch.isfinite(a).all())
+        assert float((a - b).norm() / b.norm()) < 2e-2

@@ -37,7 +37,9 @@ def scaled_mm_supported(layout_a: str, layout_b: str, device: torch.device) -> b
     return major == 9  # cuBLAS's 1x128 / 128x128 block scaling is an sm_90 feature
 
 
-def scaled_mm(a: QuantizedTensor, b: QuantizedTensor, *, out_dtype: torch.dtype, backend: str) -> Tensor:
+def scaled_mm(
+    a: QuantizedTensor, b: QuantizedTensor, *, out_dtype: torch.dtype, backend: str, fast_accum: bool = False
+) -> Tensor:
     """``[M, N]`` ``dequantize(a) @ dequantize(b)^T`` in ``out_dtype``.
 
     Args:
@@ -45,6 +47,8 @@ def scaled_mm(a: QuantizedTensor, b: QuantizedTensor, *, out_dtype: torch.dtype,
         b: ``[N, K]`` quantized along ``K`` (a weight is ``[out_features, in_features]``: ``x @ w^T``).
         out_dtype: result dtype (``scaled_mm`` with ``rowwise`` scales supports bfloat16 only).
         backend: ``"emulated"`` or ``"scaled_mm"`` (see the module docstring); never falls back.
+        fast_accum: let ``scaled_mm`` accumulate in the tensor cores' reduced-precision accumulator (faster;
+            fine for short contraction dims such as a forward's features, not for a weight gradient's tokens).
 
     Raises:
         ValueError: mismatched contraction dims, or ``scaled_mm`` on a device or layout pair it lacks.
@@ -64,7 +68,7 @@ def scaled_mm(a: QuantizedTensor, b: QuantizedTensor, *, out_dtype: torch.dtype,
         scale_b = scale_b.reshape(1, -1)
     elif b.layout != "mx":  # [N, K / 128] or [N / 128, K / 128] -> transposed, as b itself is passed
         scale_b = scale_b.t()
-    return torch._scaled_mm(a.data, b.data.t(), scale_a, scale_b, out_dtype=out_dtype)
+    return torch._scaled_mm(a.data, b.data.t(), scale_a, scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
 def _native_scales(q: QuantizedTensor) -> Tensor:

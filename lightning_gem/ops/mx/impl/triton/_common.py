@@ -1,8 +1,12 @@
-"""Device helpers every MX/FP8 kernel shares: the exact block exponent, ``2^e`` and the saturating cast.
+"""Device helpers every MX/FP8 kernel shares: the exact block exponent, ``2^e`` and the E4M3 cast.
 
 They implement :func:`lightning_gem.ops.mx.impl.reference.shared_exponent` and the element rule of
 :mod:`lightning_gem.ops.mx.formats` on fp32 tiles with integer bit operations, so kernels and the
 reference agree bit for bit (no ``log2``, ``exp2`` or division, whose GPU versions are approximate).
+
+Block maxima are taken over the magnitudes' bit patterns as integers: for non-negative floats integer
+order is float order, and Inf (``0x7F800000``) and NaN (above it) come out on top, so one integer
+reduction gives both the maximum and whether the block holds a non-finite value.
 """
 
 from __future__ import annotations
@@ -10,15 +14,22 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+NONFINITE_BITS = tl.constexpr(0x7F800000)
+
 
 @triton.jit
-def _shared_exponent(amax, RCEIL: tl.constexpr):
-    """int32 ``e`` of fp32 block maxima: ``rceil`` (``RCEIL``) or ``floor``; zero/subnormal -> -127; clamped."""
-    bits = amax.to(tl.int32, bitcast=True)
-    exponent_field = (bits >> 23) & 0xFF
+def _magnitude_bits(x):
+    """int32 bit patterns of ``|x|`` (ordered as ``|x|``; Inf and NaN at the top)."""
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _shared_exponent(amax_bits, RCEIL: tl.constexpr):
+    """int32 ``e`` of block maxima given as magnitude bits: ``rceil`` or ``floor``; zero/subnormal -> -127."""
+    exponent_field = amax_bits >> 23
     exponent = exponent_field - 135  # 135: biased fp32 exponent of 448 = 1.75 * 2^8
     if RCEIL:
-        exponent += ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # mantissa above 1.75: one more power of two
+        exponent += ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # mantissa above 1.75: one power more
     exponent = tl.where(exponent_field == 0, -127, exponent)
     return tl.minimum(tl.maximum(exponent, -127), 127)
 
@@ -36,8 +47,8 @@ def _round_e4m3(v):
 
     Normal range: keep 3 mantissa bits of the fp32 pattern (the carry moves into the exponent as it
     should). Below E4M3's smallest normal ``2^-6`` the grid is uniform (``2^-9`` apart): add and subtract
-    ``1.5 * 2^23`` at that scale, which rounds to nearest-even in fp32 arithmetic. Done by hand because the
-    interpreter's fp32 -> e4m3 cast truncates across binades; the hardware cast then converts exactly.
+    ``1.5 * 2^23`` at that scale, which rounds to nearest-even in fp32 arithmetic. Used under the
+    interpreter, whose fp32 -> e4m3 cast truncates across binades; GPUs convert with ``cvt.rn``.
     """
     bits = v.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # -1048576: ~0xFFFFF
@@ -46,10 +57,17 @@ def _round_e4m3(v):
 
 
 @triton.jit
-def _to_e4m3(x, exponent, nonfinite):
-    """``x * 2^-e`` saturated to +-448 and rounded to E4M3; NaN where ``nonfinite`` (broadcast shapes)."""
+def _to_e4m3(x, exponent, nonfinite, SATURATE: tl.constexpr, EXACT: tl.constexpr):
+    """``x * 2^-e`` rounded to E4M3 (nearest-even), saturated to +-448; NaN where ``nonfinite``.
+
+    ``SATURATE``: clamp first (FLOOR exponents can overshoot 448; RCEIL ones never do). ``EXACT``: round
+    in fp32 arithmetic before the cast (the interpreter's cast is wrong; the hardware's is exact).
+    """
     scaled = x * _pow2(-exponent)
-    scaled = _round_e4m3(tl.minimum(tl.maximum(scaled, -448.0), 448.0))
+    if SATURATE or EXACT:
+        scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
+    if EXACT:
+        scaled = _round_e4m3(scaled)
     code = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     code = tl.where(nonfinite, 0x7F, code)  # E4M3's NaN, written as bits (the interpreter mis-casts NaN)
     return code.to(tl.float8e4nv, bitcast=True)
@@ -66,29 +84,36 @@ def _scale_value(exponent, nonfinite, MX: tl.constexpr):
 
 
 @triton.jit
-def _quantize_rows(x, TILE_R: tl.constexpr, TILE_C: tl.constexpr, BLOCK: tl.constexpr, RCEIL: tl.constexpr):
+def _quantize_rows(
+    x,
+    TILE_R: tl.constexpr,
+    TILE_C: tl.constexpr,
+    BLOCK: tl.constexpr,
+    RCEIL: tl.constexpr,
+    EXACT: tl.constexpr,
+):
     """Quantize an fp32 ``[TILE_R, TILE_C]`` tile in ``1 x BLOCK`` blocks: ``(e4m3 tile, exponents, nonfinite)``.
 
     The exponents and NaN flags are ``[TILE_R, TILE_C // BLOCK]``, one per block.
     """
     NUM_BLOCKS: tl.constexpr = TILE_C // BLOCK
     blocks = tl.reshape(x, (TILE_R, NUM_BLOCKS, BLOCK))
-    amax = tl.max(tl.abs(blocks), axis=2)
-    bad = (blocks != blocks) | (tl.abs(blocks) == float("inf"))
-    nonfinite = tl.max(bad.to(tl.int32), axis=2) > 0
-    exponent = _shared_exponent(amax, RCEIL)
-    q = _to_e4m3(blocks, exponent[:, :, None], nonfinite[:, :, None])
+    amax_bits = tl.max(_magnitude_bits(blocks), axis=2)
+    nonfinite = amax_bits >= NONFINITE_BITS
+    exponent = _shared_exponent(amax_bits, RCEIL)
+    q = _to_e4m3(blocks, exponent[:, :, None], nonfinite[:, :, None], not RCEIL, EXACT)
     return tl.reshape(q, (TILE_R, TILE_C)), exponent, nonfinite
 
 
 def interpreted(kernel: object) -> bool:
     """Whether ``kernel`` was defined under Triton's interpreter (``TRITON_INTERPRET=1``)."""
+    from triton.runtime.autotuner import Autotuner
     from triton.runtime.interpreter import InterpretedFunction
 
-    return isinstance(kernel, InterpretedFunction)
+    return isinstance(kernel.fn if isinstance(kernel, Autotuner) else kernel, InterpretedFunction)
 
 
-def run_kernel(kernel: object, grid: tuple[int, ...], args: tuple, meta: dict) -> None:
+def run_kernel(kernel: object, grid: object, args: tuple, meta: dict) -> None:
     """Launch through ``wrap_triton`` so traced graphs hold the kernel; skip interpreted kernels on fake tensors.
 
     ``wrap_triton`` hands interpreted kernels back unwrapped, and those would read fake tensors' data:
@@ -101,3 +126,16 @@ def run_kernel(kernel: object, grid: tuple[int, ...], args: tuple, meta: dict) -
     if interpreted(kernel) and any(isinstance(a, torch.Tensor) and is_fake(a) for a in args):
         return
     wrap_triton(kernel)[grid](*args, **meta)
+
+
+def tuned(configs: list[tuple[int, int, int]], valid: object, key: list[str]) -> object:
+    """``triton.autotune`` over ``(TILE_R, TILE_C, num_warps)`` configs, pruned by ``valid(TILE_R, TILE_C, args)``."""
+
+    def prune(candidates: list, named_args: dict, **kwargs: object) -> list:
+        return [c for c in candidates if valid(c.kwargs["TILE_R"], c.kwargs["TILE_C"], {**named_args, **kwargs})]
+
+    return triton.autotune(
+        configs=[triton.Config({"TILE_R": r, "TILE_C": c}, num_warps=w) for r, c, w in configs],
+        key=key,
+        prune_configs_by={"early_config_prune": prune},
+    )

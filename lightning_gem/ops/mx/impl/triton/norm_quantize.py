@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_gem.ops.mx.impl.triton._common import _quantize_rows, _scale_value, run_kernel
-from lightning_gem.ops.mx.impl.triton.quantize import _TL_DTYPES
+from lightning_gem.ops.mx.impl.triton._common import _quantize_rows, _scale_value, interpreted, run_kernel, tuned
+from lightning_gem.ops.mx.impl.triton.quantize import _TL_DTYPES, _TUNE_ABOVE
 
 __all__ = ["norm_quantize_triton"]
 
@@ -27,8 +27,9 @@ __all__ = ["norm_quantize_triton"]
 def _norm_quantize_kernel(
     X, WEIGHT, BIAS, Y, Q, S, RSTD, MEAN,  # [R, D], [D], [D], [R, D], [R, D] fp8, scales, [R], [R]
     num_rows, dim, eps, stride_s_r, stride_s_c,
-    TILE_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, LAYER: tl.constexpr,
-    WRITE_Y: tl.constexpr, MX: tl.constexpr, RCEIL: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    size_class,  # autotuning key only
+    BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, LAYER: tl.constexpr, WRITE_Y: tl.constexpr, MX: tl.constexpr,
+    RCEIL: tl.constexpr, OUT_DTYPE: tl.constexpr, EXACT: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0).to(tl.int64) * TILE_R + tl.arange(0, TILE_R)
     cols = tl.arange(0, BLOCK_D)
@@ -51,7 +52,7 @@ def _norm_quantize_kernel(
     y = tl.where(mask, y, 0.0).to(OUT_DTYPE)
     if WRITE_Y:
         tl.store(Y + offsets, y, mask=mask)
-    q, exponent, nonfinite = _quantize_rows(y.to(tl.float32), TILE_R, BLOCK_D, BLOCK, RCEIL)
+    q, exponent, nonfinite = _quantize_rows(y.to(tl.float32), TILE_R, BLOCK_D, BLOCK, RCEIL, EXACT)
     tl.store(Q + offsets, q, mask=mask)
     blocks = tl.arange(0, BLOCK_D // BLOCK)
     scale_mask = row_mask[:, None] & (blocks < tl.cdiv(dim, BLOCK))[None, :]
@@ -94,14 +95,34 @@ def norm_quantize_triton(
     rstd = torch.empty(num_rows, dtype=torch.float32, device=device)
     mean = torch.empty(num_rows, dtype=torch.float32, device=device) if kind == "layer" else None
     y = torch.empty_like(x, dtype=out_dtype) if write_output else None
-    tile_r = max(1, min(16, 8192 // block_d))
     args = (
         x, weight, bias, y, q, scale, rstd, mean, num_rows, dim, float(eps), *scale.stride(),
+        max(num_rows * dim, 1).bit_length() // 2,
     )  # fmt: skip
     meta = dict(
-        TILE_R=tile_r, BLOCK_D=block_d, BLOCK=block, LAYER=kind == "layer", WRITE_Y=write_output, MX=mx,
-        RCEIL=rounding == "rceil", OUT_DTYPE=_TL_DTYPES[out_dtype], num_warps=8 if block_d >= 2048 else 4,
+        BLOCK_D=block_d, BLOCK=block, LAYER=kind == "layer", WRITE_Y=write_output, MX=mx,
+        RCEIL=rounding == "rceil", OUT_DTYPE=_TL_DTYPES[out_dtype], EXACT=interpreted(_norm_quantize_kernel),
     )  # fmt: skip
-    if num_rows:
+    if not num_rows:
+        return q, scale, rstd, mean, y
+    if num_rows * dim >= _TUNE_ABOVE and not meta["EXACT"]:
+        grid = lambda tiles: (triton.cdiv(num_rows, tiles["TILE_R"]),)
+        run_kernel(_norm_quantize_tuned, grid, args, meta)
+    else:
+        tile_r, _, warps = next(c for c in _CONFIGS if _valid_rows(c[0], c[1], meta))
+        meta = {**meta, "TILE_R": tile_r, "TILE_C": 0, "num_warps": warps}
         run_kernel(_norm_quantize_kernel, (triton.cdiv(num_rows, tile_r),), args, meta)
     return q, scale, rstd, mean, y
+
+
+# (rows per program, unused, num_warps): whole rows live in registers, so fewer rows for wider ones.
+_CONFIGS = [(2, 0, 8), (1, 0, 4), (4, 0, 8), (1, 0, 8), (8, 0, 8), (16, 0, 8)]
+
+
+def _valid_rows(tile_r: int, _: int, meta: dict) -> bool:
+    return tile_r * meta["BLOCK_D"] <= 16384 and (tile_r >= 4 or meta["BLOCK_D"] >= 1024 or tile_r * 32 >= 64)
+
+
+_norm_quantize_tuned = tuned(_CONFIGS, _valid_rows, key=["size_class", "BLOCK_D", "BLOCK", "LAYER", "WRITE_Y", "MX"])(
+    _norm_quantize_kernel
+)

@@ -22,16 +22,21 @@ import triton.language as tl
 from torch import Tensor
 
 from lightning_gem.ops.mx.impl.triton._common import (
+    NONFINITE_BITS,
+    _magnitude_bits,
     _quantize_rows,
     _scale_value,
     _shared_exponent,
     _to_e4m3,
+    interpreted,
     run_kernel,
+    tuned,
 )
 
 __all__ = ["quantize_triton"]
 
 _NORM_CODES = {None: 0, "rms": 1, "layer": 2}
+_KEY_FLAGS = ["BLOCK", "ROWS", "COLS", "SQUARE", "GIVEN_EXP", "MX", "NORM"]
 
 
 @triton.jit
@@ -60,9 +65,10 @@ def _quantize_kernel(
     RSTD, MEAN, WEIGHT, BIAS,  # norm prologue: [R], [R], [C], [C]
     num_rows, num_cols, padded_rows,
     stride_s_r, stride_s_c, stride_st_c, stride_st_r,
-    TILE_R: tl.constexpr, TILE_C: tl.constexpr, BLOCK: tl.constexpr,
-    ROWS: tl.constexpr, COLS: tl.constexpr, SQUARE: tl.constexpr, GIVEN_EXP: tl.constexpr,
-    MX: tl.constexpr, RCEIL: tl.constexpr, NORM: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    size_class,  # autotuning key only: log2 of the element count, coarsened
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, SQUARE: tl.constexpr, GIVEN_EXP: tl.constexpr,
+    MX: tl.constexpr, RCEIL: tl.constexpr, NORM: tl.constexpr, OUT_DTYPE: tl.constexpr, EXACT: tl.constexpr,
+    TILE_R: tl.constexpr, TILE_C: tl.constexpr,
 ):  # fmt: skip
     pid_r = tl.program_id(0).to(tl.int64)
     pid_c = tl.program_id(1).to(tl.int64)
@@ -75,18 +81,17 @@ def _quantize_kernel(
 
     if ROWS:
         if SQUARE:  # one scale for the whole 128 x 128 tile
-            amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-            bad = (x != x) | (tl.abs(x) == float("inf"))
-            nonfinite = tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0) > 0
-            exponent = _shared_exponent(amax, RCEIL)
-            q = _to_e4m3(x, exponent, nonfinite)
+            amax_bits = tl.max(tl.max(_magnitude_bits(x), axis=1), axis=0)
+            nonfinite = amax_bits >= NONFINITE_BITS
+            exponent = _shared_exponent(amax_bits, RCEIL)
+            q = _to_e4m3(x, exponent, nonfinite, not RCEIL, EXACT)
             tl.store(S + pid_r * stride_s_r + pid_c * stride_s_c, _scale_value(exponent, nonfinite, MX))
         elif GIVEN_EXP:
             exponent = tl.load(ROW_EXP + rows, mask=rows < num_rows, other=0)
             nonfinite = exponent == 128
-            q = _to_e4m3(x, exponent[:, None], nonfinite[:, None])
+            q = _to_e4m3(x, exponent[:, None], nonfinite[:, None], not RCEIL, EXACT)
         else:
-            q, exponent, nonfinite = _quantize_rows(x, TILE_R, TILE_C, BLOCK, RCEIL)
+            q, exponent, nonfinite = _quantize_rows(x, TILE_R, TILE_C, BLOCK, RCEIL, EXACT)
             blocks = pid_c * (TILE_C // BLOCK) + tl.arange(0, TILE_C // BLOCK)
             scale_mask = (rows < num_rows)[:, None] & (blocks < num_cols // BLOCK)[None, :]
             scale_ptrs = S + rows[:, None] * stride_s_r + blocks[None, :] * stride_s_c
@@ -98,9 +103,9 @@ def _quantize_kernel(
         if GIVEN_EXP:
             exponent = tl.load(COL_EXP + cols, mask=cols < num_cols, other=0)
             nonfinite = exponent == 128
-            qt = _to_e4m3(xt, exponent[:, None], nonfinite[:, None])
+            qt = _to_e4m3(xt, exponent[:, None], nonfinite[:, None], not RCEIL, EXACT)
         else:
-            qt, exponent, nonfinite = _quantize_rows(xt, TILE_C, TILE_R, BLOCK, RCEIL)
+            qt, exponent, nonfinite = _quantize_rows(xt, TILE_C, TILE_R, BLOCK, RCEIL, EXACT)
             blocks = pid_r * (TILE_R // BLOCK) + tl.arange(0, TILE_R // BLOCK)
             scale_mask = (cols < num_cols)[:, None] & (blocks < padded_rows // BLOCK)[None, :]
             scale_ptrs = ST + cols[:, None] * stride_st_c + blocks[None, :] * stride_st_r
@@ -174,25 +179,24 @@ def quantize_triton(
         else:
             st = torch.empty(padded_rows // block, num_cols, dtype=scale_dtype, device=device).t()
 
-    # A tile spans whole blocks both ways: 128 rows where the transposed layout has 128-row blocks.
-    tile_r, tile_c = (128, 128) if square or (cols and not mx) else (32, 128)
     placeholder = x.new_empty(0)
     kind, rstd, mean, weight, bias = norm if norm is not None else (None, None, None, None, None)
-    grid = (triton.cdiv(padded_rows if cols else num_rows, tile_r), triton.cdiv(num_cols, tile_c))
+    grid_rows = padded_rows if cols else num_rows
     args = (
         x, q if rows else placeholder, s if s is not None else placeholder,
         qt if cols else placeholder, st if st is not None else placeholder,
         row_exp, col_exp, rstd, mean, weight, bias,
         num_rows, num_cols, padded_rows,
         *(s.stride() if s is not None else (0, 0)), *(st.stride() if st is not None else (0, 0)),
+        max(grid_rows * num_cols, 1).bit_length() // 2,
     )  # fmt: skip
     meta = dict(
-        TILE_R=tile_r, TILE_C=tile_c, BLOCK=max(block, 1) if not rowwise else tile_r, ROWS=rows, COLS=cols,
-        SQUARE=square, GIVEN_EXP=rowwise, MX=mx, RCEIL=rounding == "rceil", NORM=_NORM_CODES[kind],
-        OUT_DTYPE=_TL_DTYPES[norm_dtype], num_warps=8 if tile_r * tile_c >= 128 * 128 else 4,
+        BLOCK=block if not rowwise else 128, ROWS=rows, COLS=cols, SQUARE=square, GIVEN_EXP=rowwise, MX=mx,
+        RCEIL=rounding == "rceil", NORM=_NORM_CODES[kind], OUT_DTYPE=_TL_DTYPES[norm_dtype],
+        EXACT=interpreted(_quantize_kernel),
     )  # fmt: skip
-    if grid[0] > 0:  # no rows: nothing to launch
-        run_kernel(_quantize_kernel, grid, args, meta)
+    if grid_rows > 0:  # no rows: nothing to launch
+        _launch(args, meta, grid_rows, num_cols)
     if rowwise:
         from lightning_gem.ops.mx.impl.reference import pow2
 
@@ -218,3 +222,35 @@ def _norm_output(x: Tensor, norm: tuple, dtype: torch.dtype) -> Tensor:
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+# (TILE_R, TILE_C, num_warps) candidates; _valid_tiles keeps those whose tiles hold whole scale blocks.
+_CONFIGS = [
+    (32, 128, 4), (64, 128, 8), (32, 256, 8), (128, 128, 8), (128, 128, 16), (128, 64, 4), (128, 32, 4), (32, 64, 4),
+]  # fmt: skip
+_TUNE_ABOVE = 1 << 22  # elements; smaller problems take the first valid config (no tuning runs)
+
+
+def _valid_tiles(tile_r: int, tile_c: int, meta: dict) -> bool:
+    block, rows, cols = meta["BLOCK"], meta["ROWS"], meta["COLS"]
+    if meta["SQUARE"]:
+        return (tile_r, tile_c) == (128, 128)
+    if not meta["GIVEN_EXP"] and ((rows and tile_c % block) or (cols and tile_r % block)):
+        return False
+    if not cols:
+        return tile_r <= 64  # rows only: short, wide tiles
+    return rows or tile_c <= 64  # transposed only: tall, narrow tiles
+
+
+_quantize_tuned = tuned(_CONFIGS, _valid_tiles, key=["size_class", *_KEY_FLAGS])(_quantize_kernel)
+
+
+def _launch(args: tuple, meta: dict, grid_rows: int, num_cols: int) -> None:
+    """Autotuned launch for large inputs; the first valid config for small ones."""
+    if grid_rows * num_cols >= _TUNE_ABOVE and not meta["EXACT"]:
+        grid = lambda tiles: (triton.cdiv(grid_rows, tiles["TILE_R"]), triton.cdiv(num_cols, tiles["TILE_C"]))
+        run_kernel(_quantize_tuned, grid, args, meta)
+        return
+    tile_r, tile_c, warps = next(c for c in _CONFIGS if _valid_tiles(c[0], c[1], meta))
+    grid = (triton.cdiv(grid_rows, tile_r), triton.cdiv(num_cols, tile_c))
+    run_kernel(_quantize_kernel, grid, args, {**meta, "TILE_R": tile_r, "TILE_C": tile_c, "num_warps": warps})
