@@ -82,6 +82,8 @@ class GEM5DStrategy(ParallelStrategy):
         reshard_after_forward: FSDP2 frees gathered dense parameters after forward (``False``: ZeRO-2).
         activation_memory_budget: activation checkpointing under this budget: bytes (``int``) or a fraction in
             ``(0, 1]`` of the measured unconstrained peak; ``None``: no checkpointing.
+        train_pipeline: overlap the embedding input all-to-all of the next batch with the current batch's
+            compute (torchrec's sparse-dist pipelining inside Lightning's loop; see ``pipeline.py``).
         process_group_backend: ``"nccl"``/``"gloo"``; ``None``: the device's default.
         timeout: collective timeout.
 
@@ -105,6 +107,7 @@ class GEM5DStrategy(ParallelStrategy):
         embedding_weight_decay: float = 0.0,
         reshard_after_forward: bool = True,
         activation_memory_budget: int | float | None = None,
+        train_pipeline: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -155,6 +158,8 @@ class GEM5DStrategy(ParallelStrategy):
         )
         self.reshard_after_forward = reshard_after_forward
         self.activation_memory_budget = activation_memory_budget
+        self.train_pipeline = bool(train_pipeline)
+        self.prefetcher: Any = None
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self.num_nodes = 1  # set by the Trainer's `num_nodes`
@@ -271,6 +276,14 @@ class GEM5DStrategy(ParallelStrategy):
         )
         module.to(device)
         self.embedding_optimizer = sparse.fused_optimizer(module)
+        if self.train_pipeline and self.sparse_result.paths:
+            from lightning.fabric.utilities.apply_func import move_data_to_device
+
+            from .pipeline import SparseDistPrefetcher
+
+            self.prefetcher = SparseDistPrefetcher(
+                module, self.sparse_result.features, lambda batch: move_data_to_device(batch, device)
+            )
         if self.activation_memory_budget is not None:
             self._apply_activation_checkpointing(module, trainer)
         head_local: list[str] = []
@@ -358,12 +371,14 @@ class GEM5DStrategy(ParallelStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         layout = self.layout
-        if layout is None or layout.tensor_parallel == 1:
-            return dataloader
-        from .tp_batches import merge_tensor_parallel_batches
+        if layout is not None and layout.tensor_parallel > 1:
+            from .tp_batches import merge_tensor_parallel_batches
 
-        first = self.global_rank - self.global_rank % layout.tensor_parallel
-        return merge_tensor_parallel_batches(dataloader, list(range(first, first + layout.tensor_parallel)))
+            first = self.global_rank - self.global_rank % layout.tensor_parallel
+            dataloader = merge_tensor_parallel_batches(dataloader, list(range(first, first + layout.tensor_parallel)))
+        if self.prefetcher is not None:
+            dataloader = self.prefetcher.wrap(dataloader)
+        return dataloader
 
     @override
     def model_to_device(self) -> None:
@@ -395,6 +410,8 @@ class GEM5DStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.remove()
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()

@@ -22,6 +22,7 @@ side matches it: FSDP2 averages over the data-parallel ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Iterable, Mapping
@@ -161,13 +162,14 @@ def make_sharders(device_type: str, optimizer: EmbeddingOptimizerConfig) -> list
     return [ec(fused_params=dict(fused)), ebc(fused_params=dict(fused))]
 
 
+def _configs(collection: nn.Module) -> list[Any]:
+    if hasattr(collection, "embedding_configs"):
+        return list(collection.embedding_configs())
+    return list(collection.embedding_bag_configs())
+
+
 def _table_names(module: nn.Module) -> list[str]:
-    names: list[str] = []
-    for sub in module.modules():
-        if isinstance(sub, _embedding_types()):
-            configs = sub.embedding_configs() if hasattr(sub, "embedding_configs") else sub.embedding_bag_configs()
-            names.extend(c.name for c in configs)
-    return names
+    return [c.name for sub in module.modules() if isinstance(sub, _embedding_types()) for c in _configs(sub)]
 
 
 def plan_sharding(
@@ -251,6 +253,8 @@ class SparseShardingResult:
     plan: Any
     paths: list[str]
     replica_sync: ReplicaSync | None
+    features: dict[str, frozenset[str]] = dataclasses.field(default_factory=dict)
+    """The feature names (KJT keys) each sharded module looks up."""
 
 
 def shard_embeddings(
@@ -302,6 +306,9 @@ def shard_embeddings(
     )
     # The sharded modules get fresh tables (EmbeddingBagCollection's are re-initialised): keep the model's.
     initial = {path: module.get_submodule(path).state_dict() for path in paths}
+    features = {
+        path: frozenset(f for c in _configs(module.get_submodule(path)) for f in c.feature_names) for path in paths
+    }
     DistributedModelParallel(
         module, env=env, device=device, plan=plan, sharders=sharders, init_data_parallel=False, init_parameters=True
     )
@@ -310,7 +317,7 @@ def shard_embeddings(
     sync = ReplicaSync(module, sparse_mesh.get_group("sparse_replicate")) if layout.sparse_replicas > 1 else None
     if rank == 0:
         log.info("gem5d embedding plan (%s): %s", layout.describe(), describe_plan(plan, layout.sparse_group_size))
-    return SparseShardingResult(plan=plan, paths=paths, replica_sync=sync)
+    return SparseShardingResult(plan=plan, paths=paths, replica_sync=sync, features=features)
 
 
 def _local_shards(value: Any) -> list[tuple[torch.Tensor, tuple[int, ...]]]:

@@ -141,6 +141,7 @@ def fit_gem(
         "losses": recorder.losses,
         "weights": full_weights(model),
         "checkpointed": sorted(checkpointed_modules(model)),
+        "prefetched": getattr(trainer.strategy.prefetcher, "hits", None),
     }
 
 

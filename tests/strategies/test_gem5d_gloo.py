@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from gem_workloads import fit_gem, validate_gem
+from gem_workloads import NUM_USERS, fit_gem, validate_gem
 from gloo_runner import run_ranks
 
 STEPS = 5
@@ -94,6 +94,9 @@ def test_every_layout_trains_like_one_process(world_size: int) -> None:
         # activation checkpointing planned on the first batch under 90% of the measured peak (this tiny
         # model's activations are a small part of its step)
         layouts.append({"embedding_optimizer": "rowwise_adagrad", "activation_memory_budget": 0.9})
+        # the next batch's embedding all-to-all started under the current batch's compute
+        layouts.append({"embedding_optimizer": "sgd", "sparse_group_size": 1, "train_pipeline": True})
+        layouts.append({"embedding_optimizer": "rowwise_adagrad", "train_pipeline": True})
     # the bad configurations ride along (a spawn costs more than a fit)
     bad = BAD_LAYOUTS[world_size]
     results, errors = run_ranks(_train_layouts, world_size, layouts, tuple(kwargs for kwargs, _ in bad))[0]
@@ -101,6 +104,8 @@ def test_every_layout_trains_like_one_process(world_size: int) -> None:
         _check_matches(result, _single_process(layout["embedding_optimizer"]), layout)
         # checkpointing changes no number; it is on exactly when a budget is given
         assert bool(result["checkpointed"]) == ("activation_memory_budget" in layout), result["checkpointed"]
+        # with the pipeline, every forward of both embedding modules used the input_dist started ahead
+        assert result["prefetched"] == (2 * STEPS if layout.get("train_pipeline") else None), result["prefetched"]
     for (kwargs, message), error in zip(bad, errors, strict=True):
         assert message in error, (kwargs, error)
 
@@ -152,3 +157,19 @@ def test_checkpoint_resumes_exactly_and_loads_at_another_world_size(tmp_path) ->
     for name, value in straight["weights"].items():
         np.testing.assert_allclose(elsewhere["weights"][name], value, atol=0, err_msg=name)
     assert "torchrec cannot reshard optimizer state" in elsewhere["error"]
+
+
+def _pipeline_across_epochs(rank: int, world_size: int, steps: int) -> dict[str, Any]:
+    layout = {"embedding_optimizer": "rowwise_adagrad"}
+    plain = fit_gem(world_size, layout, steps=steps, global_batch=GLOBAL_BATCH)
+    piped = fit_gem(world_size, layout | {"train_pipeline": True}, steps=steps, global_batch=GLOBAL_BATCH)
+    return {"plain": plain["losses"], "piped": piped["losses"], "hits": piped["prefetched"]} if rank == 0 else {}
+
+
+def test_train_pipeline_loses_no_batch_at_epoch_ends() -> None:
+    batches_per_epoch = NUM_USERS // GLOBAL_BATCH
+    steps = 2 * batches_per_epoch + 1  # two whole epochs and the first batch of a third
+    out = run_ranks(_pipeline_across_epochs, 2, steps)[0]
+    assert len(out["piped"]) == steps
+    np.testing.assert_allclose(out["piped"], out["plain"], rtol=1e-6)
+    assert out["hits"] == 2 * steps  # both embedding modules, every step, the last batch of each epoch included
