@@ -185,9 +185,16 @@ def build_device_mesh(layout: MeshLayout, device_type: str):  # -> tuple[DeviceM
     layout torchrec's ``ShardingEnv2D`` expects). Both are unflattened from the root, so they share
     its process groups. Needs an initialised default process group.
     """
-    from torch.distributed.device_mesh import init_device_mesh
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+    dense_shape = (layout.dense_replicate, layout.dense_shard, layout.tensor_parallel)
+    sparse_shape = (layout.sparse_replicas, layout.sparse_group_size)
+    if not hasattr(DeviceMesh, "_unflatten"):  # older torch: two meshes over the same ranks, the dense one as root
+        dense = init_device_mesh(device_type, dense_shape, mesh_dim_names=DENSE_AXES)
+        ranks = torch.arange(layout.world_size).reshape(sparse_shape)
+        return dense, dense, DeviceMesh(device_type, ranks, mesh_dim_names=SPARSE_AXES)
     root = init_device_mesh(device_type, (layout.world_size,), mesh_dim_names=("world",))
-    dense = root._unflatten(0, (layout.dense_replicate, layout.dense_shard, layout.tensor_parallel), DENSE_AXES)
-    sparse = root._unflatten(0, (layout.sparse_replicas, layout.sparse_group_size), SPARSE_AXES)
+    dense = root._unflatten(0, dense_shape, DENSE_AXES)
+    sparse = root._unflatten(0, sparse_shape, SPARSE_AXES)
     return root, dense, sparse

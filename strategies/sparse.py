@@ -23,6 +23,7 @@ side matches it: FSDP2 averages over the data-parallel ranks.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
 from collections.abc import Iterable, Mapping
@@ -296,13 +297,19 @@ def shard_embeddings(
     rank = dist.get_rank()
     node_group_size = math.gcd(layout.sparse_group_size, local_world_size or layout.sparse_group_size)
     plan = plan_sharding(module, layout, rank, device, sharders, constraints, node_group_size)
+    env_kwargs: dict[str, Any] = {"node_group_size": node_group_size, "use_inter_host_allreduce": True}
+    accepted = inspect.signature(ShardingEnv2D).parameters
+    if "use_inter_host_allreduce" not in accepted and layout.sparse_replicas > 1 and layout.sparse_group_size > 1:
+        raise ValueError(
+            "this torchrec has no contiguous sharding groups (ShardingEnv2D(use_inter_host_allreduce=...)): "
+            "use sparse_group_size 1 or the world size, or a newer torchrec"
+        )
     env = ShardingEnv2D(
         sharding_pg=sparse_mesh.get_group("sparse_shard"),
         replica_pg=sparse_mesh.get_group("sparse_replicate"),
         global_pg=dist.group.WORLD,
         device_mesh=sparse_mesh,
-        node_group_size=node_group_size,
-        use_inter_host_allreduce=True,  # contiguous sharding groups (mesh.py)
+        **{k: v for k, v in env_kwargs.items() if k in accepted},  # contiguous sharding groups (mesh.py)
     )
     # The sharded modules get fresh tables (EmbeddingBagCollection's are re-initialised): keep the model's.
     initial = {path: module.get_submodule(path).state_dict() for path in paths}

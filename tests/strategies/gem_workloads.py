@@ -1,6 +1,6 @@
 """What the spawned ranks run: the GEM example (``GEMRanker`` on synthetic data, tiny) under ``strategy="gem5d"``.
 
-Functions here run inside :func:`multiprocess.run_ranks` processes and return plain picklable results.
+Functions here run inside :func:`gloo_runner.run_ranks` processes and return plain picklable results.
 """
 
 from __future__ import annotations
