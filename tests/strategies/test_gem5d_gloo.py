@@ -173,3 +173,30 @@ def test_train_pipeline_loses_no_batch_at_epoch_ends() -> None:
     assert len(out["piped"]) == steps
     np.testing.assert_allclose(out["piped"], out["plain"], rtol=1e-6)
     assert out["hits"] == 2 * steps  # both embedding modules, every step, the last batch of each epoch included
+
+
+def test_cli_fits_the_gem5d_config_on_two_processes(tmp_path) -> None:
+    """``lightning-gem fit --config examples/configs/quickstart_gem5d.yaml``: Lightning launches the second process."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_gem.cli",
+        "fit",
+        f"--config={root / 'examples' / 'configs' / 'quickstart_gem5d.yaml'}",
+        "--trainer.max_steps=3",
+        "--trainer.limit_val_batches=1",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        "--data.init_args.source.init_args.num_train_users=400",
+        "--data.init_args.source.init_args.num_val_users=64",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (checkpoint,) = tmp_path.rglob("*.ckpt")
+    assert (checkpoint / "meta.pt").is_file() and len(list(checkpoint.glob("*.distcp"))) == 2

@@ -187,6 +187,16 @@ def test_cli_parses_a_gem5d_config(tmp_path: Path) -> None:
     assert strategy._sizes["sparse_group_size"] == 1
     assert strategy.table_constraints["item"] == TableConstraint(sharding_types=("row_wise", "table_wise"))
     assert not torch.distributed.is_initialized()  # building the Trainer starts no process group
+    # the registered name alone takes every default
+    cli = GEMCLI(
+        LightningModule,
+        LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        run=False,
+        args=["--config", str(config), "--trainer.strategy", "gem5d", "--trainer.logger", "false"],
+    )
+    assert isinstance(cli.trainer.strategy, GEM5DStrategy) and cli.trainer.strategy._sizes["sparse_group_size"] is None
 
 
 def test_tensor_parallel_groups_train_on_the_union_of_their_batches() -> None:
