@@ -197,7 +197,7 @@ def _student(dim: int, hidden: int, depth: int, device: str) -> nn.Module:
     return nn.Sequential(*blocks, nn.RMSNorm(dim), nn.Linear(dim, 8)).to(device)
 
 
-def quality(steps: int, device: str, recipes: list[str], dim: int = 256, batch: int = 2048) -> list[dict]:
+def quality(steps: int, device: str, recipes: list[str], dim: int = 512, batch: int = 2048) -> list[dict]:
     """Final held-out MSE of the same student trained per recipe (bf16 autocast around every run)."""
     generator = torch.Generator(device=device).manual_seed(0)
     teacher = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, 8)).to(device)
@@ -274,6 +274,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kernel-tokens", type=int, default=65536)
     parser.add_argument("--kernel-dim", type=int, default=4096)
     parser.add_argument("--quality-steps", type=int, default=0, help="also train the synthetic task this long")
+    parser.add_argument("--quality-dim", type=int, default=512, help="width of the synthetic task's student")
+    parser.add_argument("--quality-batch", type=int, default=2048)
     parser.add_argument("--skip-speed", action="store_true", help="only the quality comparison")
     parser.add_argument("--profile", action="store_true", help="print per-kernel GPU time of one FP8 step")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (CPU smoke test)")
@@ -292,7 +294,9 @@ def main(argv: list[str] | None = None) -> dict:
             for row in bench_linear(tokens, shape, args.device, args.recipes, args.emulated_max_tokens)
         ]
         kernel_rows = bench_kernels(args.kernel_tokens, args.kernel_dim, args.device)
-    quality_rows = quality(args.quality_steps, args.device, args.recipes) if args.quality_steps else []
+    quality_rows = []
+    if args.quality_steps:
+        quality_rows = quality(args.quality_steps, args.device, args.recipes, args.quality_dim, args.quality_batch)
     if args.profile and args.device == "cuda":
         print(profile_step(min(args.tokens), SHAPES[0], "fp8-rowwise"))  # small: where fixed costs show
         for recipe in ("fp8-blockwise", "fp8-rowwise"):

@@ -139,6 +139,10 @@ def _resolve(recipe: str, backend: str | None, device: torch.device) -> Plan:
     else:
         native = scaled_mm_supported(act_layout, act_layout, device)
         gemm = "scaled_mm" if native else "emulated"
+        if native and weight_layout == "128x128":
+            # Verified on the H200 only where a 128x128 weight's scale rows (dim / 128) are a multiple of 4, the
+            # padding cuBLAS's block-scaling layout is defined with; other widths stay in high precision.
+            multiple = 512
     running = chosen.replace("_", "-") + (" (emulated GEMMs)" if gemm == "emulated" else "")
     description = f"requested {recipe} on {_device_name(device)}: running {running}"
     substituted = (recipe == "mxfp8" and not chosen.startswith("mx")) or (

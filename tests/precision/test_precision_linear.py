@@ -14,6 +14,7 @@ from lightning_gem.precision import MXConfig, MXLinear, MXRMSNorm, convert, conv
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["mx_emulated", "fp8_blockwise", "fp8_rowwise"]
+IN, OUT = 512, 1024  # multiples of 512: cuBLAS's blockwise GEMMs take these widths (see ops.mx.gemm)
 
 
 def sqnr_db(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -22,8 +23,8 @@ def sqnr_db(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def _pair(config: MXConfig, norm: bool = True) -> tuple[nn.Module, nn.Module]:
-    layers = [nn.RMSNorm(256)] if norm else []
-    reference = nn.Sequential(*layers, nn.Linear(256, 384)).to(DEVICE)
+    layers = [nn.RMSNorm(IN)] if norm else []
+    reference = nn.Sequential(*layers, nn.Linear(IN, OUT)).to(DEVICE)
     return reference, convert(copy.deepcopy(reference), config)
 
 
@@ -38,8 +39,8 @@ def _run(model: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.T
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sqnr_against_fp32(backend: str, hadamard: bool) -> None:
     reference, model = _pair(MXConfig(backend=backend, hadamard=hadamard), norm=False)
-    x = torch.randn(300, 256, device=DEVICE)
-    grad = torch.randn(300, 384, device=DEVICE)
+    x = torch.randn(300, IN, device=DEVICE)
+    grad = torch.randn(300, OUT, device=DEVICE)
     out, dx, dw, db = _run(model, x, grad)
     ref_out, ref_dx, ref_dw, ref_db = _run(reference, x, grad)
     assert sqnr_db(out, ref_out) >= 27 and sqnr_db(dx, ref_dx) >= 25 and sqnr_db(dw, ref_dw) >= 24
@@ -51,7 +52,7 @@ def test_fused_norm_is_the_unfused_computation(backend: str) -> None:
     reference, fused = _pair(MXConfig(backend=backend))
     unfused = convert(copy.deepcopy(reference), MXConfig(backend=backend, fuse_norm=False))
     assert isinstance(fused[0], MXRMSNorm) and type(unfused[0]) is nn.RMSNorm
-    x, grad = torch.randn(200, 256, device=DEVICE) * 3, torch.randn(200, 384, device=DEVICE)
+    x, grad = torch.randn(200, IN, device=DEVICE) * 3, torch.randn(200, OUT, device=DEVICE)
     fused_out = _run(fused, x, grad)
     unfused_out = _run(unfused, x, grad)
     assert torch.equal(fused_out[0], unfused_out[0]), "same quantized operands: identical forward"
@@ -80,18 +81,18 @@ def test_fused_norm_output_read_elsewhere_stays_correct() -> None:
 
 def test_input_shapes_and_autocast() -> None:
     _, model = _pair(MXConfig(backend="mx_emulated"), norm=False)
-    x = torch.randn(2, 7, 256, device=DEVICE)
-    assert model(x).shape == (2, 7, 384)
+    x = torch.randn(2, 7, IN, device=DEVICE)
+    assert model(x).shape == (2, 7, OUT)
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
         out = model(x)
     assert out.dtype == torch.bfloat16
-    empty = torch.randn(0, 256, device=DEVICE, requires_grad=True)
+    empty = torch.randn(0, IN, device=DEVICE, requires_grad=True)
     model(empty).sum().backward()
-    assert empty.grad.shape == (0, 256)
+    assert empty.grad.shape == (0, IN)
 
 
 def test_saved_activations_fp8_or_high_precision_give_the_same_gradients() -> None:
-    x, grad = torch.randn(100, 256, device=DEVICE), torch.randn(100, 384, device=DEVICE)
+    x, grad = torch.randn(100, IN, device=DEVICE), torch.randn(100, OUT, device=DEVICE)
     _, fp8 = _pair(MXConfig(backend="fp8_blockwise", quantize_saved_activations=True), norm=False)
     _, high = _pair(MXConfig(backend="fp8_blockwise", quantize_saved_activations=False), norm=False)
     high.load_state_dict(fp8.state_dict())
@@ -105,11 +106,11 @@ def test_checkpoint_round_trip() -> None:
     buffer = io.BytesIO()
     torch.save(model.state_dict(), buffer)
     buffer.seek(0)
-    fresh = convert(nn.Sequential(nn.RMSNorm(256), nn.Linear(256, 384)).to(DEVICE), MXConfig(recipe="mxfp8"))
+    fresh = convert(nn.Sequential(nn.RMSNorm(IN), nn.Linear(IN, OUT)).to(DEVICE), MXConfig(recipe="mxfp8"))
     fresh.load_state_dict(torch.load(buffer, weights_only=True))
-    x = torch.randn(20, 256, device=DEVICE)
+    x = torch.randn(20, IN, device=DEVICE)
     assert torch.equal(fresh(x), model(x))
-    plain = nn.Sequential(nn.RMSNorm(256), nn.Linear(256, 384)).to(DEVICE)
+    plain = nn.Sequential(nn.RMSNorm(IN), nn.Linear(IN, OUT)).to(DEVICE)
     plain.load_state_dict(model.state_dict())  # and back into an unconverted model
     assert torch.equal(plain(x), reference(x))
 
@@ -162,9 +163,9 @@ def test_native_gemms_match_emulated_ones_in_training(backend: str, monkeypatch:
     import lightning_gem.precision.norm as norm_module
 
     torch.manual_seed(0)
-    reference = nn.Sequential(nn.RMSNorm(256), nn.Linear(256, 512), nn.SiLU(), nn.Linear(512, 256)).cuda()
+    reference = nn.Sequential(nn.RMSNorm(512), nn.Linear(512, 1024), nn.SiLU(), nn.Linear(1024, 512)).cuda()
     native = convert(copy.deepcopy(reference), MXConfig(backend=backend))
-    x, grad = torch.randn(384, 256, device="cuda"), torch.randn(384, 256, device="cuda")
+    x, grad = torch.randn(384, 512, device="cuda"), torch.randn(384, 512, device="cuda")
 
     def step(model: nn.Module) -> list[torch.Tensor]:
         inputs = x.clone().requires_grad_()

@@ -9,7 +9,10 @@ Backends:
   fp32 summation order: the numerics of MXFP8 hardware without the hardware.
 - ``"scaled_mm"``: ``torch._scaled_mm`` (cuBLAS). Hopper (sm_90) runs ``rowwise`` x ``rowwise`` and the
   blockwise pairs ``1x128`` x ``128x128`` (forward, input gradient) and ``1x128`` x ``1x128`` (weight
-  gradient); ``mx`` x ``mx`` (E8M0 scales in cuBLAS's swizzled tiles) needs sm_100 or newer.
+  gradient); ``mx`` x ``mx`` (E8M0 scales in cuBLAS's swizzled tiles) needs sm_100 or newer. A ``128x128``
+  operand's contraction dim must be a multiple of 512 (its scale rows a multiple of 4): on the H200 with torch
+  2.11, narrower ones gave wrong results past the first 128 output columns (cuBLAS pads that dim to 4).
+  ``mx_native`` (sm_100) is written to cuBLAS's documented layout but has not been run.
 """
 
 from __future__ import annotations
@@ -76,6 +79,10 @@ def _native_scales(q: QuantizedTensor) -> Tensor:
     scale = q.scale
     if q.layout == "1x128" and scale.stride(0) != 1:  # outer-dim-major ([R, K/128] with the rows contiguous)
         scale = scale.t().contiguous().t()
+    elif q.layout == "128x128" and scale.shape[1] % 4:
+        raise ValueError(
+            f"128x128 scales need K / 128 to be a multiple of 4 for torch._scaled_mm here, got K = {q.shape[1]}"
+        )
     elif q.layout == "mx":
         scale = _to_blocked(scale).view(torch.float8_e8m0fnu)
     return scale
