@@ -24,6 +24,7 @@ from torch import nn
 
 __all__ = [
     "ReplicatedGradients",
+    "clip_grad_norm_",
     "TensorParallelGradients",
     "apply_fsdp",
     "apply_tensor_parallel",
@@ -225,3 +226,34 @@ class ReplicatedGradients:
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over parameters that mix FSDP2/tensor-parallel DTensors (on different
+    meshes or placements) and plain replicated tensors: the total norm of the full gradients, the same
+    on every rank; every gradient scaled by ``min(1, max_norm / total)``.
+
+    Returns:
+        The total norm (a plain scalar tensor).
+    """
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for grad in grads:  # one norm per (mesh, placements): torch's norm cannot mix them
+        key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
+        groups.setdefault(key, []).append(grad)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    device = norms[0].device
+    total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
+    scale = float(max_norm) / (float(total) + 1e-6)
+    if scale < 1.0:
+        for group in groups.values():
+            torch._foreach_mul_(group, scale)
+    return total

@@ -256,6 +256,9 @@ class GEM5DStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        # Gradient clipping (Trainer(gradient_clip_val=...)): the norm over DTensor and plain gradients together.
+        # The precision plugin keeps its role; only its norm clipping is replaced on this instance.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
@@ -352,6 +355,10 @@ class GEM5DStrategy(ParallelStrategy):
         for optimizer in self.optimizers:
             for group in optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if id(p) not in sparse_ids]
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        # The tables are not clipped: their fused optimizer has already applied their gradients.
+        dense.clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val)
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

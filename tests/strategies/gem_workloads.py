@@ -100,6 +100,7 @@ def fit_gem(
     ckpt_every: int | None = None,
     ckpt_path: str | None = None,
     dense_optimizer: str = "sgd",
+    trainer_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train the GEM example ``steps`` steps on ``world_size`` ranks; the losses and a checksum of the weights."""
     import lightning as L
@@ -133,6 +134,7 @@ def fit_gem(
         enable_model_summary=False,
         callbacks=callbacks,
         default_root_dir=root,
+        **(trainer_kwargs or {}),
     )
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     from lightning_gem.strategies.checkpointing import checkpointed_modules

@@ -21,6 +21,7 @@ STEPS = 5
 GLOBAL_BATCH = 8
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 2e-6
+CLIP = 0.05  # below the GEM example's gradient norms, so clipping acts on every step
 
 
 def _train_layouts(
@@ -29,8 +30,9 @@ def _train_layouts(
     """Train each layout in turn in this group of processes (rank 0 returns the losses and full weights),
     then try each bad layout and return the error each raised."""
     results = []
-    for kwargs in layouts:
-        out = fit_gem(world_size, kwargs, steps=STEPS, global_batch=GLOBAL_BATCH)
+    for layout in layouts:
+        kwargs = {k: v for k, v in layout.items() if k != "trainer"}
+        out = fit_gem(world_size, kwargs, steps=STEPS, global_batch=GLOBAL_BATCH, trainer_kwargs=layout.get("trainer"))
         results.append(out if rank == 0 else {})
     errors = []
     for kwargs in bad_layouts:
@@ -44,8 +46,13 @@ def _train_layouts(
 
 
 @functools.cache
-def _single_process(embedding_optimizer: str) -> dict[str, Any]:
-    return run_ranks(_train_layouts, 1, [{"embedding_optimizer": embedding_optimizer}])[0][0][0]
+def _single_process(embedding_optimizer: str, gradient_clip_val: float | None = None) -> dict[str, Any]:
+    layout = {"embedding_optimizer": embedding_optimizer, "trainer": {"gradient_clip_val": gradient_clip_val}}
+    return run_ranks(_train_layouts, 1, [layout])[0][0][0]
+
+
+def _reference(layout: dict[str, Any]) -> dict[str, Any]:
+    return _single_process(layout["embedding_optimizer"], layout.get("trainer", {}).get("gradient_clip_val"))
 
 
 def _check_matches(result: dict[str, Any], reference: dict[str, Any], layout: dict[str, Any]) -> None:
@@ -97,17 +104,23 @@ def test_every_layout_trains_like_one_process(world_size: int) -> None:
         # the next batch's embedding all-to-all started under the current batch's compute
         layouts.append({"embedding_optimizer": "sgd", "sparse_group_size": 1, "train_pipeline": True})
         layouts.append({"embedding_optimizer": "rowwise_adagrad", "train_pipeline": True})
+        # gradient clipping over FSDP2 DTensor, tensor-parallel DTensor and plain replicated gradients at once
+        clip = {"gradient_clip_val": CLIP}
+        layouts.append({"embedding_optimizer": "sgd", "trainer": clip})
+        layouts.append({"embedding_optimizer": "sgd", "tensor_parallel_size": 2, "trainer": clip})
     # the bad configurations ride along (a spawn costs more than a fit)
     bad = BAD_LAYOUTS[world_size]
     results, errors = run_ranks(_train_layouts, world_size, layouts, tuple(kwargs for kwargs, _ in bad))[0]
     for layout, result in zip(layouts, results, strict=True):
-        _check_matches(result, _single_process(layout["embedding_optimizer"]), layout)
+        _check_matches(result, _reference(layout), layout)
         # checkpointing changes no number; it is on exactly when a budget is given
         assert bool(result["checkpointed"]) == ("activation_memory_budget" in layout), result["checkpointed"]
         # with the pipeline, every forward of both embedding modules used the input_dist started ahead
         assert result["prefetched"] == (2 * STEPS if layout.get("train_pipeline") else None), result["prefetched"]
     for (kwargs, message), error in zip(bad, errors, strict=True):
         assert message in error, (kwargs, error)
+    if world_size == 2:  # the clipped reference did clip
+        assert _single_process("sgd", CLIP)["losses"][1:] != _single_process("sgd")["losses"][1:]
 
 
 CKPT_LAYOUT = {"sparse_group_size": 2, "dense_replicate_size": 2, "embedding_optimizer": "rowwise_adagrad"}
