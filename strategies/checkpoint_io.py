@@ -122,8 +122,8 @@ def load(
         raise LayoutMismatchError(
             "the checkpoint's embedding optimizer state was saved under another layout or embedding plan "
             f"({saved.get('layout')}; {saved.get('plan')}), and torchrec cannot reshard optimizer state: "
-            "load the weights only (trainer.validate/test/predict(ckpt_path=...), or fit a new run from "
-            "GEM5DStrategy.load_weights(path)) or resume on the saved layout"
+            "load the weights only (trainer.validate/test/predict(ckpt_path=...), or a new run with "
+            "GEM5DStrategy(weights_from=path)) or resume on the saved layout"
         )
     model_state = module.state_dict()
     state: dict[str, Any] = {_MODEL: model_state}

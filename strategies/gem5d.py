@@ -84,6 +84,8 @@ class GEM5DStrategy(ParallelStrategy):
             ``(0, 1]`` of the measured unconstrained peak; ``None``: no checkpointing.
         train_pipeline: overlap the embedding input all-to-all of the next batch with the current batch's
             compute (torchrec's sparse-dist pipelining inside Lightning's loop; see ``pipeline.py``).
+        weights_from: a gem5d checkpoint whose model weights are loaded at setup, whatever layout or world
+            size wrote it (a new run from trained weights; ``fit(ckpt_path=...)`` resumes a run instead).
         process_group_backend: ``"nccl"``/``"gloo"``; ``None``: the device's default.
         timeout: collective timeout.
 
@@ -108,6 +110,7 @@ class GEM5DStrategy(ParallelStrategy):
         reshard_after_forward: bool = True,
         activation_memory_budget: int | float | None = None,
         train_pipeline: bool = False,
+        weights_from: str | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -159,6 +162,7 @@ class GEM5DStrategy(ParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.activation_memory_budget = activation_memory_budget
         self.train_pipeline = bool(train_pipeline)
+        self.weights_from = weights_from
         self.prefetcher: Any = None
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -252,6 +256,8 @@ class GEM5DStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.parallelize(self.model, trainer)
+        if self.weights_from is not None:
+            self.load_weights(self.weights_from)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -493,9 +499,10 @@ class GEM5DStrategy(ParallelStrategy):
         )
 
     def load_weights(self, path: str | Path) -> None:
-        """Load only the model weights of a gem5d checkpoint (any world size or layout), e.g. before ``fit``."""
-        assert self.model is not None
-        checkpoint_io.load(path, self.model, [], None, same_embedding_plan=True)
+        """Load only the model weights of a gem5d checkpoint (any world size or layout) into the set-up model."""
+        if self.model is None or self.layout is None:
+            raise RuntimeError("load_weights needs the set-up model: pass `weights_from=` or call it after setup")
+        checkpoint_io.load(Path(self.broadcast(str(path))), self.model, [], None, same_embedding_plan=True)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

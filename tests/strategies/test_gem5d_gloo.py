@@ -145,6 +145,9 @@ def _save_then_resume(rank: int, world_size: int, root: str) -> dict[str, Any]:
 def _load_elsewhere(rank: int, world_size: int, path: str) -> dict[str, Any]:
     """Weights of a checkpoint loaded by ``validate`` at this world size; the error of resuming training here."""
     weights = validate_gem(world_size, {"sparse_group_size": 1}, ckpt_path=path, batch_size=GLOBAL_BATCH // 4)
+    # a new run (no training step) starting from the weights, with tensor parallelism
+    layout = {"weights_from": path, "tensor_parallel_size": 2, "embedding_optimizer": "sgd"}
+    started = fit_gem(world_size, layout, steps=0, global_batch=GLOBAL_BATCH)["weights"]
     try:
         # the saved per-rank batch (2) on 2 ranks, sharded over both: another embedding plan
         layout = CKPT_LAYOUT | {"sparse_group_size": 2}
@@ -153,7 +156,7 @@ def _load_elsewhere(rank: int, world_size: int, path: str) -> dict[str, Any]:
         error = str(err)
     else:
         error = "no error"
-    return {"weights": weights, "error": error} if rank == 0 else {}
+    return {"weights": weights, "started": started, "error": error} if rank == 0 else {}
 
 
 def test_checkpoint_resumes_exactly_and_loads_at_another_world_size(tmp_path) -> None:
@@ -169,6 +172,7 @@ def test_checkpoint_resumes_exactly_and_loads_at_another_world_size(tmp_path) ->
     elsewhere = run_ranks(_load_elsewhere, 2, str(tmp_path / "step=6.ckpt"))[0]
     for name, value in straight["weights"].items():
         np.testing.assert_allclose(elsewhere["weights"][name], value, atol=0, err_msg=name)
+        np.testing.assert_allclose(elsewhere["started"][name], value, atol=0, err_msg=name)
     assert "torchrec cannot reshard optimizer state" in elsewhere["error"]
 
 
