@@ -333,8 +333,11 @@ class GEM5DStrategy(ParallelStrategy):
 
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return  # nothing trains, nothing to save memory for
-        datamodule = trainer.datamodule
-        loader = datamodule.train_dataloader() if datamodule is not None else module.train_dataloader()
+        # The train loader as the fit loop will get it (datamodule, module hook or the loader given to fit);
+        # a throwaway iterator: checkpoint restore (and the DataModule's position) comes after setup.
+        loader = trainer.fit_loop._data_source.dataloader()
+        if not hasattr(loader, "__iter__"):
+            raise TypeError(f"activation_memory_budget plans on one training batch; got a {type(loader).__name__}")
         batch = self.batch_to_device(next(iter(loader)))
         self.activation_checkpoint_plan = plan_on_training_step(
             module, batch, self.activation_memory_budget, sparse.local_state_tensors(module)
