@@ -144,7 +144,8 @@ def _resolve(recipe: str, backend: str | None, device: torch.device) -> Plan:
             # padding cuBLAS's block-scaling layout is defined with; other widths stay in high precision.
             multiple = 512
     running = chosen.replace("_", "-") + (" (emulated GEMMs)" if gemm == "emulated" else "")
-    description = f"requested {recipe} on {_device_name(device)}: running {running}"
+    requested = recipe if backend is None else f"{recipe} with backend {backend}"
+    description = f"requested {requested} on {_device_name(device)}: running {running}"
     substituted = (recipe == "mxfp8" and not chosen.startswith("mx")) or (
         gemm == "emulated" and recipe.startswith("fp8")
     )

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from lightning_gem.ops.mx.formats import LAYOUTS, QuantizedTensor, block_shape
-from lightning_gem.ops.mx.impl.reference import norm_reference, quantize_reference
+from lightning_gem.ops.mx.impl.reference import norm_reference, normalize_with_stats, quantize_reference
 
 __all__ = ["IMPLS", "NormQuantized", "norm_quantize", "norm_quantize_transposed", "quantize", "resolve_impl"]
 
@@ -224,13 +224,5 @@ def norm_quantize_transposed(
             x.contiguous(), layout, rounding, False, True, kind, rstd, mean, weight, bias, out_dtype
         )
         return QuantizedTensor(outputs[2], outputs[3], layout)
-    y = x.float()
-    if mean is not None:
-        y = y - mean[:, None]
-    y = y * rstd[:, None]
-    if weight is not None:
-        y = y * weight.float()
-    if bias is not None:
-        y = y + bias.float()
-    y = y.to(out_dtype or x.dtype)
+    y = normalize_with_stats(x, rstd, mean, weight, bias, out_dtype or x.dtype)
     return quantize(y, layout, rounding=rounding, rows=False, cols=True, impl="reference")[1]

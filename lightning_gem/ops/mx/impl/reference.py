@@ -16,6 +16,7 @@ from lightning_gem.ops.mx.formats import E4M3_MAX, E8M0_BIAS, E8M0_NAN, Quantize
 __all__ = [
     "fwht",
     "norm_reference",
+    "normalize_with_stats",
     "pow2",
     "quantization_stats",
     "quantize_reference",
@@ -116,6 +117,21 @@ def quantization_stats(x: Tensor, layout: str, rounding: str = "rceil") -> Tenso
     num_nonfinite = nonfinite_block.sum() * blocks.shape[1] * blocks.shape[3]
     counts = [saturated.sum(), underflowed.sum(), num_nonfinite, torch.tensor(rows * cols, device=x.device)]
     return torch.stack([c.to(torch.int64) for c in counts])
+
+
+def normalize_with_stats(
+    x: Tensor, rstd: Tensor, mean: Tensor | None, weight: Tensor | None, bias: Tensor | None, dtype: torch.dtype
+) -> Tensor:
+    """A norm's output from its saved statistics: ``((x - mean) * rstd) * weight + bias`` in fp32, cast to ``dtype``."""
+    y = x.float()
+    if mean is not None:
+        y = y - mean[:, None]
+    y = y * rstd[:, None]
+    if weight is not None:
+        y = y * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(dtype)
 
 
 def norm_reference(

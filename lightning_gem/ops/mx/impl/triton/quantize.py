@@ -209,16 +209,10 @@ def quantize_triton(
 
 def _norm_output(x: Tensor, norm: tuple, dtype: torch.dtype) -> Tensor:
     """The norm's output in ``dtype`` (rowwise scales need its row/column maxima before the cast)."""
+    from lightning_gem.ops.mx.impl.reference import normalize_with_stats
+
     kind, rstd, mean, weight, bias = norm
-    y = x.float()
-    if kind == "layer":
-        y = y - mean[:, None]
-    y = y * rstd[:, None]
-    if weight is not None:
-        y = y * weight.float()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(dtype)
+    return normalize_with_stats(x, rstd, mean if kind == "layer" else None, weight, bias, dtype)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
