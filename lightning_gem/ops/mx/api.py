@@ -110,9 +110,9 @@ def quantize(
     if cols and x.shape[0] == 0:
         raise ValueError("`x` must have rows to quantize along them (cols=True)")
     if resolve_impl(impl, x) == "triton":
-        from lightning_gem.ops.mx.impl.triton import mx_quantize_op
+        from lightning_gem.ops.mx.impl.triton import mx_quantize
 
-        q, s, qt, st = mx_quantize_op(x.contiguous(), layout, rounding, rows, cols)
+        q, s, qt, st = mx_quantize(x.contiguous(), layout, rounding, rows, cols)
         return (QuantizedTensor(q, s, layout) if rows else None), (QuantizedTensor(qt, st, layout) if cols else None)
     row_out = quantize_reference(x, layout, rounding) if rows else None
     col_out = None
@@ -174,9 +174,9 @@ def norm_quantize(
         if param is not None and tuple(param.shape) != (dim,):
             raise ValueError(f"`{name}` must have shape [{dim}] (x's features), got {tuple(param.shape)}")
     if resolve_impl(impl, x) == "triton":
-        from lightning_gem.ops.mx.impl.triton import mx_norm_quantize_op
+        from lightning_gem.ops.mx.impl.triton import mx_norm_quantize
 
-        q, s, rstd, mean, y = mx_norm_quantize_op(
+        q, s, rstd, mean, y = mx_norm_quantize(
             x.contiguous(), weight, bias, float(eps), kind, layout, rounding, write_output, out_dtype
         )
         return NormQuantized(
@@ -218,11 +218,9 @@ def norm_quantize_transposed(
     if tuple(rstd.shape) != (x.shape[0],):
         raise ValueError(f"`rstd` must have shape [{x.shape[0]}] (x's rows), got {tuple(rstd.shape)}")
     if resolve_impl(impl, x) == "triton":
-        from lightning_gem.ops.mx.impl.triton import mx_quantize_op
+        from lightning_gem.ops.mx.impl.triton import mx_quantize
 
-        outputs = mx_quantize_op(
-            x.contiguous(), layout, rounding, False, True, kind, rstd, mean, weight, bias, out_dtype
-        )
+        outputs = mx_quantize(x.contiguous(), layout, rounding, False, True, kind, rstd, mean, weight, bias, out_dtype)
         return QuantizedTensor(outputs[2], outputs[3], layout)
     y = normalize_with_stats(x, rstd, mean, weight, bias, out_dtype or x.dtype)
     return quantize(y, layout, rounding=rounding, rows=False, cols=True, impl="reference")[1]
