@@ -166,7 +166,8 @@ def test_components_declare_tensor_parallel_plans() -> None:
     assert found["GDPAInteraction"]["attention_output"] == "rowwise"
 
 
-def test_cli_parses_a_gem5d_config(tmp_path: Path) -> None:
+def _strategy_from_cli(*args: str) -> GEM5DStrategy:
+    """The Trainer's strategy as the ``lightning-gem`` CLI builds it from the gem5d config and ``args``."""
     import lightning_gem.components  # noqa: F401
     from lightning.pytorch import LightningDataModule, LightningModule
 
@@ -180,23 +181,20 @@ def test_cli_parses_a_gem5d_config(tmp_path: Path) -> None:
         subclass_mode_model=True,
         subclass_mode_data=True,
         run=False,
-        args=["--config", str(config), "--trainer.default_root_dir", str(tmp_path), "--trainer.logger", "false"],
+        args=["--config", str(config), "--trainer.logger", "false", *args],
     )
-    strategy = cli.trainer.strategy
+    return cli.trainer.strategy
+
+
+def test_cli_parses_a_gem5d_config(tmp_path: Path) -> None:
+    strategy = _strategy_from_cli("--trainer.default_root_dir", str(tmp_path))
     assert isinstance(strategy, GEM5DStrategy)
     assert strategy._sizes["sparse_group_size"] == 1
     assert strategy.table_constraints["item"] == TableConstraint(sharding_types=("row_wise", "table_wise"))
     assert not torch.distributed.is_initialized()  # building the Trainer starts no process group
     # the registered name alone takes every default
-    cli = GEMCLI(
-        LightningModule,
-        LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        run=False,
-        args=["--config", str(config), "--trainer.strategy", "gem5d", "--trainer.logger", "false"],
-    )
-    assert isinstance(cli.trainer.strategy, GEM5DStrategy) and cli.trainer.strategy._sizes["sparse_group_size"] is None
+    strategy = _strategy_from_cli("--trainer.default_root_dir", str(tmp_path), "--trainer.strategy", "gem5d")
+    assert isinstance(strategy, GEM5DStrategy) and strategy._sizes["sparse_group_size"] is None
 
 
 def test_tensor_parallel_groups_train_on_the_union_of_their_batches() -> None:
