@@ -70,7 +70,9 @@ def candidate_tiles(
         return [Tiles(32, 32, 4, 2)]
     edge = _block_tiles(block_size)
     if edge is not None and edge <= 64:
-        return [Tiles(edge, edge, 4, 2), Tiles(edge, edge, 4, 3)]
+        if kernel == "fwd":
+            return [Tiles(edge, edge, 4, 2), Tiles(edge, edge, 8, 2)]
+        return [Tiles(edge, edge, 8, 2), Tiles(edge, edge, 4, 2)]
     if edge is not None:
         return [Tiles(edge, 64, 8, 2), Tiles(edge, edge, 8, 2)] if kernel == "fwd" else [Tiles(64, edge, 8, 2)]
     short = length_bucket(max_len_q)
@@ -80,21 +82,23 @@ def candidate_tiles(
         if head_dim <= 64:
             return [Tiles(128, 64, 4, 3), Tiles(128, 128, 8, 3), Tiles(64, 64, 4, 3)]
         if head_dim <= 128:
-            return [Tiles(128, 64, 8, 3), Tiles(128, 128, 8, 2), Tiles(64, 64, 4, 3)]
+            return [Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 2), Tiles(128, 128, 8, 2)]
         return [Tiles(64, 64, 4, 2), Tiles(128, 32, 8, 2)]
+    # Backward tiles hold two fp32 accumulators (dK, dV) of BLOCK_N x D: at D = 128, 64-key tiles over 8
+    # warps keep them in registers, where 128-key tiles or 4 warps spill hundreds of bytes per thread.
     if kernel == "dkdv":
         if short <= 32:
-            return [Tiles(short, 128, 8, 2), Tiles(short, 64, 4, 2)]
+            return [Tiles(short, 64, 8, 2), Tiles(short, 64, 8, 3)]
         if head_dim <= 64:
-            return [Tiles(64, 128, 8, 2), Tiles(32, 128, 4, 3), Tiles(64, 64, 4, 3)]
+            return [Tiles(64, 64, 8, 2), Tiles(64, 64, 4, 3), Tiles(64, 128, 8, 2)]
         if head_dim <= 128:
-            return [Tiles(64, 128, 8, 2), Tiles(32, 128, 8, 2), Tiles(64, 64, 4, 2)]
-        return [Tiles(32, 64, 4, 2), Tiles(32, 128, 8, 1)]
+            return [Tiles(64, 64, 8, 2), Tiles(32, 64, 8, 2), Tiles(64, 64, 8, 3)]
+        return [Tiles(32, 64, 8, 2), Tiles(16, 64, 8, 2)]
     if short <= 64:
-        return [Tiles(short, 64, 4, 3), Tiles(short, 128, 8, 2)]
+        return [Tiles(short, 64, 4, 3), Tiles(short, 64, 8, 2)]
     if head_dim <= 128:
-        return [Tiles(128, 64, 8, 2), Tiles(64, 64, 4, 3), Tiles(128, 32, 4, 3)]
-    return [Tiles(64, 64, 4, 2), Tiles(64, 32, 4, 2)]
+        return [Tiles(128, 64, 8, 2), Tiles(128, 32, 8, 2), Tiles(64, 64, 8, 2)]
+    return [Tiles(64, 64, 8, 2), Tiles(64, 32, 4, 2)]
 
 
 def _can_time(tensors: tuple[torch.Tensor, ...]) -> bool:

@@ -199,8 +199,10 @@ def _gdpa_bwd_dkdv_kernel(
             ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
         )  # fmt: skip
 
-        if HAS_TARGETS:  # a target key t is seen by one query only: the target itself, row t of the segment
-            own = col_ok & (shift == 0) & (offs_n >= num_history)
+        # A target key t is seen by one query only: the target itself, row t of the segment. A run-time branch:
+        # only key tiles that hold targets pay for the row-wise tiles (registers) of this term.
+        if HAS_TARGETS and (shift == 0) & (n_start + BLOCK_N > num_history):
+            own = col_ok & (offs_n >= num_history)
             q_own_ND = _load_tile(q_base, offs_n, stride_qt, offs_d, own, HEAD_DIM, BLOCK_D, True).to(tl.float32)
             do_own_NDV = _load_tile(do_base, offs_n, stride_dot, offs_dv, own, HEAD_DIM_V, BLOCK_DV, True)
             do_own_NDV = do_own_NDV.to(tl.float32)
@@ -340,8 +342,8 @@ def _gdpa_bwd_dq_kernel(
         ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
     )  # fmt: skip
 
-    if HAS_TARGETS:  # a target query's own key: a row-wise product
-        own = row_ok & (shift == 0) & (offs_m >= num_history)
+    if HAS_TARGETS and (shift == 0) & (m_start + BLOCK_M > num_history):  # target rows' own key: row-wise products
+        own = row_ok & (offs_m >= num_history)
         k_own_MD = _load_tile(k_base, offs_m, stride_kt, offs_d, own, HEAD_DIM, BLOCK_D, True).to(tl.float32)
         v_own_MDV = _load_tile(v_base, offs_m, stride_vt, offs_dv, own, HEAD_DIM_V, BLOCK_DV, True).to(tl.float32)
         qk_M = tl.sum(q_MD.to(tl.float32) * k_own_MD, axis=1)

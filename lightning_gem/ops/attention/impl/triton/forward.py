@@ -125,8 +125,9 @@ def _gdpa_fwd_kernel(
     acc_MDV = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_M = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_M = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if HAS_TARGETS:
-        own = row_ok & (shift == 0) & (offs_m >= num_history)
+    # A run-time branch: only tiles that hold targets pay for the row-wise tiles (registers) of this term.
+    if HAS_TARGETS and (shift == 0) & (m_start + BLOCK_M > num_history):
+        own = row_ok & (offs_m >= num_history)
         k_own_MD = _load_tile(k_base, offs_m, stride_kt, offs_d, own, HEAD_DIM, BLOCK_D, True)
         v_own_MDV = _load_tile(v_base, offs_m, stride_vt, offs_dv, own, HEAD_DIM_V, BLOCK_DV, True).to(tl.float32)
         qk_own_M = tl.sum(q_MD.to(tl.float32) * k_own_MD.to(tl.float32), axis=1)
