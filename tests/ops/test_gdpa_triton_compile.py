@@ -1,0 +1,79 @@
+"""The GDPA kernels compile for Hopper (sm_90) on a machine without a GPU.
+
+The CPU tests run the kernels in Triton's interpreter, which executes them as Python and never sees
+Triton's code generator: a construct the compiler rejects (or ptxas fails on) would pass there. Here a
+subprocess with the interpreter off compiles a few specializations for ``sm_90`` through Triton's
+compiler and the ``ptxas`` its wheel ships (no GPU needed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+# Two specializations that between them turn on every mode flag, a head dim below its block (96 of 128),
+# int32 and int64 offsets, the fused (atomic dQ) and the deterministic backward.
+_COMPILE = r"""
+import inspect, json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from lightning_gem.ops.attention.impl.triton import backward, forward
+
+def compile_one(kernel, constexprs, offsets, num_warps, num_stages):
+    signature = {}
+    for name in inspect.signature(kernel.fn).parameters:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in ("LSE", "DELTA", "DQ"):
+            signature[name] = "*fp32"
+        elif name in ("Q_OFFSETS", "KV_OFFSETS", "KV_INDEX", "NUM_TARGETS", "SEG_OFFSETS", "SEG_ORDER"):
+            signature[name] = offsets
+        elif name.isupper():
+            signature[name] = "*bf16"
+        else:
+            signature[name] = "fp32" if name == "scale" else "i32"
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    return len(compiled.asm["cubin"])
+
+modes = [
+    (dict(ACTIVATION="softmax", CAUSAL=True, HAS_WINDOW=True, HAS_BLOCK=False, HAS_KV_INDEX=True,
+          HAS_TARGETS=False, HEAD_DIM=64, HEAD_DIM_V=64, BLOCK_D=64, BLOCK_DV=64), "*i32", (128, 64, 4, 3), True),
+    (dict(ACTIVATION="silu", CAUSAL=True, HAS_WINDOW=False, HAS_BLOCK=True, HAS_KV_INDEX=False,
+          HAS_TARGETS=True, HEAD_DIM=96, HEAD_DIM_V=96, BLOCK_D=128, BLOCK_DV=128), "*i64", (64, 64, 8, 2), False),
+]
+sizes = {}
+for flags, offsets, (bm, bn, warps, stages), fused in modes:
+    common = dict(flags, BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION="tf32", FAST=True)
+    name = flags["ACTIVATION"]
+    sizes[f"fwd {name}"] = compile_one(forward._gdpa_fwd_kernel, common, offsets, warps, stages)
+    sizes[f"dkdv {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(common, FUSED_DQ=fused), offsets,
+                                        warps, stages)
+    sizes[f"dq {name}"] = compile_one(backward._gdpa_bwd_dq_kernel, common, offsets, warps, stages)
+sizes["delta"] = compile_one(backward._bwd_delta_kernel, dict(HEAD_DIM_V=96, BLOCK_DV=128, BLOCK_T=64),
+                             "*i64", 4, 1)
+print(json.dumps(sizes))
+"""
+
+
+def test_kernels_compile_for_sm90() -> None:
+    pytest.importorskip("triton")
+    from triton.backends.nvidia.compiler import get_ptxas  # noqa: F401  (the CUDA backend is installed)
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "0",
+        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    sizes = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(sizes) == 7
+    assert all(size > 0 for size in sizes.values()), sizes
