@@ -1,5 +1,6 @@
-"""``GEM5DStrategy`` (``strategy="gem5d"``): a thin Lightning adapter over ``mesh.py``, ``sparse.py``,
-``dense.py`` and ``checkpoint_io.py``.
+"""``GEM5DStrategy`` (``strategy="gem5d"``): a thin Lightning adapter over plain functions: ``mesh.py``
+(layout), ``parallelize.py`` (over ``sparse.py`` and ``dense.py``), ``checkpoint_io.py``, ``recompute.py``
+(activation checkpointing), ``tp_batches.py`` and ``pipeline.py`` (the loaders).
 
 Example:
     >>> import lightning as L
@@ -40,6 +41,7 @@ from typing_extensions import override
 
 from . import checkpoint_io, dense, sparse
 from .mesh import MeshLayout, build_device_mesh, check_size, resolve_layout
+from .parallelize import ParallelModel, parallelize_model
 from .sparse import EmbeddingOptimizerConfig, EmbeddingOptimizerName, TableConstraint
 
 if TYPE_CHECKING:
@@ -163,17 +165,13 @@ class GEM5DStrategy(ParallelStrategy):
         self.activation_memory_budget = activation_memory_budget
         self.train_pipeline = bool(train_pipeline)
         self.weights_from = weights_from
-        self.prefetcher: Any = None
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self.num_nodes = 1  # set by the Trainer's `num_nodes`
         self.layout: MeshLayout | None = None
         self._meshes: tuple[DeviceMesh, DeviceMesh, DeviceMesh] | None = None
-        self.sparse_result: sparse.SparseShardingResult | None = None
-        self.embedding_optimizer: Any = None
+        self.parallel: ParallelModel | None = None
         self.activation_checkpoint_plan: Any = None
-        self._replicated_grads: dense.ReplicatedGradients | None = None
-        self._tensor_parallel_grads: dense.TensorParallelGradients | None = None
 
     # -- Lightning plumbing -----------------------------------------------------------------------
 
@@ -269,10 +267,10 @@ class GEM5DStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def parallelize(self, module: torch.nn.Module, trainer: pl.Trainer | None = None) -> None:
-        """Shard the embeddings (torchrec, 2D), move the rest to the device, apply activation checkpointing,
-        tensor parallelism and FSDP2, in that order (idempotent per module: run once, at setup)."""
-        layout = self.layout
-        assert layout is not None, "setup_environment must run first"
+        """Parallelize ``module`` in place (:func:`~lightning_gem.strategies.parallelize.parallelize_model`)."""
+        from lightning.fabric.utilities.apply_func import move_data_to_device
+
+        assert self.layout is not None, "setup_environment must run first"
         device = self.root_device
         optimizer = self._embedding_optimizer
         if self._embedding_lr is None:
@@ -280,52 +278,31 @@ class GEM5DStrategy(ParallelStrategy):
             if lr is None:
                 raise ValueError("GEM5DStrategy needs `embedding_lr` when the LightningModule has no `hparams.lr`")
             optimizer = EmbeddingOptimizerConfig(**{**asdict(optimizer), "lr": float(lr)})
-        self.sparse_result = sparse.shard_embeddings(
-            module, layout, self.sparse_mesh, device, optimizer, self.table_constraints, self.num_processes
-        )
-        module.to(device)
-        self.embedding_optimizer = sparse.fused_optimizer(module)
-        if self.train_pipeline and self.sparse_result.paths:
-            from lightning.fabric.utilities.apply_func import move_data_to_device
-
-            from .pipeline import SparseDistPrefetcher
-
-            self.prefetcher = SparseDistPrefetcher(
-                module, self.sparse_result.features, lambda batch: move_data_to_device(batch, device)
-            )
-        if self.activation_memory_budget is not None:
-            self._apply_activation_checkpointing(module, trainer)
-        head_local: list[str] = []
-        if layout.tensor_parallel > 1:
-            head_local = dense.apply_tensor_parallel(module, self.dense_mesh["tensor_parallel"])
-        # Gradients of the mean loss over the global batch: mean over the data-parallel ranks (sparse.py).
-        divide = float(layout.data_parallel)
-        dp_mesh = (
-            self.dense_mesh["dense_replicate", "dense_shard"]
-            if layout.dense_replicate > 1
-            else self.dense_mesh["dense_shard"]
-        )
-        units, replicated = dense.dense_units(module)
-        dense.apply_fsdp(
-            units,
-            dp_mesh,
+        budget = self.activation_memory_budget
+        self.parallel = parallelize_model(
+            module,
+            self.layout,
+            self.dense_mesh,
+            self.sparse_mesh,
+            device,
+            embedding_optimizer=optimizer,
+            table_constraints=self.table_constraints,
+            local_world_size=self.num_processes,
             reshard_after_forward=self.reshard_after_forward,
-            sum_reductions=self._process_group_backend == "gloo",
+            train_pipeline=self.train_pipeline,
+            move=lambda batch: move_data_to_device(batch, device),
+            before_dense=None if budget is None else lambda m: self._apply_activation_checkpointing(m, trainer),
         )
-        dp_group = self._data_parallel_group()
-        self._replicated_grads = dense.ReplicatedGradients([p for _, p in replicated], dp_group, divide)
-        self._tensor_parallel_grads = None
-        if head_local:  # resolved after fully_shard, which replaces the parameters
-            params = [module.get_parameter(name) for name in head_local]
-            tp_group = self.dense_mesh["tensor_parallel"].get_group()
-            self._tensor_parallel_grads = dense.TensorParallelGradients(params, tp_group)
 
-    def _data_parallel_group(self) -> dist.ProcessGroup | None:
-        layout = self.layout
-        assert layout is not None
-        if layout.tensor_parallel == 1:
-            return dist.group.WORLD
-        return self.dense_mesh["dense_replicate", "dense_shard"]._flatten("data_parallel").get_group()
+    @property
+    def embedding_optimizer(self) -> Any:
+        """torchrec's fused optimizer of the tables (after setup; None without tables)."""
+        return None if self.parallel is None else self.parallel.embedding_optimizer
+
+    @property
+    def prefetcher(self) -> Any:
+        """The train pipeline's prefetcher (after setup with ``train_pipeline=True``), else None."""
+        return None if self.parallel is None else self.parallel.prefetcher
 
     def _apply_activation_checkpointing(self, module: torch.nn.Module, trainer: pl.Trainer | None) -> None:
         """Plan checkpointing on the first training batch under ``activation_memory_budget`` and apply it."""
@@ -371,17 +348,17 @@ class GEM5DStrategy(ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        parallel = self.parallel
+        if parallel is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
         def closure_then_reduce() -> Any:
             out = closure()
-            if self._tensor_parallel_grads is not None:
-                self._tensor_parallel_grads()
-            if self._replicated_grads is not None:
-                self._replicated_grads()
+            parallel.reduce_gradients()
             return out
 
         out = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
-        if self.sparse_result is not None and self.sparse_result.replica_sync is not None:
-            self.sparse_result.replica_sync()
+        parallel.after_step()
         return out
 
     @override
@@ -437,12 +414,8 @@ class GEM5DStrategy(ParallelStrategy):
     # -- checkpoints ------------------------------------------------------------------------------
 
     def _checkpoint_meta(self) -> dict[str, Any]:
-        plan = self.sparse_result.plan if self.sparse_result is not None else None
-        assert self.layout is not None
-        return {
-            "layout": asdict(self.layout),
-            "plan": sparse.describe_plan(plan, self.layout.sparse_group_size) if plan is not None else {},
-        }
+        assert self.parallel is not None
+        return self.parallel.describe()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -486,10 +459,8 @@ class GEM5DStrategy(ParallelStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         meta = checkpoint_io.read_meta(path)
         saved = meta.get("gem5d", {})
-        same_plan = (
-            saved.get("layout") == self._checkpoint_meta()["layout"]
-            and saved.get("plan") == (self._checkpoint_meta()["plan"])
-        )
+        current = self._checkpoint_meta()
+        same_plan = saved.get("layout") == current["layout"] and saved.get("plan") == current["plan"]
         fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         optimizers = [_unwrap(o) for o in self.optimizers] if fitting else []
         return checkpoint_io.load(

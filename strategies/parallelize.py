@@ -1,0 +1,131 @@
+"""The 5D parallelization of a model, in one function over the meshes, knowing nothing of the Trainer.
+
+:func:`parallelize_model` shards the embeddings (``sparse.py``), moves the rest to the device, lets the
+caller checkpoint activations (``before_dense``), applies tensor parallelism and FSDP2 (``dense.py``),
+in that order, and returns :class:`ParallelModel`: what the training step needs afterwards (the fused
+embedding optimizer, the gradient reductions to run before each optimizer step, the replica sync to
+run after it, the prefetcher of the train pipeline).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import dense, sparse
+from .mesh import MeshLayout
+
+__all__ = ["ParallelModel", "parallelize_model"]
+
+
+@dataclass
+class ParallelModel:
+    """The state a parallelized model trains with (see :func:`parallelize_model`)."""
+
+    layout: MeshLayout
+    sparse: sparse.SparseShardingResult
+    embedding_optimizer: Any
+    """torchrec's combined fused optimizer of the tables (None without tables)."""
+    replicated_grads: dense.ReplicatedGradients
+    tensor_parallel_grads: dense.TensorParallelGradients | None
+    prefetcher: Any
+    """The train pipeline's :class:`~lightning_gem.strategies.pipeline.SparseDistPrefetcher`, or None."""
+
+    def reduce_gradients(self) -> None:
+        """After the last backward before an optimizer step: the gradients FSDP2 does not reduce."""
+        if self.tensor_parallel_grads is not None:
+            self.tensor_parallel_grads()
+        self.replicated_grads()
+
+    def after_step(self) -> None:
+        """After an optimizer step: average the embedding replicas (2D)."""
+        if self.sparse.replica_sync is not None:
+            self.sparse.replica_sync()
+
+    def describe(self) -> dict[str, Any]:
+        """The layout and the group-local embedding plan (checkpoint metadata: a resume needs the same)."""
+        from dataclasses import asdict
+
+        plan = self.sparse.plan
+        return {
+            "layout": asdict(self.layout),
+            "plan": sparse.describe_plan(plan, self.layout.sparse_group_size) if plan is not None else {},
+        }
+
+
+def parallelize_model(
+    module: nn.Module,
+    layout: MeshLayout,
+    dense_mesh: Any,
+    sparse_mesh: Any,
+    device: torch.device,
+    *,
+    embedding_optimizer: sparse.EmbeddingOptimizerConfig,
+    table_constraints: Mapping[str, sparse.TableConstraint] | None = None,
+    local_world_size: int | None = None,
+    reshard_after_forward: bool = True,
+    train_pipeline: bool = False,
+    move: Callable[[Any], Any] | None = None,
+    before_dense: Callable[[nn.Module], None] | None = None,
+) -> ParallelModel:
+    """Parallelize ``module`` in place over the meshes of ``layout`` (see ``mesh.py``).
+
+    Args:
+        module: the model, built (unsharded) on any device.
+        layout: the sizes; ``dense_mesh`` / ``sparse_mesh`` its views of the device mesh.
+        device: this rank's device.
+        embedding_optimizer: the fused optimizer of the tables.
+        table_constraints: per-table planner constraints.
+        local_world_size: ranks per machine (torchrec's node groups).
+        reshard_after_forward: FSDP2's ZeRO-3 (True) or ZeRO-2 (False).
+        train_pipeline: start each batch's embedding input all-to-all one batch ahead (needs ``move``).
+        move: moves a batch to ``device`` (the train pipeline's prefetch).
+        before_dense: called with the model once it is on the device with its tables sharded, before
+            tensor parallelism and FSDP2 (where activation checkpointing is applied).
+    """
+    sharded = sparse.shard_embeddings(
+        module, layout, sparse_mesh, device, embedding_optimizer, table_constraints, local_world_size
+    )
+    module.to(device)
+    prefetcher = None
+    if train_pipeline and sharded.paths:
+        from .pipeline import SparseDistPrefetcher
+
+        if move is None:
+            raise ValueError("`train_pipeline` needs `move` (a function moving a batch to the device)")
+        prefetcher = SparseDistPrefetcher(module, sharded.features, move)
+    if before_dense is not None:
+        before_dense(module)
+    head_local: list[str] = []
+    if layout.tensor_parallel > 1:
+        head_local = dense.apply_tensor_parallel(module, dense_mesh["tensor_parallel"])
+    # Gradients of the mean loss over the global batch: the mean over the data-parallel ranks (sparse.py).
+    dp_mesh = dense_mesh["dense_replicate", "dense_shard"] if layout.dense_replicate > 1 else dense_mesh["dense_shard"]
+    units, replicated = dense.dense_units(module)
+    dense.apply_fsdp(
+        units,
+        dp_mesh,
+        reshard_after_forward=reshard_after_forward,
+        sum_reductions=dist.get_backend() == "gloo",
+    )
+    if layout.tensor_parallel == 1:
+        dp_group = dist.group.WORLD
+    else:
+        dp_group = dense_mesh["dense_replicate", "dense_shard"]._flatten("data_parallel").get_group()
+    tensor_parallel_grads = None
+    if head_local:  # resolved after fully_shard, which replaces the parameters
+        params = [module.get_parameter(name) for name in head_local]
+        tensor_parallel_grads = dense.TensorParallelGradients(params, dense_mesh["tensor_parallel"].get_group())
+    return ParallelModel(
+        layout=layout,
+        sparse=sharded,
+        embedding_optimizer=sparse.fused_optimizer(module),
+        replicated_grads=dense.ReplicatedGradients([p for _, p in replicated], dp_group, float(layout.data_parallel)),
+        tensor_parallel_grads=tensor_parallel_grads,
+        prefetcher=prefetcher,
+    )
