@@ -7,10 +7,11 @@ Plain functions over a model and the sparse view of the mesh (see ``mesh.py`` fo
   placed data-parallel would be trained by the dense optimizer, which the strategy does not give it);
 * :func:`plan_sharding` - torchrec's planner for one sharding group, the same plan on every rank,
   re-addressed to this rank's group;
-* :func:`shard_embeddings` - shards every torchrec embedding module of a model in place: torchrec's
-  ``DMPCollection`` on CUDA when there are replicas, ``DistributedModelParallel`` over a
-  ``ShardingEnv2D`` otherwise (CPU/gloo, and a single group anywhere), with :class:`ReplicaSync`
-  keeping the replicas equal.
+* :func:`shard_embeddings` - shards every torchrec embedding module of a model in place with
+  ``DistributedModelParallel`` over a ``ShardingEnv2D`` (torchrec's 2D environment), on every device,
+  with :class:`ReplicaSync` keeping the replicas equal: the layout and the weight + optimizer-state
+  average of torchrec's ``DMPCollection`` (default strategy), which itself runs on CUDA only. Its
+  ``FULLY_SHARDED`` mode (replicas sharded too, gathered per step) is not offered.
 
 Gradient convention: every rank's loss is its batch mean. torchrec divides the embedding gradients
 arriving through its all-to-all by the sharding group size (``comm_ops`` gradient division, on by
