@@ -180,24 +180,19 @@ def _gdpa_bwd_dkdv_kernel(
             n_start, n_start + BLOCK_N, len_q, shift, num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
         )
         a, b = _stages(i_lo, i_hi, full_lo, full_hi, BLOCK_M)
-        dk_ND, dv_NDV = _dkdv_query_blocks(
-            dk_ND, dv_NDV, k_ND, v_NDV, offs_n, q_base, do_base, lse_base, delta_base, dq_base,
-            stride_qt, stride_dot, stride_dqt, i_lo, a, i_hi, shift, num_history, window, block_size,
-            qk_scale, scale, inv_len_k, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, FUSED_DQ,
-            ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
-        )  # fmt: skip
-        dk_ND, dv_NDV = _dkdv_query_blocks(
-            dk_ND, dv_NDV, k_ND, v_NDV, offs_n, q_base, do_base, lse_base, delta_base, dq_base,
-            stride_qt, stride_dot, stride_dqt, a, b, i_hi, shift, num_history, window, block_size,
-            qk_scale, scale, inv_len_k, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, False, FUSED_DQ,
-            ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
-        )  # fmt: skip
-        dk_ND, dv_NDV = _dkdv_query_blocks(
-            dk_ND, dv_NDV, k_ND, v_NDV, offs_n, q_base, do_base, lse_base, delta_base, dq_base,
-            stride_qt, stride_dot, stride_dqt, b, i_hi, i_hi, shift, num_history, window, block_size,
-            qk_scale, scale, inv_len_k, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, True, FUSED_DQ,
-            ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
-        )  # fmt: skip
+        for stage in tl.static_range(3):  # masked edge, unmasked inside, masked edge
+            if stage == 0:
+                m_lo, m_hi = i_lo, a
+            elif stage == 1:
+                m_lo, m_hi = a, b
+            else:
+                m_lo, m_hi = b, i_hi
+            dk_ND, dv_NDV = _dkdv_query_blocks(
+                dk_ND, dv_NDV, k_ND, v_NDV, offs_n, q_base, do_base, lse_base, delta_base, dq_base,
+                stride_qt, stride_dot, stride_dqt, m_lo, m_hi, i_hi, shift, num_history, window, block_size,
+                qk_scale, scale, inv_len_k, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, stage != 1, FUSED_DQ,
+                ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
+            )  # fmt: skip
 
         # A target key t is seen by one query only: the target itself, row t of the segment. A run-time branch:
         # only key tiles that hold targets pay for the row-wise tiles (registers) of this term.
@@ -323,24 +318,19 @@ def _gdpa_bwd_dq_kernel(
         _position(last_row, shift, num_history), num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
     )
     full_lo, full_hi = _stages(lo, hi, lo_last, hi_first, BLOCK_N)
-    dq_MD = _dq_key_blocks(
-        dq_MD, q_MD, do_MDV, lse_M, delta_M, k_base, v_base, stride_kt, stride_vt, lo, full_lo, hi, pos_m, row_ok,
-        qk_scale, scale, inv_len_k, num_history, window, block_size,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
-        ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
-    )  # fmt: skip
-    dq_MD = _dq_key_blocks(
-        dq_MD, q_MD, do_MDV, lse_M, delta_M, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, hi, pos_m,
-        row_ok, qk_scale, scale, inv_len_k, num_history, window, block_size,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False,
-        ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
-    )  # fmt: skip
-    dq_MD = _dq_key_blocks(
-        dq_MD, q_MD, do_MDV, lse_M, delta_M, k_base, v_base, stride_kt, stride_vt, full_hi, hi, hi, pos_m, row_ok,
-        qk_scale, scale, inv_len_k, num_history, window, block_size,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
-        ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
-    )  # fmt: skip
+    for stage in tl.static_range(3):  # masked edge, unmasked inside, masked edge
+        if stage == 0:
+            n_lo, n_hi = lo, full_lo
+        elif stage == 1:
+            n_lo, n_hi = full_lo, full_hi
+        else:
+            n_lo, n_hi = full_hi, hi
+        dq_MD = _dq_key_blocks(
+            dq_MD, q_MD, do_MDV, lse_M, delta_M, k_base, v_base, stride_kt, stride_vt, n_lo, n_hi, hi, pos_m, row_ok,
+            qk_scale, scale, inv_len_k, num_history, window, block_size,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1,
+            ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
+        )  # fmt: skip
 
     if HAS_TARGETS and (shift == 0) & (m_start + BLOCK_M > num_history):  # target rows' own key: row-wise products
         own = row_ok & (offs_m >= num_history)

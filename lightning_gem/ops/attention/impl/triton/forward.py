@@ -149,24 +149,19 @@ def _gdpa_fwd_kernel(
         _position(last_row, shift, num_history), num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
     )
     full_lo, full_hi = _stages(lo, hi, lo_last, hi_first, BLOCK_N)
-    acc_MDV, m_M, l_M = _fwd_key_blocks(
-        acc_MDV, m_M, l_M, q_MD, k_base, v_base, stride_kt, stride_vt, lo, full_lo, hi, pos_m, row_ok,
-        qk_scale, scale, num_history, window, block_size,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
-        ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
-    )  # fmt: skip
-    acc_MDV, m_M, l_M = _fwd_key_blocks(
-        acc_MDV, m_M, l_M, q_MD, k_base, v_base, stride_kt, stride_vt, full_lo, full_hi, hi, pos_m, row_ok,
-        qk_scale, scale, num_history, window, block_size,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, False,
-        ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
-    )  # fmt: skip
-    acc_MDV, m_M, l_M = _fwd_key_blocks(
-        acc_MDV, m_M, l_M, q_MD, k_base, v_base, stride_kt, stride_vt, full_hi, hi, hi, pos_m, row_ok,
-        qk_scale, scale, num_history, window, block_size,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
-        ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
-    )  # fmt: skip
+    for stage in tl.static_range(3):  # masked edge, unmasked inside, masked edge
+        if stage == 0:
+            n_lo, n_hi = lo, full_lo
+        elif stage == 1:
+            n_lo, n_hi = full_lo, full_hi
+        else:
+            n_lo, n_hi = full_hi, hi
+        acc_MDV, m_M, l_M = _fwd_key_blocks(
+            acc_MDV, m_M, l_M, q_MD, k_base, v_base, stride_kt, stride_vt, n_lo, n_hi, hi, pos_m, row_ok,
+            qk_scale, scale, num_history, window, block_size,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1,
+            ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
+        )  # fmt: skip
 
     if ACTIVATION == "softmax":
         has_key = l_M > 0.0
