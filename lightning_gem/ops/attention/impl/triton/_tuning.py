@@ -6,7 +6,8 @@ new longest sequence neither recompiles nor retunes unless it crosses a power of
 
 The tuner times candidates on the call's own inputs (CUDA events, after one compiling run), only for real CUDA
 tensors outside tracing and graph capture; elsewhere, and before a key is tuned, the first candidate runs
-(the shape the H200 sweep ranked first). ``LIGHTNING_GEM_GDPA_TUNE=0`` in the environment turns timing off.
+(a best guess: for the backward, the shape that spills fewest registers when compiled for sm_90).
+``LIGHTNING_GEM_GDPA_TUNE=0`` in the environment turns timing off.
 """
 
 from __future__ import annotations
