@@ -60,8 +60,11 @@ class GEM5DStrategy(ParallelStrategy):
     sharded by torchrec's planner inside sharding groups of ``sparse_group_size`` ranks and replicated
     across groups; they are trained by a fused optimizer inside the backward. The rest of the model
     trains with the LightningModule's optimizer under FSDP2 (HSDP when ``dense_replicate_size > 1``)
-    and optionally tensor parallelism over the plans the components declare. Every rank trains on its
-    own batch; gradients are those of the mean loss over the global batch.
+    and optionally tensor parallelism over the plans the components declare. Every rank (every
+    tensor-parallel group) trains on its own batch; gradients are those of the mean of the ranks' losses,
+    which is the loss of one process on the whole global batch when the ranks' batches weigh the same
+    (as the tests check). Gradient clipping covers the dense parameters (the tables are updated inside
+    the backward).
 
     Rank layout (``W`` ranks; details and an example in :mod:`lightning_gem.strategies.mesh`):
     ``rank = (replicate * dense_shard + shard) * tensor_parallel + tp`` on the dense axes, and
