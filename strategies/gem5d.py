@@ -209,6 +209,11 @@ class GEM5DStrategy(ParallelStrategy):
         return self._meshes
 
     @property
+    def is_distributed(self) -> bool:
+        """Lightning gives the evaluation loaders a ``DistributedSampler`` (each rank its share) when True."""
+        return True
+
+    @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.world_size, "rank": self.global_rank}

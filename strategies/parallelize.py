@@ -22,6 +22,8 @@ from .mesh import MeshLayout
 
 __all__ = ["ParallelModel", "parallelize_model"]
 
+_ATTRIBUTE = "_gem5d_parallel"  # on the model: what parallelize_model did to it
+
 
 @dataclass
 class ParallelModel:
@@ -87,7 +89,20 @@ def parallelize_model(
         move: moves a batch to ``device`` (the train pipeline's prefetch).
         before_dense: called with the model once it is on the device with its tables sharded, before
             tensor parallelism and FSDP2 (where activation checkpointing is applied).
+
+    A model is parallelized once: called again on it (``Trainer.test`` after ``fit``), this returns what
+    the first call did, and raises ``ValueError`` if ``layout`` differs.
     """
+    existing = getattr(module, _ATTRIBUTE, None)
+    if existing is not None:  # Trainer.test/validate after fit, or a second fit: parallelized already
+        if existing.layout != layout:
+            raise ValueError(
+                f"this model is parallelized for {existing.layout.describe()}; a model is parallelized once, so "
+                f"for {layout.describe()} build a new one (GEM5DStrategy(weights_from=...) carries its weights)"
+            )
+        if existing.prefetcher is not None:
+            existing.prefetcher.install()
+        return existing
     sharded = sparse.shard_embeddings(
         module, layout, sparse_mesh, device, embedding_optimizer, table_constraints, local_world_size
     )
@@ -121,7 +136,7 @@ def parallelize_model(
     if head_local:  # resolved after fully_shard, which replaces the parameters
         params = [module.get_parameter(name) for name in head_local]
         tensor_parallel_grads = dense.TensorParallelGradients(params, dense_mesh["tensor_parallel"].get_group())
-    return ParallelModel(
+    parallel = ParallelModel(
         layout=layout,
         sparse=sharded,
         embedding_optimizer=sparse.fused_optimizer(module),
@@ -129,3 +144,5 @@ def parallelize_model(
         tensor_parallel_grads=tensor_parallel_grads,
         prefetcher=prefetcher,
     )
+    setattr(module, _ATTRIBUTE, parallel)
+    return parallel

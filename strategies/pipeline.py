@@ -87,6 +87,10 @@ class SparseDistPrefetcher:
         }
         self.hits = 0
         """Forwards served by a started input_dist (for tests and logs)."""
+        self.install()
+
+    def install(self) -> None:
+        """Route the sharded modules' forward through the prefetched input_dists (idempotent)."""
         for name, sharded in self.modules.items():
             sharded.forward = self._forward_of(name, sharded)  # instance attribute: the class is untouched
 

@@ -101,6 +101,7 @@ def fit_gem(
     ckpt_path: str | None = None,
     dense_optimizer: str = "sgd",
     trainer_kwargs: dict[str, Any] | None = None,
+    then_test: bool = False,
 ) -> dict[str, Any]:
     """Train the GEM example ``steps`` steps on ``world_size`` ranks; the losses and a checksum of the weights."""
     import lightning as L
@@ -137,6 +138,7 @@ def fit_gem(
         **(trainer_kwargs or {}),
     )
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    tested = trainer.test(model, datamodule=data, verbose=False) if then_test else None
     from lightning_gem.strategies.checkpointing import checkpointed_modules
 
     return {
@@ -144,6 +146,7 @@ def fit_gem(
         "weights": full_weights(model),
         "checkpointed": sorted(checkpointed_modules(model)),
         "prefetched": getattr(trainer.strategy.prefetcher, "hits", None),
+        "tested": tested,
     }
 
 

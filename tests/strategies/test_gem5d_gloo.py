@@ -10,6 +10,7 @@ whole batch for SGD only (with Adam it is torchrec's 2D approximation).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import numpy as np
@@ -147,7 +148,8 @@ def _load_elsewhere(rank: int, world_size: int, path: str) -> dict[str, Any]:
     weights = validate_gem(world_size, {"sparse_group_size": 1}, ckpt_path=path, batch_size=GLOBAL_BATCH // 4)
     # a new run (no training step) starting from the weights, with tensor parallelism
     layout = {"weights_from": path, "tensor_parallel_size": 2, "embedding_optimizer": "sgd"}
-    started = fit_gem(world_size, layout, steps=0, global_batch=GLOBAL_BATCH)["weights"]
+    started = fit_gem(world_size, layout, steps=0, global_batch=GLOBAL_BATCH, then_test=True)
+    assert 0.0 <= started["tested"][0]["test/auc_ctr"] <= 1.0  # the test loader, merged per tensor-parallel group
     try:
         # the saved per-rank batch (2) on 2 ranks, sharded over both: another embedding plan
         layout = CKPT_LAYOUT | {"sparse_group_size": 2}
@@ -156,7 +158,7 @@ def _load_elsewhere(rank: int, world_size: int, path: str) -> dict[str, Any]:
         error = str(err)
     else:
         error = "no error"
-    return {"weights": weights, "started": started, "error": error} if rank == 0 else {}
+    return {"weights": weights, "started": started["weights"], "error": error} if rank == 0 else {}
 
 
 def test_checkpoint_resumes_exactly_and_loads_at_another_world_size(tmp_path) -> None:
@@ -179,8 +181,12 @@ def test_checkpoint_resumes_exactly_and_loads_at_another_world_size(tmp_path) ->
 def _pipeline_across_epochs(rank: int, world_size: int, steps: int) -> dict[str, Any]:
     layout = {"embedding_optimizer": "rowwise_adagrad"}
     plain = fit_gem(world_size, layout, steps=steps, global_batch=GLOBAL_BATCH)
-    piped = fit_gem(world_size, layout | {"train_pipeline": True}, steps=steps, global_batch=GLOBAL_BATCH)
-    return {"plain": plain["losses"], "piped": piped["losses"], "hits": piped["prefetched"]} if rank == 0 else {}
+    # then Trainer.test on the same Trainer: the parallelized model is reused, the pipeline serves the test too
+    piped = fit_gem(
+        world_size, layout | {"train_pipeline": True}, steps=steps, global_batch=GLOBAL_BATCH, then_test=True
+    )
+    out = {"plain": plain["losses"], "piped": piped["losses"], "hits": piped["prefetched"], "tested": piped["tested"]}
+    return out if rank == 0 else {}
 
 
 def test_train_pipeline_loses_no_batch_at_epoch_ends() -> None:
@@ -189,7 +195,10 @@ def test_train_pipeline_loses_no_batch_at_epoch_ends() -> None:
     out = run_ranks(_pipeline_across_epochs, 2, steps)[0]
     assert len(out["piped"]) == steps
     np.testing.assert_allclose(out["piped"], out["plain"], rtol=1e-6)
-    assert out["hits"] == 2 * steps  # both embedding modules, every step, the last batch of each epoch included
+    test_batches = math.ceil(8 / 2 / (GLOBAL_BATCH // 2))  # 8 test users shared by 2 ranks, batches of 4
+    # both embedding modules at every step, the last batch of each epoch included, then every test batch
+    assert out["hits"] == 2 * steps + 2 * test_batches
+    assert 0.0 <= out["tested"][0]["test/auc_ctr"] <= 1.0
 
 
 def test_cli_fits_the_gem5d_config_on_two_processes(tmp_path) -> None:
