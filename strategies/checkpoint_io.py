@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["LayoutMismatchError", "is_distributed_checkpoint", "load", "save"]
+__all__ = ["LayoutMismatchError", "consolidate", "is_distributed_checkpoint", "load", "save"]
 
 META_FILENAME = "meta.pt"
 _MODEL, _EMBEDDING_OPTIMIZER = "model", "embedding_optimizer"
@@ -140,6 +140,37 @@ def load(
     if optimizers and embedding_optimizer is not None:
         embedding_optimizer.load_state_dict(state[_EMBEDDING_OPTIMIZER])
     return meta
+
+
+def consolidate(path: str | Path, out: str | Path | None = None) -> dict[str, Any]:
+    """The checkpoint as one ordinary Lightning checkpoint (full tensors, no process group needed).
+
+    Its ``state_dict`` holds the full model weights under the names of the unsharded model (torchrec
+    tables and FSDP2/tensor-parallel parameters keep their module paths), so
+    ``LightningModule.load_from_checkpoint`` rebuilds the model in a single process for evaluation or
+    export. Optimizer states are left out. Written to ``out`` with ``torch.save`` when given.
+
+    Example:
+        >>> from lightning_gem.components import GEMRanker  # doctest: +SKIP
+        >>> consolidate("epoch=0-step=6.ckpt", "model.ckpt")  # doctest: +SKIP
+        >>> model = GEMRanker.load_from_checkpoint("model.ckpt")  # doctest: +SKIP
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    checkpoint = {k: v for k, v in read_meta(path).items() if k != "gem5d"}
+    prefix = f"{_MODEL}."
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    model = {
+        key[len(prefix) :]: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in stored.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+    dcp.load({_MODEL: model}, checkpoint_id=Path(path), no_dist=True)
+    checkpoint["state_dict"] = model
+    if out is not None:
+        torch.save(checkpoint, out)
+    return checkpoint
 
 
 def remove(path: str | Path) -> None:

@@ -177,6 +177,17 @@ def test_checkpoint_resumes_exactly_and_loads_at_another_world_size(tmp_path) ->
         np.testing.assert_allclose(elsewhere["started"][name], value, atol=0, err_msg=name)
     assert "torchrec cannot reshard optimizer state" in elsewhere["error"]
 
+    # one ordinary Lightning checkpoint that the plain model loads in this (single, process-group-free) process
+    from gem_workloads import make_model
+    from lightning_gem.strategies.checkpoint_io import consolidate
+
+    consolidate(tmp_path / "step=6.ckpt", tmp_path / "model.ckpt")
+    plain = type(make_model(None, "adamw")).load_from_checkpoint(tmp_path / "model.ckpt", map_location="cpu")
+    state = plain.state_dict()
+    assert sorted(state) == sorted(straight["weights"])
+    for name, value in straight["weights"].items():
+        np.testing.assert_array_equal(state[name].numpy(), value, err_msg=name)
+
 
 def _pipeline_across_epochs(rank: int, world_size: int, steps: int) -> dict[str, Any]:
     layout = {"embedding_optimizer": "rowwise_adagrad"}
