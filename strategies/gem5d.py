@@ -281,7 +281,7 @@ class GEM5DStrategy(ParallelStrategy):
         assert self.layout is not None, "setup_environment must run first"
         device = self.root_device
         optimizer = self._embedding_optimizer
-        if self._embedding_lr is None:
+        if self._embedding_lr is None and sparse.embedding_module_paths(module):
             lr = getattr(getattr(module, "hparams", {}), "get", lambda *_: None)("lr")
             if lr is None:
                 raise ValueError("GEM5DStrategy needs `embedding_lr` when the LightningModule has no `hparams.lr`")

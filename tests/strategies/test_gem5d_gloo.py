@@ -237,3 +237,39 @@ def test_cli_fits_the_gem5d_config_on_two_processes(tmp_path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     (checkpoint,) = tmp_path.rglob("*.ckpt")
     assert (checkpoint / "meta.pt").is_file() and len(list(checkpoint.glob("*.distcp"))) == 2
+
+
+def _dense_only(rank: int, world_size: int) -> list[float]:
+    import lightning as L
+    import torch
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning_gem.strategies import GEM5DStrategy
+
+    class Recorded(BoringModel):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            out = super().training_step(batch, batch_idx)
+            self.seen.append(float(out["loss"]))
+            return out
+
+    L.seed_everything(0, verbose=False)
+    model = Recorded()
+    model.seen = []
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy="gem5d",
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=1,
+    )
+    trainer.fit(model)
+    assert isinstance(trainer.strategy, GEM5DStrategy) and trainer.strategy.embedding_optimizer is None
+    assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())  # FSDP2 on the whole model
+    return model.seen
+
+
+def test_a_model_without_embedding_tables_trains_under_fsdp2() -> None:
+    losses = run_ranks(_dense_only, 2)
+    assert len(losses[0]) == 3 and all(np.isfinite(losses[0] + losses[1]))
