@@ -61,7 +61,7 @@ class HSTULayer(nn.Module):
         dropout: dropout on the layer's output before the residual.
         norm: ``"rms"`` or ``"layer"`` for the input and attention-output norms.
         per_head_norm: normalise the attention output per head (see above).
-        attention_impl: GDPA ``impl`` (``"auto"``, ``"reference"``, ``"triton"``).
+        attention_impl: GDPA ``impl`` (``"auto"``, ``"reference"``, ``"triton"``, or the ``"padded"`` baseline).
 
     Shapes:
         x: ``[T, dim]``; offsets: ``[B + 1]``; num_targets: ``[B]`` or None. Output ``[T, dim]``.

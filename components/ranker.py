@@ -141,7 +141,7 @@ class GEMRanker(L.LightningModule):
         weight_decay: AdamW weight decay of the Linear weights (see :func:`adamw_param_groups`).
         loss_reduction: combine the per-task mean BCE losses by ``"sum"`` or ``"mean"``.
         embedding_init_scale: embedding rows uniform in ``[-s, s]``; None: torchrec's default.
-        attention_impl: GDPA ``impl`` (``"auto"``, ``"reference"``, ``"triton"``).
+        attention_impl: GDPA ``impl`` (``"auto"``, ``"reference"``, ``"triton"``, or the ``"padded"`` baseline).
 
     Example:
         >>> from lightning_gem.data.schema import RankingSchema, SparseFeature

@@ -16,7 +16,7 @@ from lightning_gem.ops.attention.impl.reference import ACTIVATIONS
 
 __all__ = ["IMPLS", "block_attention", "gdpa", "hstu_attention", "jagged_flash_attention", "resolve_impl"]
 
-IMPLS = ("auto", "reference", "triton")
+IMPLS = ("auto", "reference", "triton", "padded")
 
 
 def gdpa(
@@ -88,7 +88,9 @@ def gdpa(
             hints to size grids without a device sync); checked when ``check_offsets``.
         impl: ``"reference"`` (pure PyTorch), ``"triton"`` (kernels: CUDA, or CPU under
             ``TRITON_INTERPRET=1``; fp16/bf16/fp32), or ``"auto"`` (Triton on CUDA sm_80+ for those dtypes,
-            else the reference). A named impl never falls back: it raises if it cannot run.
+            else the reference). ``"padded"``: the baseline a model without jagged kernels runs (padded
+            ``[B, H, Lmax, D]`` tensors, a dense mask, SDPA or eager pointwise; memory ``B * Lmax**2``),
+            kept to measure the kit against. A named impl never falls back: it raises if it cannot run.
         check_offsets: validate offsets, indices and targets by reading their values (a device sync).
             Pass False only for offsets already validated upstream. Skipped under ``torch.compile``.
         deterministic: bitwise reproducible gradients. The Triton backward then computes dQ in a kernel of
@@ -144,7 +146,27 @@ def gdpa(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
 
-    if resolve_impl(impl, q) == "triton":
+    resolved = resolve_impl(impl, q)
+    if resolved == "padded":
+        from lightning_gem.ops.attention.impl.padded import gdpa_padded
+
+        return gdpa_padded(
+            q,
+            k,
+            v,
+            q_offsets,
+            kv_offsets,
+            kv_index,
+            num_targets,
+            activation=activation,
+            causal=causal,
+            window=window,
+            block_size=block_size,
+            scale=float(scale),
+            max_seq_len_q=max_seq_len_q,
+            max_seq_len_kv=max_seq_len_kv,
+        )
+    if resolved == "triton":
         from lightning_gem.ops.attention.impl.triton import gdpa_triton
 
         return gdpa_triton(
@@ -185,7 +207,7 @@ def gdpa(
 
 
 def resolve_impl(impl: str, q: Tensor) -> str:
-    """The implementation ``impl`` names for inputs like ``q``: ``"reference"`` or ``"triton"``."""
+    """The implementation ``impl`` names for inputs like ``q``: ``"reference"``, ``"triton"`` or ``"padded"``."""
     if impl not in IMPLS:
         raise ValueError(f"`impl` must be one of {IMPLS}, got {impl!r}")
     if impl != "auto":

@@ -1,0 +1,99 @@
+"""GDPA on padded tensors: what a model without jagged kernels does, kept as the baseline the kit is measured against.
+
+The jagged batch is padded to ``[B, H, Lmax, D]`` (each query segment gets its own copy of its kv
+segment, also when candidates share a history), the allowed pairs become a dense ``[B, 1, Lq, Lk]``
+mask, and attention is ``torch.nn.functional.scaled_dot_product_attention`` (softmax) or
+``mask * act(scale Q K^T) / Lk @ V`` in eager PyTorch (pointwise activations, which SDPA lacks).
+Plain causal self-attention without targets takes SDPA's ``is_causal`` path (FlashAttention on a GPU):
+padding sits after each sequence, so real queries never see it.
+
+Memory and FLOPs grow with ``B * Lmax**2``, not with the sum of the segments' squares: that is the
+point of comparison, not a recommended path. Autograd differentiates it; it runs wherever PyTorch
+does, in the inputs' dtype (SDPA and matmuls accumulate in fp32 on GPUs).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_gem.ops.attention.impl.reference import POINTWISE
+from lightning_gem.ops.attention.masks import allowed_mask
+
+__all__ = ["gdpa_padded"]
+
+
+def _pad_rows(x: Tensor, starts: Tensor, lengths: Tensor, max_len: int) -> tuple[Tensor, Tensor]:
+    """Rows ``[starts[b], starts[b] + lengths[b])`` of ``x [T, H, D]`` as ``[B, H, max_len, D]`` (zeros past
+    each length), and the ``[B, max_len]`` validity mask."""
+    pos = torch.arange(max_len, device=x.device)
+    valid = pos[None, :] < lengths[:, None]
+    index = (starts[:, None] + pos).clamp_max(max(x.shape[0] - 1, 0))
+    padded = x[index] * valid[:, :, None, None].to(x.dtype)  # [B, L, H, D]
+    return padded.transpose(1, 2), valid
+
+
+def gdpa_padded(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_offsets: Tensor,
+    kv_offsets: Tensor,
+    kv_index: Tensor | None,
+    num_targets: Tensor | None,
+    *,
+    activation: str,
+    causal: bool,
+    window: int | None,
+    block_size: int | None,
+    scale: float,
+    max_seq_len_q: int | None = None,
+    max_seq_len_kv: int | None = None,
+) -> Tensor:
+    """GDPA forward on validated inputs by padding (see :func:`lightning_gem.ops.gdpa` for the contract).
+
+    Shapes as :func:`~lightning_gem.ops.attention.impl.reference.gdpa_reference`; ``max_seq_len_q`` /
+    ``max_seq_len_kv`` are the padded lengths (read from the offsets, a device sync, when omitted).
+    """
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+    q_offsets, kv_offsets = q_offsets.to(torch.int64), kv_offsets.to(torch.int64)
+    len_q = q_offsets[1:] - q_offsets[:-1]
+    kv_seg = torch.arange(len_q.numel(), device=q.device) if kv_index is None else kv_index.to(torch.int64)
+    k_start, len_k = kv_offsets[:-1][kv_seg], (kv_offsets[1:] - kv_offsets[:-1])[kv_seg]
+    max_q = int(len_q.max()) if max_seq_len_q is None else max_seq_len_q
+    max_k = int(len_k.max()) if max_seq_len_kv is None else max_seq_len_kv
+    if max_q == 0 or max_k == 0:
+        return q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+    q_BHLD, q_valid = _pad_rows(q, q_offsets[:-1], len_q, max_q)
+    k_BHLD, _ = _pad_rows(k, k_start, len_k, max_k)
+    v_BHLD, _ = _pad_rows(v, k_start, len_k, max_k)
+
+    plain_causal = causal and kv_index is None and num_targets is None and window is None and block_size is None
+    if activation == "softmax" and plain_causal and max_q == max_k and torch.equal(q_offsets, kv_offsets):
+        out = F.scaled_dot_product_attention(q_BHLD, k_BHLD, v_BHLD, is_causal=True, scale=scale)
+    else:
+        num_history = len_k if num_targets is None else len_k - num_targets.to(torch.int64)
+        pos_q, pos_k = torch.arange(max_q, device=q.device), torch.arange(max_k, device=q.device)
+        mask = allowed_mask(
+            pos_q[None, :, None],
+            pos_k[None, None, :],
+            len_q[:, None, None],
+            len_k[:, None, None],
+            num_history[:, None, None],
+            causal=causal,
+            window=window,
+            block_size=block_size,
+        )[:, None]  # [B, 1, Lq, Lk]
+        if activation == "softmax":
+            # A query that sees no key (an empty history, padding) would be NaN in SDPA: let it see
+            # everything, then zero it.
+            empty = ~mask.any(dim=-1, keepdim=True)
+            out = F.scaled_dot_product_attention(q_BHLD, k_BHLD, v_BHLD, attn_mask=mask | empty, scale=scale)
+            out = out.masked_fill(empty, 0.0)
+        else:
+            scores = torch.matmul(q_BHLD, k_BHLD.transpose(-1, -2)) * scale
+            weights = torch.where(mask, POINTWISE[activation][0](scores), torch.zeros_like(scores))
+            out = torch.matmul(weights, v_BHLD) / len_k.clamp_min(1).to(q.dtype)[:, None, None, None]
+    return out.transpose(1, 2)[q_valid]  # [Tq, H, Dv]: the valid rows, in segment order
