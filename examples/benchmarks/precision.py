@@ -200,6 +200,7 @@ def _student(dim: int, hidden: int, depth: int, device: str) -> nn.Module:
 def quality(steps: int, device: str, recipes: list[str], dim: int = 512, batch: int = 2048) -> list[dict]:
     """Final held-out MSE of the same student trained per recipe (bf16 autocast around every run)."""
     generator = torch.Generator(device=device).manual_seed(0)
+    torch.manual_seed(0)  # the teacher, independent of what ran before
     teacher = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, 8)).to(device)
     for p in teacher.parameters():
         p.requires_grad_(False)
