@@ -86,32 +86,45 @@ def _quantize_kernel(
             exponent = _shared_exponent(amax_bits, RCEIL)
             q = _to_e4m3(x, exponent, nonfinite, not RCEIL, EXACT)
             tl.store(S + pid_r * stride_s_r + pid_c * stride_s_c, _scale_value(exponent, nonfinite, MX))
-        elif GIVEN_EXP:
-            exponent = tl.load(ROW_EXP + rows, mask=rows < num_rows, other=0)
-            nonfinite = exponent == 128
-            q = _to_e4m3(x, exponent[:, None], nonfinite[:, None], not RCEIL, EXACT)
         else:
-            q, exponent, nonfinite = _quantize_rows(x, TILE_R, TILE_C, BLOCK, RCEIL, EXACT)
-            blocks = pid_c * (TILE_C // BLOCK) + tl.arange(0, TILE_C // BLOCK)
-            scale_mask = (rows < num_rows)[:, None] & (blocks < num_cols // BLOCK)[None, :]
-            scale_ptrs = S + rows[:, None] * stride_s_r + blocks[None, :] * stride_s_c
-            tl.store(scale_ptrs, _scale_value(exponent, nonfinite, MX), mask=scale_mask)
+            q = _quantize_lines(
+                x, rows, pid_c, num_rows, num_cols // BLOCK, ROW_EXP, S, stride_s_r, stride_s_c,
+                TILE_R, TILE_C, BLOCK, GIVEN_EXP, MX, RCEIL, EXACT,
+            )  # fmt: skip
         tl.store(Q + rows[:, None] * num_cols + cols[None, :], q, mask=in_bounds)
 
     if COLS:
         xt = tl.trans(x)  # [TILE_C, TILE_R]: the tile's columns become rows of the transposed layout
-        if GIVEN_EXP:
-            exponent = tl.load(COL_EXP + cols, mask=cols < num_cols, other=0)
-            nonfinite = exponent == 128
-            qt = _to_e4m3(xt, exponent[:, None], nonfinite[:, None], not RCEIL, EXACT)
-        else:
-            qt, exponent, nonfinite = _quantize_rows(xt, TILE_C, TILE_R, BLOCK, RCEIL, EXACT)
-            blocks = pid_r * (TILE_R // BLOCK) + tl.arange(0, TILE_R // BLOCK)
-            scale_mask = (cols < num_cols)[:, None] & (blocks < padded_rows // BLOCK)[None, :]
-            scale_ptrs = ST + cols[:, None] * stride_st_c + blocks[None, :] * stride_st_r
-            tl.store(scale_ptrs, _scale_value(exponent, nonfinite, MX), mask=scale_mask)
+        qt = _quantize_lines(
+            xt, cols, pid_r, num_cols, padded_rows // BLOCK, COL_EXP, ST, stride_st_c, stride_st_r,
+            TILE_C, TILE_R, BLOCK, GIVEN_EXP, MX, RCEIL, EXACT,
+        )  # fmt: skip
         t_mask = (cols < num_cols)[:, None] & (rows < padded_rows)[None, :]
         tl.store(QT + cols[:, None] * padded_rows + rows[None, :], qt, mask=t_mask)
+
+
+@triton.jit
+def _quantize_lines(
+    x, lines, pid_blocks, num_lines, num_blocks, EXP, S, stride_line, stride_block,
+    TILE_L: tl.constexpr, TILE_B: tl.constexpr, BLOCK: tl.constexpr, GIVEN_EXP: tl.constexpr, MX: tl.constexpr,
+    RCEIL: tl.constexpr, EXACT: tl.constexpr,
+):  # fmt: skip
+    """Quantize a ``[TILE_L, TILE_B]`` tile along its second dim; store its scales; return the FP8 tile.
+
+    ``lines`` are the tile's global line indices (rows of the output layout), ``pid_blocks`` the tile's index
+    along the quantized dim. ``GIVEN_EXP``: per-line exponents read from ``EXP`` (rowwise, 128 = NaN line)
+    instead of block maxima; their scales are written by the launcher.
+    """
+    if GIVEN_EXP:
+        exponent = tl.load(EXP + lines, mask=lines < num_lines, other=0)
+        q = _to_e4m3(x, exponent[:, None], (exponent == 128)[:, None], not RCEIL, EXACT)
+    else:
+        q, exponent, nonfinite = _quantize_rows(x, TILE_L, TILE_B, BLOCK, RCEIL, EXACT)
+        blocks = pid_blocks * (TILE_B // BLOCK) + tl.arange(0, TILE_B // BLOCK)
+        scale_mask = (lines < num_lines)[:, None] & (blocks < num_blocks)[None, :]
+        scale_ptrs = S + lines[:, None] * stride_line + blocks[None, :] * stride_block
+        tl.store(scale_ptrs, _scale_value(exponent, nonfinite, MX), mask=scale_mask)
+    return q
 
 
 def _rowwise_exponents(x: Tensor, dim: int, rounding: str) -> Tensor:
