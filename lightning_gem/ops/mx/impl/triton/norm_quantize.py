@@ -18,7 +18,7 @@ import triton.language as tl
 from torch import Tensor
 
 from lightning_gem.ops.mx.impl.triton._common import _quantize_rows, _scale_value, interpreted, run_kernel, tuned
-from lightning_gem.ops.mx.impl.triton.quantize import _TL_DTYPES, _TUNE_ABOVE
+from lightning_gem.ops.mx.impl.triton.quantize import _TL_DTYPES, _TUNE_ABOVE, scale_buffer
 
 __all__ = ["norm_quantize_triton"]
 
@@ -86,12 +86,10 @@ def norm_quantize_triton(
     mx = layout == "mx"
     block = {"mx": 32, "1x128": 128, "rowwise": block_d}[layout]
     q = torch.empty(num_rows, dim, dtype=torch.float8_e4m3fn, device=device)
-    if mx:
-        scale = torch.empty(num_rows, dim // 32, dtype=torch.uint8, device=device)
-    elif layout == "1x128":
-        scale = torch.empty(dim // 128, num_rows, dtype=torch.float32, device=device).t()
-    else:
+    if layout == "rowwise":
         scale = torch.empty(num_rows, 1, dtype=torch.float32, device=device)
+    else:
+        scale = scale_buffer(layout, num_rows, dim // block, device)
     rstd = torch.empty(num_rows, dtype=torch.float32, device=device)
     mean = torch.empty(num_rows, dtype=torch.float32, device=device) if kind == "layer" else None
     y = torch.empty_like(x, dtype=out_dtype) if write_output else None

@@ -127,6 +127,14 @@ def _quantize_lines(
     return q
 
 
+def scale_buffer(layout: str, num_lines: int, num_blocks: int, device: torch.device) -> Tensor:
+    """Scales of ``num_lines`` lines of ``num_blocks`` blocks: uint8 E8M0 row-major for ``mx``; fp32
+    column-major for ``1x128`` (Hopper's GEMM reads them outer-dim-major)."""
+    if layout == "mx":
+        return torch.empty(num_lines, num_blocks, dtype=torch.uint8, device=device)
+    return torch.empty(num_blocks, num_lines, dtype=torch.float32, device=device).t()
+
+
 def _rowwise_exponents(x: Tensor, dim: int, rounding: str) -> Tensor:
     """int32 exponents of ``x``'s rows (``dim=1``) or columns (``dim=0``); 128 marks a NaN/Inf row."""
     from lightning_gem.ops.mx.impl.reference import shared_exponent
@@ -169,28 +177,23 @@ def quantize_triton(
     pad_block = 128 if rowwise else block  # rowwise's transposed contraction dim is padded like 1x128's
     padded_rows = -(-num_rows // pad_block) * pad_block
     device = x.device
-    scale_dtype = torch.uint8 if mx else torch.float32
 
     q = s = qt = st = None
     row_exp = col_exp = None
     if rows:
         q = torch.empty(num_rows, num_cols, dtype=torch.float8_e4m3fn, device=device)
         if square:
-            s = torch.empty(-(-num_rows // 128), num_cols // 128, dtype=scale_dtype, device=device)
+            s = torch.empty(-(-num_rows // 128), num_cols // 128, dtype=torch.float32, device=device)
         elif rowwise:
             row_exp = _rowwise_exponents(x if norm is None else _norm_output(x, norm, norm_dtype), 1, rounding)
-        elif mx:
-            s = torch.empty(num_rows, num_cols // block, dtype=scale_dtype, device=device)
         else:
-            s = torch.empty(num_cols // block, num_rows, dtype=scale_dtype, device=device).t()
+            s = scale_buffer(layout, num_rows, num_cols // block, device)
     if cols:
         qt = torch.empty(num_cols, padded_rows, dtype=torch.float8_e4m3fn, device=device)
         if rowwise:
             col_exp = _rowwise_exponents(x if norm is None else _norm_output(x, norm, norm_dtype), 0, rounding)
-        elif mx:
-            st = torch.empty(num_cols, padded_rows // block, dtype=scale_dtype, device=device)
         else:
-            st = torch.empty(padded_rows // block, num_cols, dtype=scale_dtype, device=device).t()
+            st = scale_buffer(layout, num_cols, padded_rows // block, device)
 
     placeholder = x.new_empty(0)
     kind, rstd, mean, weight, bias = norm if norm is not None else (None, None, None, None, None)
