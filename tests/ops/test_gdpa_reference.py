@@ -303,3 +303,17 @@ def test_all_pairs_of_the_matrix_are_exercised() -> None:
         out = _run_oracle(inputs, activation="softmax", causal=causal, block_size=4)
         seen_keyless |= bool((out.abs().sum(dim=(1, 2)) == 0).any())
     assert seen_empty and seen_one and seen_keyless
+
+
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_reference_ignores_autocast(activation: str) -> None:
+    """Under bf16 autocast (a mixed-precision Trainer on CPU) the reference still computes in float32."""
+    inputs = _leaves(make_gdpa_inputs("self_targets", _generator("autocast", activation)), torch.float32)
+    expected = _run_op(inputs, activation=activation, causal=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = _run_op(inputs, activation=activation, causal=True)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        grads = torch.autograd.grad(out.sum(), (inputs.q, inputs.k, inputs.v))
+    torch.testing.assert_close(grads, torch.autograd.grad(expected.sum(), (inputs.q, inputs.k, inputs.v)))

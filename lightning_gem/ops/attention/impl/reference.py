@@ -160,23 +160,27 @@ def gdpa_reference(
     Shapes: q ``[Tq, H, D]``, k ``[Tk, H, D]``, v ``[Tk, H, Dv]``, q_offsets ``[B + 1]``,
     kv_offsets ``[Bkv + 1]``, kv_index ``[B]`` or None, num_targets ``[B]`` or None. Returns ``[Tq, H, Dv]``.
     """
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2], dtype=compute)
-    q_h, k_h, v_h = _head_major(q), _head_major(k), _head_major(v)
-    rows, values = [], []
-    for b in _buckets(q.shape[0], k.shape[0], q_offsets, kv_offsets, kv_index, num_targets, causal, window, block_size):
-        qb = _gather(q_h, b.q_idx, compute) * scale  # [H, N, Lq, D]
-        kb, vb = _gather(k_h, b.k_idx, compute), _gather(v_h, b.k_idx, compute)  # [H, N, Lk, D]
-        scores = torch.matmul(qb, kb.transpose(-1, -2))  # [H, N, Lq, Lk]
-        probs = _probabilities(scores, b.mask, activation)
-        ob = torch.matmul(probs, vb)  # [H, N, Lq, Dv]
-        if activation != "softmax":
-            ob = ob / b.len_k
-        rows.append(b.q_idx[b.q_valid])
-        values.append(ob.permute(1, 2, 0, 3)[b.q_valid])  # [rows, H, Dv]
-    if rows:
-        out = out.index_put((torch.cat(rows),), torch.cat(values))
-    return out.to(q.dtype)
+    # Computes in float32 (float64 for float64 inputs) also under autocast, which is off inside.
+    with torch.autocast(q.device.type, enabled=False):
+        compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2], dtype=compute)
+        q_h, k_h, v_h = _head_major(q), _head_major(k), _head_major(v)
+        rows, values = [], []
+        for b in _buckets(
+            q.shape[0], k.shape[0], q_offsets, kv_offsets, kv_index, num_targets, causal, window, block_size
+        ):
+            qb = _gather(q_h, b.q_idx, compute) * scale  # [H, N, Lq, D]
+            kb, vb = _gather(k_h, b.k_idx, compute), _gather(v_h, b.k_idx, compute)  # [H, N, Lk, D]
+            scores = torch.matmul(qb, kb.transpose(-1, -2))  # [H, N, Lq, Lk]
+            probs = _probabilities(scores, b.mask, activation)
+            ob = torch.matmul(probs, vb)  # [H, N, Lq, Dv]
+            if activation != "softmax":
+                ob = ob / b.len_k
+            rows.append(b.q_idx[b.q_valid])
+            values.append(ob.permute(1, 2, 0, 3)[b.q_valid])  # [rows, H, Dv]
+        if rows:
+            out = out.index_put((torch.cat(rows),), torch.cat(values))
+        return out.to(q.dtype)
 
 
 def gdpa_reference_backward(
@@ -201,31 +205,35 @@ def gdpa_reference_backward(
     ``dP = dO V^T``; softmax: ``dS = P * (dP - rowsum(dO * O))``; pointwise: ``dS = mask * act'(S) * dP / Lk``; then
     ``dQ = scale dS K`` and ``dK = scale dS^T Q``. dk and dv add up over query segments sharing a kv segment.
     """
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dq = torch.zeros(q.shape, dtype=compute, device=q.device)
-    dk = torch.zeros(k.shape, dtype=compute, device=k.device)
-    dv = torch.zeros(v.shape, dtype=compute, device=v.device)
-    q_h, k_h, v_h, g_h = _head_major(q), _head_major(k), _head_major(v), _head_major(grad_out)
-    for b in _buckets(q.shape[0], k.shape[0], q_offsets, kv_offsets, kv_index, num_targets, causal, window, block_size):
-        qb, kb, vb = _gather(q_h, b.q_idx, compute), _gather(k_h, b.k_idx, compute), _gather(v_h, b.k_idx, compute)
-        gb = _gather(g_h, b.q_idx, compute) * b.q_valid[None, :, :, None]  # padded query slots carry no grad
-        scores = torch.matmul(qb * scale, kb.transpose(-1, -2))  # [H, N, Lq, Lk]
-        probs = _probabilities(scores, b.mask, activation)
-        if activation == "softmax":
-            dprobs = torch.matmul(gb, vb.transpose(-1, -2))
-            # rowsum(dP * P) == rowsum(dO * O), as kernels compute it; this form is exact where a row
-            # attends to a single key (its dS is then exactly zero).
-            delta = (dprobs * probs).sum(dim=-1, keepdim=True)
-            dscores = probs * (dprobs - delta)
-        else:
-            gb = gb / b.len_k
-            dprobs = torch.matmul(gb, vb.transpose(-1, -2))
-            derivative = POINTWISE[activation][1](scores)
-            dscores = torch.where(b.mask, derivative * dprobs, torch.zeros_like(dprobs))
-        dv_b = torch.matmul(probs.transpose(-1, -2), gb)  # [H, N, Lk, Dv]
-        dq_b = torch.matmul(dscores, kb) * scale
-        dk_b = torch.matmul(dscores.transpose(-1, -2), qb) * scale
-        dq.index_put_((b.q_idx[b.q_valid],), dq_b.permute(1, 2, 0, 3)[b.q_valid])
-        dk.index_put_((b.k_idx[b.k_valid],), dk_b.permute(1, 2, 0, 3)[b.k_valid], accumulate=True)
-        dv.index_put_((b.k_idx[b.k_valid],), dv_b.permute(1, 2, 0, 3)[b.k_valid], accumulate=True)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    # Computes in float32 (float64 for float64 inputs) also under autocast, which is off inside.
+    with torch.autocast(q.device.type, enabled=False):
+        compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dq = torch.zeros(q.shape, dtype=compute, device=q.device)
+        dk = torch.zeros(k.shape, dtype=compute, device=k.device)
+        dv = torch.zeros(v.shape, dtype=compute, device=v.device)
+        q_h, k_h, v_h, g_h = _head_major(q), _head_major(k), _head_major(v), _head_major(grad_out)
+        for b in _buckets(
+            q.shape[0], k.shape[0], q_offsets, kv_offsets, kv_index, num_targets, causal, window, block_size
+        ):
+            qb, kb, vb = _gather(q_h, b.q_idx, compute), _gather(k_h, b.k_idx, compute), _gather(v_h, b.k_idx, compute)
+            gb = _gather(g_h, b.q_idx, compute) * b.q_valid[None, :, :, None]  # padded query slots carry no grad
+            scores = torch.matmul(qb * scale, kb.transpose(-1, -2))  # [H, N, Lq, Lk]
+            probs = _probabilities(scores, b.mask, activation)
+            if activation == "softmax":
+                dprobs = torch.matmul(gb, vb.transpose(-1, -2))
+                # rowsum(dP * P) == rowsum(dO * O), as kernels compute it; this form is exact where a row
+                # attends to a single key (its dS is then exactly zero).
+                delta = (dprobs * probs).sum(dim=-1, keepdim=True)
+                dscores = probs * (dprobs - delta)
+            else:
+                gb = gb / b.len_k
+                dprobs = torch.matmul(gb, vb.transpose(-1, -2))
+                derivative = POINTWISE[activation][1](scores)
+                dscores = torch.where(b.mask, derivative * dprobs, torch.zeros_like(dprobs))
+            dv_b = torch.matmul(probs.transpose(-1, -2), gb)  # [H, N, Lk, Dv]
+            dq_b = torch.matmul(dscores, kb) * scale
+            dk_b = torch.matmul(dscores.transpose(-1, -2), qb) * scale
+            dq.index_put_((b.q_idx[b.q_valid],), dq_b.permute(1, 2, 0, 3)[b.q_valid])
+            dk.index_put_((b.k_idx[b.k_valid],), dk_b.permute(1, 2, 0, 3)[b.k_valid], accumulate=True)
+            dv.index_put_((b.k_idx[b.k_valid],), dv_b.permute(1, 2, 0, 3)[b.k_valid], accumulate=True)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
