@@ -27,6 +27,28 @@ def test_sampled_softmax_loss_by_hand_with_accidental_hits() -> None:
     assert float(loss) == pytest.approx((row0 + row1) / 2, rel=1e-5)
 
 
+def test_sampled_softmax_loss_per_row_negatives() -> None:
+    torch.manual_seed(0)
+    queries, positives, negatives = torch.randn(4, 6), torch.randn(4, 6), torch.randn(3, 6)
+    positive_ids, negative_ids = torch.tensor([0, 1, 2, 9]), torch.tensor([5, 9, 7])
+    shared = sampled_softmax_loss(queries, positives, negatives, positive_ids, negative_ids, 0.1)
+    # The same negatives given to every row one by one: the same loss, accidental hit (row 3, id 9) included.
+    per_row = sampled_softmax_loss(
+        queries, positives, negatives.expand(4, 3, 6), positive_ids, negative_ids.expand(4, 3), 0.1
+    )
+    torch.testing.assert_close(per_row, shared)
+    # Each row its own negatives: row r's loss only sees row r's.
+    own = torch.randn(4, 3, 6)
+    rows = [
+        sampled_softmax_loss(
+            queries[r : r + 1], positives[r : r + 1], own[r], positive_ids[r : r + 1], negative_ids, 0.1
+        )
+        for r in range(4)
+    ]
+    got = sampled_softmax_loss(queries, positives, own, positive_ids, negative_ids.expand(4, 3), 0.1)
+    torch.testing.assert_close(got, torch.stack(rows).mean())
+
+
 def test_catalogue_ranks_exclude_seen_items_but_never_the_target() -> None:
     catalogue = torch.eye(5)
     queries = torch.tensor([[0.1, 0.9, 0.5, 0.4, 0.0], [0.0, 0.0, 0.0, 1.0, 0.8]])
@@ -39,10 +61,15 @@ def test_catalogue_ranks_exclude_seen_items_but_never_the_target() -> None:
     assert ranks.tolist() == [1, 1]
 
 
-def test_forward_training_step_and_gradients_with_empty_and_single_event_sequences(batches) -> None:
+@pytest.mark.parametrize("shared_negatives", [False, True])
+def test_forward_training_step_and_gradients_with_empty_and_single_event_sequences(
+    batches, shared_negatives: bool
+) -> None:
     torch.manual_seed(0)
     schema = batches.retrieval_schema()
-    model = SequentialRecommender(schema, embedding_dim=16, num_layers=1, use_time=True, num_negatives=8)
+    model = SequentialRecommender(
+        schema, embedding_dim=16, num_layers=1, use_time=True, num_negatives=8, shared_negatives=shared_negatives
+    )
     batch = batches.make_retrieval_batch(schema, [0, 1, 5, 3])
     out = model(batch)
     assert out.shape == (9, 16) and torch.isfinite(out).all()
