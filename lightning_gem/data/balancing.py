@@ -37,7 +37,13 @@ import torch
 from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
-__all__ = ["AttentionCostModel", "BalancedDistributedSampler", "imbalance", "partition_by_cost"]
+__all__ = [
+    "AttentionCostModel",
+    "BalancedDistributedSampler",
+    "ResumableEpochSampler",
+    "imbalance",
+    "partition_by_cost",
+]
 
 CostModel = Callable[[np.ndarray], np.ndarray]
 
@@ -163,7 +169,64 @@ class AttentionCostModel:
         return self.a * lengths + self.b * lengths**2
 
 
-class BalancedDistributedSampler(DistributedSampler):
+class ResumableEpochSampler(DistributedSampler):
+    """A ``DistributedSampler`` that yields an epoch batch by batch and resumes at a batch of an epoch.
+
+    Subclasses call :meth:`_begin_iteration` when an iteration starts (it returns the first batch), bump
+    ``_batches_consumed`` as batches leave, and name in :meth:`_layout` what must match for a saved
+    position to mean the same batches (global batch size, token budget, ...).
+    """
+
+    _batches_consumed = 0  # batches of the current epoch this rank's iterator has yielded
+    _resume: tuple[int, int] | None = None  # (epoch, first batch) of the next iteration
+
+    def _layout(self) -> dict[str, int]:
+        """What decides the epoch's batches beside seed and epoch; a position resumes only if they match."""
+        return {}
+
+    def _begin_iteration(self) -> int:
+        """The first batch of this iteration (the restored position once, in its epoch; else 0)."""
+        start = self._resume[1] if self._resume is not None and self._resume[0] == self.epoch else 0
+        self._resume = None
+        self._batches_consumed = start
+        return start
+
+    def _start_batch(self) -> int:
+        return self._resume[1] if self._resume is not None and self._resume[0] == self.epoch else 0
+
+    @override
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch (its permutation is ``seed + epoch``); a pending resume of another epoch is dropped."""
+        if epoch != self.epoch:
+            self._batches_consumed = 0
+        super().set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"epoch", "batches_consumed", "seed"}`` and the layout: this sampler's position."""
+        return {"epoch": self.epoch, "batches_consumed": self._batches_consumed, "seed": self.seed, **self._layout()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume at ``state_dict``'s position: the next iteration of its epoch skips the consumed batches.
+
+        Raises:
+            ValueError: keys are missing, or the layout differs (its batches would not align).
+        """
+        missing = {"epoch", "batches_consumed"} - set(state_dict)
+        if missing:
+            raise ValueError(f"`state_dict` must hold {sorted(missing)} (from {type(self).__name__}.state_dict)")
+        for key, value in self._layout().items():
+            if state_dict.get(key, value) != value:
+                raise ValueError(
+                    f"`state_dict` was saved with {key}={state_dict[key]}, this sampler's is "
+                    f"{value}: the epoch's batches differ, so its batch position does not carry over"
+                )
+        self.seed = int(state_dict.get("seed", self.seed))
+        self.set_epoch(int(state_dict["epoch"]))
+        self._batches_consumed = int(state_dict["batches_consumed"])
+        self._resume = (self.epoch, self._batches_consumed)
+
+
+class BalancedDistributedSampler(ResumableEpochSampler):
     """A ``DistributedSampler`` whose global batches are split across ranks by cost (Base Batch Shuffling).
 
     Each epoch: the indices are permuted with ``seed + epoch`` exactly as ``DistributedSampler`` does,
@@ -226,8 +289,6 @@ class BalancedDistributedSampler(DistributedSampler):
         else:
             self.total_size = math.ceil(len(lengths) / self.num_replicas) * self.num_replicas
         self.num_samples = self.total_size // self.num_replicas
-        self._batches_consumed = 0  # by the current iterator, in this rank's batches (= global batches)
-        self._resume: tuple[int, int] | None = None  # (epoch, first batch) of the next iteration
 
     @property
     def num_batches(self) -> int:
@@ -247,16 +308,13 @@ class BalancedDistributedSampler(DistributedSampler):
         padding = self.total_size - len(indices)
         return indices + (indices * math.ceil(padding / len(indices)))[:padding]
 
-    def _start_batch(self) -> int:
-        if self._resume is not None and self._resume[0] == self.epoch:
-            return self._resume[1]
-        return 0
+    @override
+    def _layout(self) -> dict[str, int]:
+        return {"global_batch_size": self.num_replicas * self.batch_size}
 
     @override
     def __iter__(self) -> Iterator[int]:
-        start = self._start_batch()
-        self._resume = None
-        self._batches_consumed = start
+        start = self._begin_iteration()
         order = np.asarray(self._global_order(), dtype=np.int64)
         global_batch = self.num_replicas * self.batch_size
         for step in range(start, self.num_batches):
@@ -271,42 +329,6 @@ class BalancedDistributedSampler(DistributedSampler):
     @override
     def __len__(self) -> int:
         return max(self.num_samples - self._start_batch() * self.batch_size, 0)
-
-    @override
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch (its permutation is ``seed + epoch``); a pending resume of another epoch is dropped."""
-        if epoch != self.epoch:
-            self._batches_consumed = 0
-        super().set_epoch(epoch)
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"epoch", "batches_consumed", "seed", "global_batch_size"}``: this sampler's position."""
-        return {
-            "epoch": self.epoch,
-            "batches_consumed": self._batches_consumed,
-            "seed": self.seed,
-            "global_batch_size": self.num_replicas * self.batch_size,
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume at ``state_dict``'s position: the next iteration of its epoch skips the consumed batches.
-
-        Raises:
-            ValueError: keys are missing, or the global batch size differs (its batches would not align).
-        """
-        missing = {"epoch", "batches_consumed"} - set(state_dict)
-        if missing:
-            raise ValueError(f"`state_dict` must hold {sorted(missing)} (from BalancedDistributedSampler.state_dict)")
-        global_batch = self.num_replicas * self.batch_size
-        if state_dict.get("global_batch_size", global_batch) != global_batch:
-            raise ValueError(
-                f"`state_dict` was saved with global batch size {state_dict['global_batch_size']}, this sampler's "
-                f"is {global_batch} (num_replicas * batch_size): its batch count does not carry over"
-            )
-        self.seed = int(state_dict.get("seed", self.seed))
-        self.set_epoch(int(state_dict["epoch"]))
-        self._batches_consumed = int(state_dict["batches_consumed"])
-        self._resume = (self.epoch, self._batches_consumed)
 
 
 def imbalance(rank_indices: Sequence[Sequence[int]], costs: np.ndarray, batch_size: int) -> np.ndarray:

@@ -26,7 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, SequentialSampler
 from typing_extensions import override
 
-from lightning_gem.data.balancing import BalancedDistributedSampler
+from lightning_gem.data.balancing import BalancedDistributedSampler, ResumableEpochSampler
 from lightning_gem.data.schema import RankingSchema, RetrievalSchema
 from lightning_gem.data.sources import DataSource, check_split
 from lightning_gem.data.token_budget import BatchedDataset, TokenBudgetSampler
@@ -210,7 +210,7 @@ class GEMDataModule(LightningDataModule):
         pending, self._pending_position = self._pending_position, None
         if pending is None or pending[0] != epoch or pending[1] <= 0:
             return
-        if not isinstance(sampler, BalancedDistributedSampler | TokenBudgetSampler):
+        if not isinstance(sampler, ResumableEpochSampler):
             rank_zero_warn(
                 "GEMDataModule: the checkpoint was saved mid-epoch but the train sampler cannot resume mid-epoch"
                 " (`balance=False`): this epoch restarts from its first batch."

@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import Dataset
 from typing_extensions import override
 
-from lightning_gem.data.balancing import AttentionCostModel, CostModel
+from lightning_gem.data.balancing import AttentionCostModel, CostModel, ResumableEpochSampler
 
 __all__ = ["BatchedDataset", "TokenBudgetSampler", "pack_by_tokens"]
 
@@ -130,7 +130,7 @@ def pack_by_tokens(
     return steps
 
 
-class TokenBudgetSampler(DistributedSampler):
+class TokenBudgetSampler(ResumableEpochSampler):
     """Yields this rank's batches (index lists) of at most ``max_tokens`` history tokens, balanced by cost.
 
     Each epoch the indices are permuted with ``seed + epoch`` (as ``DistributedSampler`` does) and
@@ -187,8 +187,6 @@ class TokenBudgetSampler(DistributedSampler):
         if self.costs.shape != self.lengths.shape:
             raise ValueError(f"`cost_model` must map [N] lengths to [N] costs, got {list(self.costs.shape)}")
         self._steps: tuple[int, list[list[np.ndarray]]] | None = None  # (epoch, packing) cache
-        self._batches_consumed = 0
-        self._resume: tuple[int, int] | None = None
 
     def steps(self) -> list[list[np.ndarray]]:
         """This epoch's packing, ``steps[s][rank]`` (every rank's batches; cached per epoch)."""
@@ -210,14 +208,13 @@ class TokenBudgetSampler(DistributedSampler):
         """Steps (batches per rank) in this epoch."""
         return len(self.steps())
 
-    def _start_batch(self) -> int:
-        return self._resume[1] if self._resume is not None and self._resume[0] == self.epoch else 0
+    @override
+    def _layout(self) -> dict[str, int]:
+        return {"max_tokens": self.max_tokens, "num_replicas": self.num_replicas}
 
     @override
     def __iter__(self) -> Iterator[list[int]]:  # type: ignore[override]
-        start = self._start_batch()
-        self._resume = None
-        self._batches_consumed = start
+        start = self._begin_iteration()
         for step, parts in enumerate(self.steps()[start:], start=start):
             self._batches_consumed = step + 1
             yield parts[self.rank].tolist()
@@ -226,42 +223,6 @@ class TokenBudgetSampler(DistributedSampler):
     def __len__(self) -> int:
         """Batches this rank yields this epoch (all of them, also when resumed mid-epoch; see GEMDataModule)."""
         return self.num_batches
-
-    @override
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self._batches_consumed = 0
-        super().set_epoch(epoch)
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"epoch", "batches_consumed", "seed", "max_tokens", "num_replicas"}``: this sampler's position."""
-        return {
-            "epoch": self.epoch,
-            "batches_consumed": self._batches_consumed,
-            "seed": self.seed,
-            "max_tokens": self.max_tokens,
-            "num_replicas": self.num_replicas,
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume at ``state_dict``'s position (the next iteration of its epoch skips the consumed batches).
-
-        Raises:
-            ValueError: keys are missing, or ``max_tokens`` / ``num_replicas`` differ (the packing would).
-        """
-        missing = {"epoch", "batches_consumed"} - set(state_dict)
-        if missing:
-            raise ValueError(f"`state_dict` must hold {sorted(missing)} (from TokenBudgetSampler.state_dict)")
-        for key in ("max_tokens", "num_replicas"):
-            if state_dict.get(key, getattr(self, key)) != getattr(self, key):
-                raise ValueError(
-                    f"`state_dict` was saved with {key}={state_dict[key]}, this sampler has {getattr(self, key)}: "
-                    "the epoch's packing differs, so its batch position does not carry over"
-                )
-        self.seed = int(state_dict.get("seed", self.seed))
-        self.set_epoch(int(state_dict["epoch"]))
-        self._batches_consumed = int(state_dict["batches_consumed"])
-        self._resume = (self.epoch, self._batches_consumed)
 
 
 class BatchedDataset(Dataset):

@@ -124,7 +124,7 @@ def test_resume_mid_epoch_yields_the_remaining_batches(world: int) -> None:
         assert len(restored) == len(full) - 2 * batch_size
         assert list(restored) == full[2 * batch_size :]
         assert list(restored) == full  # only the first iteration after loading resumes
-    with pytest.raises(ValueError, match="global batch size"):
+    with pytest.raises(ValueError, match="global_batch_size"):
         BalancedDistributedSampler(lengths, 8, world, 0).load_state_dict(state)
     with pytest.raises(ValueError, match="batches_consumed"):
         BalancedDistributedSampler(lengths, batch_size, world, 0).load_state_dict({"epoch": 1})

@@ -147,63 +147,22 @@ def gdpa(
         scale = 1.0 / math.sqrt(q.shape[-1])
 
     resolved = resolve_impl(impl, q)
+    tensors = (q, k, v, q_offsets, kv_offsets, kv_index, num_targets)
+    mode = {"activation": activation, "causal": causal, "window": window, "block_size": block_size}
+    hints = {"max_seq_len_q": max_seq_len_q, "max_seq_len_kv": max_seq_len_kv}
     if resolved == "padded":
         from lightning_gem.ops.attention.impl.padded import gdpa_padded
 
-        return gdpa_padded(
-            q,
-            k,
-            v,
-            q_offsets,
-            kv_offsets,
-            kv_index,
-            num_targets,
-            activation=activation,
-            causal=causal,
-            window=window,
-            block_size=block_size,
-            scale=float(scale),
-            max_seq_len_q=max_seq_len_q,
-            max_seq_len_kv=max_seq_len_kv,
-        )
+        return gdpa_padded(*tensors, **mode, scale=float(scale), **hints)
     if resolved == "triton":
         from lightning_gem.ops.attention.impl.triton import gdpa_triton
 
-        return gdpa_triton(
-            q,
-            k,
-            v,
-            q_offsets,
-            kv_offsets,
-            kv_index,
-            num_targets,
-            activation=activation,
-            causal=causal,
-            window=window,
-            block_size=block_size,
-            scale=float(scale),
-            max_seq_len_q=max_seq_len_q,
-            max_seq_len_kv=max_seq_len_kv,
-            deterministic=deterministic,
-        )
+        return gdpa_triton(*tensors, **mode, scale=float(scale), **hints, deterministic=deterministic)
     # Imported on first use: registering FLOP formulas imports torch.utils.flop_counter, which imports
     # Triton. FLOP counting that starts before the first call imports this module itself (lightning_gem.flops).
     from lightning_gem.ops.attention.ops import gdpa_reference_op
 
-    return gdpa_reference_op(
-        q,
-        k,
-        v,
-        q_offsets,
-        kv_offsets,
-        kv_index,
-        num_targets,
-        activation,
-        causal,
-        window,
-        block_size,
-        float(scale),
-    )
+    return gdpa_reference_op(*tensors, activation, causal, window, block_size, float(scale))
 
 
 def resolve_impl(impl: str, q: Tensor) -> str:
