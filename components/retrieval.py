@@ -41,6 +41,7 @@ def sampled_softmax_loss(
     positive_ids: Tensor,
     negative_ids: Tensor,
     temperature: float,
+    negative_index: Tensor | None = None,
 ) -> Tensor:
     """Mean sampled-softmax loss over L2-normalised embeddings, with shared or per-row negatives.
 
@@ -49,19 +50,26 @@ def sampled_softmax_loss(
 
     Args:
         queries: ``[T, D]`` sequence embeddings. positives: ``[T, D]`` target item embeddings.
-        negatives: ``[N, D]`` negative item embeddings shared by every row, or ``[T, N, D]``, each row its own.
-        positive_ids: ``[T]`` target ids. negative_ids: ``[N]`` or ``[T, N]`` negative ids, like ``negatives``.
+        negatives: ``[N, D]`` negative item embeddings: shared by every row, or, with ``negative_index``,
+            the distinct negatives that rows pick from.
+        positive_ids: ``[T]`` target ids. negative_ids: ``[N]`` ids of ``negatives`` (shared), or
+            ``[T, K]`` ids of each row's own negatives (with ``negative_index``).
         temperature: softmax temperature ``tau``.
+        negative_index: ``[T, K]`` rows of ``negatives`` that are row ``t``'s negatives; None: shared.
     """
     if queries.shape[0] == 0:
         return queries.sum() * 0.0
     u = F.normalize(queries, dim=-1)
     pos_logits = (u * F.normalize(positives, dim=-1)).sum(-1, keepdim=True) / temperature  # [T, 1]
-    if negatives.dim() == 3:  # per row
-        neg_logits = torch.einsum("td,tnd->tn", u, F.normalize(negatives, dim=-1)) / temperature  # [T, N]
-    else:
-        neg_logits = u @ F.normalize(negatives, dim=-1).T / temperature  # [T, N]
+    negatives = F.normalize(negatives, dim=-1)
+    if negative_index is None:
+        neg_logits = u @ negatives.T / temperature  # [T, N]
         negative_ids = negative_ids[None, :]
+    elif negatives.shape[0] <= negative_index.shape[1] * negatives.shape[1]:
+        # Few distinct negatives (a small catalogue): score them all with one matmul, then pick ([T, N] scores).
+        neg_logits = (u @ negatives.T).gather(1, negative_index) / temperature  # [T, K]
+    else:  # many: gather each row's K embeddings ([T, K, D])
+        neg_logits = torch.einsum("td,tkd->tk", u, negatives[negative_index]) / temperature
     neg_logits = neg_logits.masked_fill(negative_ids == positive_ids[:, None], float("-inf"))
     logits = torch.cat([pos_logits, neg_logits], dim=1)
     return (torch.logsumexp(logits, dim=1) - logits[:, 0]).mean()
@@ -301,14 +309,15 @@ class SequentialRecommender(L.LightningModule):
         features, rows = self._embed(batch.history, torch.cat([targets.clamp_min(0), unique]))
         queries = self._encode(batch, features, batch.offsets())
         num_targets = targets.shape[0]
-        negative_rows = rows[num_targets:][inverse]  # [num_rows, N, D]
+        shared = self.hparams.shared_negatives
         loss = sampled_softmax_loss(
             queries[valid],
             rows[:num_targets][valid],
-            negative_rows[0] if self.hparams.shared_negatives else negative_rows,
+            rows[num_targets:],
             targets[valid],
-            negatives[0] if self.hparams.shared_negatives else negatives,
+            unique if shared else negatives,
             self.hparams.temperature,
+            negative_index=None if shared else inverse,
         )
         self.log("train/loss", loss, prog_bar=True, batch_size=batch.batch_size)
         return loss

@@ -27,25 +27,22 @@ def test_sampled_softmax_loss_by_hand_with_accidental_hits() -> None:
     assert float(loss) == pytest.approx((row0 + row1) / 2, rel=1e-5)
 
 
-def test_sampled_softmax_loss_per_row_negatives() -> None:
+@pytest.mark.parametrize("num_distinct", [3, 40])  # few: one matmul then a gather; many: gathered embeddings
+def test_sampled_softmax_loss_per_row_negatives(num_distinct: int) -> None:
     torch.manual_seed(0)
-    queries, positives, negatives = torch.randn(4, 6), torch.randn(4, 6), torch.randn(3, 6)
-    positive_ids, negative_ids = torch.tensor([0, 1, 2, 9]), torch.tensor([5, 9, 7])
-    shared = sampled_softmax_loss(queries, positives, negatives, positive_ids, negative_ids, 0.1)
-    # The same negatives given to every row one by one: the same loss, accidental hit (row 3, id 9) included.
-    per_row = sampled_softmax_loss(
-        queries, positives, negatives.expand(4, 3, 6), positive_ids, negative_ids.expand(4, 3), 0.1
-    )
-    torch.testing.assert_close(per_row, shared)
-    # Each row its own negatives: row r's loss only sees row r's.
-    own = torch.randn(4, 3, 6)
+    queries, positives, table = torch.randn(4, 6), torch.randn(4, 6), torch.randn(num_distinct, 6)
+    positive_ids, table_ids = torch.tensor([0, 1, 2, 9]), torch.arange(100, 100 + num_distinct)
+    table_ids[-1] = 9  # row 3's target: an accidental hit wherever a row draws it
+    index = torch.randint(0, num_distinct, (4, 2))
+    index[3, 1] = num_distinct - 1
+    got = sampled_softmax_loss(queries, positives, table, positive_ids, table_ids[index], 0.1, negative_index=index)
+    # Row by row with that row's negatives as a shared set.
     rows = [
         sampled_softmax_loss(
-            queries[r : r + 1], positives[r : r + 1], own[r], positive_ids[r : r + 1], negative_ids, 0.1
+            queries[r : r + 1], positives[r : r + 1], table[index[r]], positive_ids[r : r + 1], table_ids[index[r]], 0.1
         )
         for r in range(4)
     ]
-    got = sampled_softmax_loss(queries, positives, own, positive_ids, negative_ids.expand(4, 3), 0.1)
     torch.testing.assert_close(got, torch.stack(rows).mean())
 
 
