@@ -63,6 +63,23 @@ def test_fit_logs_mfu_and_prints_the_report(tmp_path, capsys) -> None:
     )
 
 
+def test_steps_between_counts_scale_the_counted_flops_by_their_tokens(tmp_path) -> None:  # noqa: ANN001
+    torch.manual_seed(0)
+    source = SyntheticRankingSource(num_items=100, num_train_users=20, num_val_users=4, num_test_users=4,
+                                    max_history_length=16, max_candidates=4, mean_candidates=2.0)  # fmt: skip
+    loader = DataLoader(source.dataset("train"), batch_size=8, collate_fn=source.collate)  # 8, 8, 4 users
+    tokens = [batch.num_tokens for batch in loader]
+    model = GEMRanker(source.schema, embedding_dim=8, model_dim=16, num_layers=1, num_heads=2, head_hidden_dims=(16,))
+    monitor = MFUMonitor(flops_every_n_steps=10, plot=False)
+    trainer = L.Trainer(accelerator="cpu", max_steps=3, callbacks=[monitor], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                        limit_val_batches=0)  # fmt: skip
+    trainer.fit(model, loader)
+    counted = monitor.history[0]["perf/model_flops"]
+    for row, n in zip(monitor.history[1:], tokens[1:], strict=True):
+        assert row["perf/model_flops"] == pytest.approx(counted * n / tokens[0])
+
+
 def test_no_mfu_without_a_peak_on_cpu_and_arguments_are_checked() -> None:
     monitor = MFUMonitor()
     assert monitor.peak_tflops is None

@@ -31,7 +31,8 @@ class MFUMonitor(L.Callback):
     batch are counted; only matmuls count (see :mod:`lightning_gem.flops`). The counter's dispatch and
     module hooks slow small models down (tens of percent on CPU-sized layers, little on GPU-sized
     ones), which lowers the measured TFLOP/s: raise ``flops_every_n_steps`` to measure less often; steps
-    in between reuse the last measured FLOPs (an approximation when batch shapes vary).
+    in between take the last measured FLOPs scaled by their batch's size (``batch.num_tokens`` when the
+    batch has it, else its samples): exact for linear layers, an approximation for attention.
 
     Logged (``on_step``): ``perf/model_flops``, ``perf/step_time_s`` (CUDA synchronised, data loading
     excluded), ``perf/tflops`` (achieved, this rank), ``perf/mfu`` (when a peak is known),
@@ -88,6 +89,7 @@ class MFUMonitor(L.Callback):
         self._started: float | None = None
         self._forward_seconds: float | None = None
         self._last_flops = 0
+        self._last_size = 0.0  # batch size (tokens or samples) of the step whose FLOPs were counted
         self._num_batches = 0
         self._peak: float | None = None
 
@@ -123,11 +125,13 @@ class MFUMonitor(L.Callback):
         _synchronize(pl_module.device)
         seconds = time.perf_counter() - self._started
         self._started = None
+        samples = float(batch.shape[0] if isinstance(batch, torch.Tensor) else getattr(batch, "batch_size", 0) or 0)
+        size = float(getattr(batch, "num_tokens", samples) or 0)
         if self._counter is not None:
             self._stop_counter()
+            self._last_size = size
         self._num_batches += 1
-        samples = float(batch.shape[0] if isinstance(batch, torch.Tensor) else getattr(batch, "batch_size", 0) or 0)
-        metrics = self._step_metrics(pl_module, seconds, samples)
+        metrics = self._step_metrics(pl_module, seconds, samples, size)
         self.history.append({"step": float(trainer.global_step), **metrics})
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
@@ -152,16 +156,19 @@ class MFUMonitor(L.Callback):
         counter.__exit__(None, None, None)
         self._last_flops = int(counter.get_total_flops())
 
-    def _step_metrics(self, pl_module: L.LightningModule, seconds: float, samples: float) -> dict[str, float]:
+    def _step_metrics(
+        self, pl_module: L.LightningModule, seconds: float, samples: float, size: float
+    ) -> dict[str, float]:
+        flops = self._last_flops * size / self._last_size if self._last_size > 0 else float(self._last_flops)
         forward = seconds if self._forward_seconds is None else self._forward_seconds  # manual optimization: no hook
         local = torch.tensor([seconds, samples, forward], dtype=torch.float64, device=pl_module.device)
         gathered = pl_module.all_gather(local).reshape(-1, 3).cpu()
         times, world = gathered[:, 0], gathered.shape[0]
         slowest = float(times.max())
         metrics = {
-            "perf/model_flops": float(self._last_flops),
+            "perf/model_flops": flops,
             "perf/step_time_s": seconds,
-            "perf/tflops": self._last_flops / seconds / 1e12 if seconds > 0 else math.nan,
+            "perf/tflops": flops / seconds / 1e12 if seconds > 0 else math.nan,
             "perf/step_time_imbalance": _max_over_mean(times),
             "perf/compute_time_s": forward,
             "perf/compute_imbalance": _max_over_mean(gathered[:, 2]),
