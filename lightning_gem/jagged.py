@@ -81,6 +81,12 @@ def validate_offsets(
         check_device(offsets, name, torch.device(device))
     if not check_values:
         return offsets
+    # One device sync for the common (valid) case: the three checks read back together.
+    bad_start = offsets[0] != 0
+    bad_order = (offsets[1:] < offsets[:-1]).any() if offsets.numel() > 1 else torch.zeros((), dtype=torch.bool)
+    bad_end = offsets[-1] != num_values if num_values is not None else torch.zeros((), dtype=torch.bool)
+    if not bool(torch.stack([bad_start, bad_order.to(bad_start.device), bad_end.to(bad_start.device)]).any()):
+        return offsets
     first = int(offsets[0])
     if first != 0:
         raise ValueError(f"`{name}` must start at 0, got offsets[0] = {first}")
