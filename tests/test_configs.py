@@ -48,11 +48,25 @@ def test_quickstart_config_trains(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert list(tmp_path.rglob("metrics.csv")) and list(tmp_path.rglob("mfu.json")) and list(tmp_path.rglob("mfu.png"))
 
 
-@pytest.mark.parametrize(("config", "folder"), [("ml100k_ctr.yaml", "ml-100k"), ("ml1m_retrieval.yaml", "ml-1m")])
-def test_movielens_config_trains(config: str, folder: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+# GPU configs run here on CPU in full precision: the same model and data path, a few batches.
+ON_CPU = ["--trainer.accelerator=cpu", "--trainer.precision=32-true", "--trainer.check_val_every_n_epoch=1"]
+
+
+@pytest.mark.parametrize(
+    ("config", "folder", "extra"),
+    [
+        ("ml100k_ctr.yaml", "ml-100k", []),
+        ("ml1m_retrieval.yaml", "ml-1m", []),
+        ("ml1m_hstu_h200.yaml", "ml-1m", ON_CPU),
+    ],
+)
+def test_movielens_config_trains(
+    config: str, folder: str, extra: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     if not (DATA / folder).is_dir():
         pytest.skip(f"MovieLens data not found at {DATA / folder}")
-    _fit(config, tmp_path, f"--data.init_args.source.init_args.path={DATA / folder}", "--data.init_args.batch_size=32")
+    path = f"--data.init_args.source.init_args.path={DATA / folder}"
+    _fit(config, tmp_path, path, "--data.init_args.batch_size=32", *extra)
     printed = capsys.readouterr().out
     expected = "val/auc_ctr=" if "ctr" in config else "val/hr@10="
     assert expected in printed
