@@ -159,6 +159,38 @@ def _stages(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _stage_range(stage: tl.constexpr, lo, a, b, hi):
+    """Stage ``stage`` of a :func:`_stages` split: 0 ``[lo, a)`` and 2 ``[b, hi)`` masked, 1 ``[a, b)`` unmasked."""
+    if stage == 0:
+        return lo, a
+    elif stage == 1:
+        return a, b
+    else:
+        return b, hi
+
+
+@triton.jit
+def _query_tile_keys(
+    m_start, len_q, shift, num_history, window, block_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """History keys of the query tile at ``m_start``, as ``(lo, a, b, hi)`` for :func:`_stage_range`.
+
+    ``[lo, hi)`` is all the tile sees (its first row's ``lo``, its last row's ``hi``), and tiles of
+    ``BLOCK_N`` keys in ``[a, b)`` are seen whole by every row (the ranges only move right with the row).
+    """
+    last_row = tl.minimum(m_start + BLOCK_M, len_q) - 1
+    lo, hi_first = _history_range(
+        _position(m_start, shift, num_history), num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
+    )
+    lo_last, hi = _history_range(
+        _position(last_row, shift, num_history), num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
+    )
+    a, b = _stages(lo, hi, lo_last, hi_first, BLOCK_N)
+    return lo, a, b, hi
+
+
+@triton.jit
 def _history_mask(
     p, t, num_history, window, block_size, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr
 ):

@@ -29,11 +29,12 @@ from lightning_gem.ops.attention.impl.triton._common import (
     _activation_grad,
     _full_query_range,
     _history_mask,
-    _history_range,
     _kv_segment,
     _load_tile,
     _position,
     _query_range,
+    _query_tile_keys,
+    _stage_range,
     _stages,
     dot_precision,
     fast_math,
@@ -181,12 +182,7 @@ def _gdpa_bwd_dkdv_kernel(
         )
         a, b = _stages(i_lo, i_hi, full_lo, full_hi, BLOCK_M)
         for stage in tl.static_range(3):  # masked edge, unmasked inside, masked edge
-            if stage == 0:
-                m_lo, m_hi = i_lo, a
-            elif stage == 1:
-                m_lo, m_hi = a, b
-            else:
-                m_lo, m_hi = b, i_hi
+            m_lo, m_hi = _stage_range(stage, i_lo, a, b, i_hi)
             dk_ND, dv_NDV = _dkdv_query_blocks(
                 dk_ND, dv_NDV, k_ND, v_NDV, offs_n, q_base, do_base, lse_base, delta_base, dq_base,
                 stride_qt, stride_dot, stride_dqt, m_lo, m_hi, i_hi, shift, num_history, window, block_size,
@@ -310,21 +306,11 @@ def _gdpa_bwd_dq_kernel(
     v_base = V + k_start * stride_vt + head * stride_vh
     dq_MD = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    last_row = tl.minimum(m_start + BLOCK_M, len_q) - 1
-    lo, hi_first = _history_range(
-        _position(m_start, shift, num_history), num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
+    lo, full_lo, full_hi, hi = _query_tile_keys(
+        m_start, len_q, shift, num_history, window, block_size, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_BLOCK
     )
-    lo_last, hi = _history_range(
-        _position(last_row, shift, num_history), num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
-    )
-    full_lo, full_hi = _stages(lo, hi, lo_last, hi_first, BLOCK_N)
     for stage in tl.static_range(3):  # masked edge, unmasked inside, masked edge
-        if stage == 0:
-            n_lo, n_hi = lo, full_lo
-        elif stage == 1:
-            n_lo, n_hi = full_lo, full_hi
-        else:
-            n_lo, n_hi = full_hi, hi
+        n_lo, n_hi = _stage_range(stage, lo, full_lo, full_hi, hi)
         dq_MD = _dq_key_blocks(
             dq_MD, q_MD, do_MDV, lse_M, delta_M, k_base, v_base, stride_kt, stride_vt, n_lo, n_hi, hi, pos_m, row_ok,
             qk_scale, scale, inv_len_k, num_history, window, block_size,

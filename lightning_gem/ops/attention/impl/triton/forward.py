@@ -28,11 +28,11 @@ from lightning_gem.ops.attention.impl.triton._common import (
     LOG2E,
     _activation,
     _history_mask,
-    _history_range,
     _kv_segment,
     _load_tile,
     _position,
-    _stages,
+    _query_tile_keys,
+    _stage_range,
     dot_precision,
     fast_math,
     launch,
@@ -139,23 +139,11 @@ def _gdpa_fwd_kernel(
             p_own_M = tl.where(own, _activation(qk_own_M * scale, ACTIVATION, FAST), 0.0)
             acc_MDV = p_own_M[:, None] * v_own_MDV
 
-    # Key ranges of the tile's first and last rows: [lo, hi) is all it sees, [lo_last, hi_first) what every
-    # row sees (the ranges only move right with the row).
-    last_row = tl.minimum(m_start + BLOCK_M, len_q) - 1
-    lo, hi_first = _history_range(
-        _position(m_start, shift, num_history), num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
+    lo, full_lo, full_hi, hi = _query_tile_keys(
+        m_start, len_q, shift, num_history, window, block_size, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_BLOCK
     )
-    lo_last, hi = _history_range(
-        _position(last_row, shift, num_history), num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
-    )
-    full_lo, full_hi = _stages(lo, hi, lo_last, hi_first, BLOCK_N)
     for stage in tl.static_range(3):  # masked edge, unmasked inside, masked edge
-        if stage == 0:
-            n_lo, n_hi = lo, full_lo
-        elif stage == 1:
-            n_lo, n_hi = full_lo, full_hi
-        else:
-            n_lo, n_hi = full_hi, hi
+        n_lo, n_hi = _stage_range(stage, lo, full_lo, full_hi, hi)
         acc_MDV, m_M, l_M = _fwd_key_blocks(
             acc_MDV, m_M, l_M, q_MD, k_base, v_base, stride_kt, stride_vt, n_lo, n_hi, hi, pos_m, row_ok,
             qk_scale, scale, num_history, window, block_size,
