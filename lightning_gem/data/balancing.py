@@ -56,6 +56,20 @@ def _check_int(value: object, name: str, low: int) -> int:
     return int(value)
 
 
+def _lengths_and_costs(lengths: np.ndarray, cost_model: CostModel | None) -> tuple[np.ndarray, np.ndarray]:
+    """``[N]`` lengths (N >= 1) and their ``[N]`` float64 costs (``cost_model`` None: :class:`AttentionCostModel`)."""
+    lengths = np.asarray(lengths)
+    if lengths.ndim != 1 or len(lengths) == 0:
+        raise ValueError(f"`lengths` must have shape [N] with N >= 1, got {list(lengths.shape)}")
+    cost_model = AttentionCostModel() if cost_model is None else cost_model
+    if not callable(cost_model):
+        raise TypeError(f"`cost_model` must be callable (lengths -> costs), got {type(cost_model).__name__}")
+    costs = np.asarray(cost_model(lengths), dtype=np.float64)
+    if costs.shape != lengths.shape:
+        raise ValueError(f"`cost_model` must map [N] lengths to [N] costs, got {list(costs.shape)}")
+    return lengths, costs
+
+
 def partition_by_cost(costs: np.ndarray, num_parts: int, part_size: int, num_swaps: int = 8) -> list[np.ndarray]:
     """Split ``N = num_parts * part_size`` items into ``num_parts`` parts of exactly ``part_size`` items.
 
@@ -184,6 +198,14 @@ class ResumableEpochSampler(DistributedSampler):
         """What decides the epoch's batches beside seed and epoch; a position resumes only if they match."""
         return {}
 
+    def _permutation(self) -> list[int]:
+        """The epoch's order of all samples: permuted with ``seed + epoch`` as ``DistributedSampler`` does."""
+        if not self.shuffle:
+            return list(range(len(self.dataset)))
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + self.epoch)
+        return torch.randperm(len(self.dataset), generator=generator).tolist()
+
     def _begin_iteration(self) -> int:
         """The first batch of this iteration (the restored position once, in its epoch; else 0)."""
         start = self._resume[1] if self._resume is not None and self._resume[0] == self.epoch else 0
@@ -271,18 +293,10 @@ class BalancedDistributedSampler(ResumableEpochSampler):
         drop_last: bool = False,
         cost_model: CostModel | None = None,
     ) -> None:
-        lengths = np.asarray(lengths)
-        if lengths.ndim != 1 or len(lengths) == 0:
-            raise ValueError(f"`lengths` must have shape [N] with N >= 1, got {list(lengths.shape)}")
+        lengths, self.costs = _lengths_and_costs(lengths, cost_model)
         self.batch_size = _check_int(batch_size, "batch_size", 1)
         # DistributedSampler only takes len() of its dataset; the lengths stand in for it.
         super().__init__(lengths, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
-        self.cost_model = AttentionCostModel() if cost_model is None else cost_model
-        if not callable(self.cost_model):
-            raise TypeError(f"`cost_model` must be callable (lengths -> costs), got {type(self.cost_model).__name__}")
-        self.costs = np.asarray(self.cost_model(lengths), dtype=np.float64)
-        if self.costs.shape != lengths.shape:
-            raise ValueError(f"`cost_model` must map [N] lengths to [N] costs, got {list(self.costs.shape)}")
         global_batch = self.num_replicas * self.batch_size
         if self.drop_last:
             self.total_size = len(lengths) // global_batch * global_batch
@@ -297,12 +311,7 @@ class BalancedDistributedSampler(ResumableEpochSampler):
 
     def _global_order(self) -> list[int]:
         """The epoch's padded permutation: exactly ``DistributedSampler.__iter__`` before it subsamples."""
-        if self.shuffle:
-            generator = torch.Generator()
-            generator.manual_seed(self.seed + self.epoch)
-            indices = torch.randperm(len(self.dataset), generator=generator).tolist()
-        else:
-            indices = list(range(len(self.dataset)))
+        indices = self._permutation()
         if self.drop_last:
             return indices[: self.total_size]
         padding = self.total_size - len(indices)

@@ -25,21 +25,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import torch
 from torch.utils.data import Dataset
 from typing_extensions import override
 
-from lightning_gem.data.balancing import AttentionCostModel, CostModel, ResumableEpochSampler
+from lightning_gem.data.balancing import CostModel, ResumableEpochSampler, _check_int, _lengths_and_costs
 
 __all__ = ["BatchedDataset", "TokenBudgetSampler", "pack_by_tokens"]
-
-
-def _check_int(value: object, name: str, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"`{name}` must be an int, got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"`{name}` must be >= {low}, got {value}")
-    return int(value)
 
 
 def _pack_step(pool: list[int], lengths: np.ndarray, costs: np.ndarray, max_tokens: int, num_parts: int,
@@ -169,9 +160,7 @@ class TokenBudgetSampler(ResumableEpochSampler):
         cost_model: CostModel | None = None,
         max_batch_size: int | None = None,
     ) -> None:
-        lengths = np.asarray(lengths)
-        if lengths.ndim != 1 or len(lengths) == 0:
-            raise ValueError(f"`lengths` must have shape [N] with N >= 1, got {list(lengths.shape)}")
+        lengths, self.costs = _lengths_and_costs(lengths, cost_model)
         super().__init__(lengths, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         self.lengths = lengths.astype(np.int64)
         self.max_tokens = _check_int(max_tokens, "max_tokens", 1)
@@ -180,25 +169,19 @@ class TokenBudgetSampler(ResumableEpochSampler):
                 f"`max_tokens` ({self.max_tokens}) must be >= the longest sample ({int(self.lengths.max())} tokens)"
             )
         self.max_batch_size = None if max_batch_size is None else _check_int(max_batch_size, "max_batch_size", 1)
-        cost_model = AttentionCostModel() if cost_model is None else cost_model
-        if not callable(cost_model):
-            raise TypeError(f"`cost_model` must be callable (lengths -> costs), got {type(cost_model).__name__}")
-        self.costs = np.asarray(cost_model(self.lengths), dtype=np.float64)
-        if self.costs.shape != self.lengths.shape:
-            raise ValueError(f"`cost_model` must map [N] lengths to [N] costs, got {list(self.costs.shape)}")
         self._steps: tuple[int, list[list[np.ndarray]]] | None = None  # (epoch, packing) cache
 
     def steps(self) -> list[list[np.ndarray]]:
         """This epoch's packing, ``steps[s][rank]`` (every rank's batches; cached per epoch)."""
         if self._steps is None or self._steps[0] != self.epoch:
-            if self.shuffle:
-                generator = torch.Generator()
-                generator.manual_seed(self.seed + self.epoch)
-                order = torch.randperm(len(self.lengths), generator=generator).numpy()
-            else:
-                order = np.arange(len(self.lengths))
             packing = pack_by_tokens(
-                order, self.lengths, self.costs, self.max_tokens, self.num_replicas, self.max_batch_size, self.drop_last
+                np.asarray(self._permutation()),
+                self.lengths,
+                self.costs,
+                self.max_tokens,
+                self.num_replicas,
+                self.max_batch_size,
+                self.drop_last,
             )
             self._steps = (self.epoch, packing)
         return self._steps[1]
