@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -16,11 +17,25 @@ from lightning_gem.callbacks import MFUMonitor
 from lightning_gem.data.synthetic import SyntheticRankingSource
 
 
-def test_fit_logs_mfu_and_prints_the_report(tmp_path, capsys) -> None:
+def _trainer(monitor: MFUMonitor, root: Path, **kwargs) -> L.Trainer:  # noqa: ANN003
+    return L.Trainer(
+        accelerator="cpu",
+        callbacks=[monitor],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        **kwargs,
+    )
+
+
+def _ranker_and_loader(num_users: int) -> tuple[GEMRanker, DataLoader]:
+    """A tiny GEMRanker and a loader of batches of 8 synthetic users (the last one smaller)."""
     torch.manual_seed(0)
     source = SyntheticRankingSource(
         num_items=100,
-        num_train_users=40,
+        num_train_users=num_users,
         num_val_users=4,
         num_test_users=4,
         max_history_length=16,
@@ -29,18 +44,13 @@ def test_fit_logs_mfu_and_prints_the_report(tmp_path, capsys) -> None:
     )
     loader = DataLoader(source.dataset("train"), batch_size=8, collate_fn=source.collate)
     model = GEMRanker(source.schema, embedding_dim=8, model_dim=16, num_layers=1, num_heads=2, head_hidden_dims=(16,))
+    return model, loader
+
+
+def test_fit_logs_mfu_and_prints_the_report(tmp_path, capsys) -> None:
+    model, loader = _ranker_and_loader(40)
     monitor = MFUMonitor(peak_tflops=1.0, baseline_samples_per_s=100.0)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=5,
-        callbacks=[monitor],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        limit_val_batches=0,
-    )
+    trainer = _trainer(monitor, tmp_path, max_steps=5, limit_val_batches=0)
     trainer.fit(model, loader)
 
     assert len(monitor.history) == 5
@@ -64,17 +74,10 @@ def test_fit_logs_mfu_and_prints_the_report(tmp_path, capsys) -> None:
 
 
 def test_steps_between_counts_scale_the_counted_flops_by_their_tokens(tmp_path) -> None:  # noqa: ANN001
-    torch.manual_seed(0)
-    source = SyntheticRankingSource(num_items=100, num_train_users=20, num_val_users=4, num_test_users=4,
-                                    max_history_length=16, max_candidates=4, mean_candidates=2.0)  # fmt: skip
-    loader = DataLoader(source.dataset("train"), batch_size=8, collate_fn=source.collate)  # 8, 8, 4 users
+    model, loader = _ranker_and_loader(20)  # batches of 8, 8 and 4 users
     tokens = [batch.num_tokens for batch in loader]
-    model = GEMRanker(source.schema, embedding_dim=8, model_dim=16, num_layers=1, num_heads=2, head_hidden_dims=(16,))
     monitor = MFUMonitor(flops_every_n_steps=10, plot=False)
-    trainer = L.Trainer(accelerator="cpu", max_steps=3, callbacks=[monitor], logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
-                        limit_val_batches=0)  # fmt: skip
-    trainer.fit(model, loader)
+    _trainer(monitor, tmp_path, max_steps=3, limit_val_batches=0).fit(model, loader)
     counted = monitor.history[0]["perf/model_flops"]
     for row, n in zip(monitor.history[1:], tokens[1:], strict=True):
         assert row["perf/model_flops"] == pytest.approx(counted * n / tokens[0])
@@ -108,18 +111,7 @@ class _UnevenModule(L.LightningModule):
 
 def test_two_gloo_ranks_report_the_compute_imbalance_that_step_times_hide(tmp_path) -> None:  # noqa: ANN001
     monitor = MFUMonitor(plot=False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp_spawn",
-        max_steps=4,
-        callbacks=[monitor],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = _trainer(monitor, tmp_path, devices=2, strategy="ddp_spawn", max_steps=4)
     trainer.fit(_UnevenModule(), DataLoader(torch.randn(64, 4), batch_size=4))
     summary = json.loads((tmp_path / "mfu.json").read_text())
     # Forward 0.15 s vs 0.05 s: max/mean = 0.15 / 0.10 = 1.5; the synchronised steps look balanced.
