@@ -72,10 +72,11 @@ def _model(source: SyntheticRankingSource, args: argparse.Namespace, attention_i
     )
 
 
-def run_stack(stack: str, args: argparse.Namespace) -> dict[str, float]:
-    """Train ``stack`` for warm-up + timed steps; returns its measurements."""
+def run_stack(
+    stack: str, source: SyntheticRankingSource, tokens_per_step: float, args: argparse.Namespace
+) -> dict[str, float]:
+    """Train ``stack`` for warm-up + timed steps on ``source``; returns its measurements."""
     L.seed_everything(args.seed, verbose=False)
-    source = _source(args)
     kit = stack == "kit"
     model = _model(source, args, "auto" if kit else "padded")
     data = GEMDataModule(source=source, batch_size=args.batch_size, seed=args.seed, balance=kit)
@@ -102,18 +103,16 @@ def run_stack(stack: str, args: argparse.Namespace) -> dict[str, float]:
     trainer.fit(model, datamodule=data)
     timed = monitor.history[args.warmup :]
     step_s = statistics.median(row["perf/step_time_s"] for row in timed)
-    tokens = args.batch_size * _mean_tokens_per_user(source)
     return {
         "step_ms": step_s * 1e3,
-        "tokens_per_s": tokens / step_s,
+        "tokens_per_s": tokens_per_step / step_s,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
     }
 
 
-def useful_flops_per_step(args: argparse.Namespace) -> float:
+def useful_flops_per_step(source: SyntheticRankingSource, args: argparse.Namespace) -> float:
     """Mean training FLOPs of the timed batches, counted through the jagged attention ops' formulas."""
     L.seed_everything(args.seed, verbose=False)
-    source = _source(args)
     device = torch.device(args.device)
     model = _model(source, args, "auto").to(device)
     data = GEMDataModule(source=source, batch_size=args.batch_size, seed=args.seed, balance=False)
@@ -160,8 +159,10 @@ def main() -> None:
     if any(s not in STACKS for s in stacks):
         parser.error(f"--stacks must be from {STACKS}, got {args.stacks!r}")
 
-    results = {stack: run_stack(stack, args) for stack in stacks}
-    useful = useful_flops_per_step(args)  # the same global batches in both stacks
+    source = _source(args)  # one data set for every stack and for the FLOP count
+    tokens_per_step = args.batch_size * _mean_tokens_per_user(source)
+    results = {stack: run_stack(stack, source, tokens_per_step, args) for stack in stacks}
+    useful = useful_flops_per_step(source, args)  # the same global batches in both stacks
     peak = peak_tflops(args.device) if args.device == "cuda" else None
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(
