@@ -45,3 +45,22 @@ def test_balance_ranks_splits_and_times_every_share(tmp_path: Path) -> None:
     # The same global batch, split by cost: never worse balanced than the plain split.
     for p, b in zip(plain, balanced, strict=True):
         assert p["tokens"] == b["tokens"] and b["cost_imbalance"] <= p["cost_imbalance"] + 1e-9
+
+
+def test_scaling_runs_every_configuration_on_two_cpu_ranks(tmp_path: Path) -> None:
+    out = tmp_path / "scaling.json"
+    printed = _run(
+        "scaling.py", "--device", "cpu", "--devices", "2", "--tiny", "--root", str(tmp_path), "--out", str(out)
+    )
+    assert "losses match 1 GPU in every layout" in printed
+    results = json.loads(out.read_text())
+    assert results["n"] == 2 and "error" not in results["baseline"]
+    layouts = {row["layout"] for row in results["layouts"]}
+    assert layouts == {"sparse 1 / FSDP", "sparse 1 / FSDP+TP2", "sparse 2 / FSDP", "sparse 2 / FSDP+TP2"}
+    for row in results["layouts"]:
+        assert row["speed"]["samples_per_s_per_gpu"] > 0 and row["speed"]["scaling_ratio"] > 0
+        assert row["match"]["max_loss_rel_diff"] <= 1e-4, row["layout"]
+    assert results["overlap_on_prefetched"] > 0, "the overlap run must serve forwards from prefetched all-to-alls"
+    checkpoint = results["checkpoint"]
+    assert checkpoint["errors"] == []
+    assert checkpoint["resume_max_loss_rel_diff"] <= 1e-6 and checkpoint["weights_at_half_max_abs_diff"] <= 1e-6

@@ -1,6 +1,7 @@
 """What the spawned ranks run: the GEM example (``GEMRanker`` on synthetic data, tiny) under ``strategy="gem5d"``.
 
-Functions here run inside :func:`gloo_runner.run_ranks` processes and return plain picklable results.
+Functions here run inside processes of :func:`lightning_gem.testing.distributed.run_ranks` and return
+plain picklable results.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from lightning_gem.testing.distributed import forget_torchrec_node_groups, full_weights
 
 NUM_USERS = 64
 
@@ -109,7 +112,7 @@ def fit_gem(
 
     from lightning_gem.data import GEMDataModule
 
-    _forget_torchrec_node_groups()
+    forget_torchrec_node_groups()
     L.seed_everything(seed, verbose=False)
     data = GEMDataModule(source=make_source(), batch_size=global_batch // world_size, seed=seed)
     model = make_model(data.schema, dense_optimizer)
@@ -161,7 +164,7 @@ def validate_gem(
 
     from lightning_gem.data import GEMDataModule
 
-    _forget_torchrec_node_groups()
+    forget_torchrec_node_groups()
     data = GEMDataModule(source=make_source(), batch_size=batch_size)
     model = make_model(data.schema)
     trainer = L.Trainer(
@@ -175,50 +178,6 @@ def validate_gem(
     )
     trainer.validate(model, datamodule=data, ckpt_path=ckpt_path)
     return full_weights(model)
-
-
-def _forget_torchrec_node_groups() -> None:
-    """torchrec caches its table-row-wise node groups in module globals for the life of the process; tests
-    that train several layouts in one process start each fit without them."""
-    from torchrec.distributed import comm
-
-    comm._INTRA_PG = comm._CROSS_PG = comm._INTRA_PG_2D = comm._CROSS_PG_2D = None
-    comm._NODE_GROUP_SIZE_2D = None
-
-
-def full_weights(model: torch.nn.Module) -> dict[str, np.ndarray]:
-    """Every entry of the (sharded) model's state dict as a full array, the same on every rank (collective).
-
-    Arrays, not tensors: tensors cross process boundaries as shared memory that dies with the rank.
-    """
-    return {name: _full(value).numpy() for name, value in model.state_dict().items()}
-
-
-def _full(value: Any) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        local = value.to_local()
-        if not hasattr(local, "local_shards"):  # FSDP2 / tensor-parallel DTensor
-            return value.full_tensor().detach().clone()
-        # torchrec's sharded table: place this rank's shards, average over the ranks holding each element
-        # (replicas of a shard hold equal values).
-        full = torch.zeros(value.shape, dtype=value.dtype)
-        count = torch.zeros(value.shape, dtype=value.dtype)
-        for shard, offset in zip(local.local_shards(), local.local_offsets(), strict=True):
-            index = tuple(slice(o, o + n) for o, n in zip(offset, shard.shape, strict=True))
-            full[index] += shard.detach().to(full.dtype)
-            count[index] += 1
-        high = torch.where(count > 0, full, torch.finfo(full.dtype).min)
-        low = torch.where(count > 0, full, torch.finfo(full.dtype).max)
-        torch.distributed.all_reduce(full)
-        torch.distributed.all_reduce(count)
-        torch.distributed.all_reduce(high, op=torch.distributed.ReduceOp.MAX)
-        torch.distributed.all_reduce(low, op=torch.distributed.ReduceOp.MIN)
-        spread = float((high - low).abs().max())
-        assert spread == 0.0, f"replicas of a table differ by {spread}"
-        return full / count
-    return value.detach().clone()
 
 
 def check_dir(path: str) -> bool:

@@ -1,7 +1,8 @@
 """gem5d with real processes on CPU/gloo: the GEM example trains at 2 and 4 ranks in every layout that fits,
 with the losses and weights of a single process on the same global batch.
 
-Each test spawns one group of processes (``gloo_runner.run_ranks``) that trains several layouts in turn.
+Each test spawns one group of processes (``lightning_gem.testing.distributed.run_ranks``) that trains
+several layouts in turn.
 The comparisons use SGD for the dense layers (see ``gem_workloads.make_model``) and, where a table has
 replicas, for the embeddings: replicas are averaged after each step, which equals one update on the
 whole batch for SGD only (with Adam it is torchrec's 2D approximation).
@@ -16,7 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 from gem_workloads import NUM_USERS, fit_gem, validate_gem
-from gloo_runner import run_ranks
+
+from lightning_gem.testing.distributed import run_ranks
 
 STEPS = 5
 GLOBAL_BATCH = 8

@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from gloo_runner import run_ranks
+
+from lightning_gem.testing.distributed import run_ranks
 
 pytestmark = pytest.mark.gpu
 

@@ -1,0 +1,386 @@
+"""Multi-GPU scaling of ``strategy="gem5d"``: the GEM example at a fixed per-GPU batch on 1 GPU and on N.
+
+One run measures, each N-GPU configuration in its own group of N processes (one per GPU, NCCL):
+
+- speed: per-GPU throughput (samples per second per GPU, timed from the end of one step to the end of
+  the next, so data loading and the prefetched embedding all-to-all between steps count) at N over the
+  same at 1 GPU: the scaling ratio; local MFU of the ``MFUMonitor`` (useful FLOPs of the jagged batch
+  over the device's peak) and E2E MFU = local MFU x scaling ratio. For sparse sharding group sizes 1, N/2
+  and N, dense FSDP over the data-parallel ranks and FSDP + tensor parallel (2); overlap
+  (``train_pipeline``) on and off; Base Batch Shuffling (``GEMDataModule(balance=...)``) on and off, each
+  with the ranks' compute imbalance (max/mean forward time).
+- correctness: every layout's losses over the first steps against one GPU on the same global batch (fp32,
+  SGD, the reference attention: equal up to the order of float reductions); a run saved mid-way at N
+  ranks and resumed against the uninterrupted run; the saved weights loaded at N/2 ranks against the
+  weights at N.
+
+Usage:
+    python examples/benchmarks/scaling.py --out scaling.json                  # every GPU of the machine
+    python examples/benchmarks/scaling.py --device cpu --devices 2 --tiny     # the whole path on CPU/gloo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from lightning_gem.components import GEMRanker
+from lightning_gem.strategies import GEM5DStrategy
+
+from lightning_gem.callbacks import MFUMonitor
+from lightning_gem.data import GEMDataModule, SyntheticRankingSource
+from lightning_gem.testing.distributed import RankError, forget_torchrec_node_groups, full_weights, run_ranks
+
+
+class SGDRanker(GEMRanker):
+    """The GEM example with plain SGD on the dense parameters: the correctness runs compare layouts, and
+    Adam's first steps turn float-level differences of near-zero gradients into ``lr``-sized ones."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+class StepClock(L.Callback):
+    """End time of every training step (device synchronised) and its loss: the rank mean when ``mean_loss``."""
+
+    def __init__(self, mean_loss: bool) -> None:
+        self.mean_loss = mean_loss
+        self.ends: list[float] = []
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        loss = outputs["loss"].detach().float().clone()
+        if self.mean_loss and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(loss)
+            loss /= torch.distributed.get_world_size()
+        self.losses.append(float(loss))  # synchronises the device
+        self.ends.append(time.perf_counter())
+
+    def median_interval(self, skip: int) -> float:
+        ends = self.ends[skip:]
+        return statistics.median(b - a for a, b in zip(ends, ends[1:], strict=False)) if len(ends) > 1 else math.nan
+
+
+def make_source(args: argparse.Namespace, match: bool, num_users: int) -> SyntheticRankingSource:
+    """Speed runs: production-shaped users. Correctness runs: one candidate per user, so every rank's loss
+    averages as many candidates and the mean of the ranks' losses is the global batch's loss."""
+    return SyntheticRankingSource(
+        num_items=args.match_items if match else args.num_items,
+        num_train_users=num_users,
+        num_val_users=8,
+        num_test_users=8,
+        min_history_length=2 if match else 16,
+        max_history_length=args.match_history if match else args.max_history,
+        mean_candidates=1.0 if match else args.mean_candidates,
+        max_candidates=1 if match else args.max_candidates,
+        seed=args.seed,
+    )
+
+
+def make_model(schema: Any, args: argparse.Namespace, match: bool) -> GEMRanker:
+    if match:
+        dims = dict(embedding_dim=16, model_dim=32, num_layers=2, num_heads=2, head_hidden_dims=(32,))
+        return SGDRanker(schema, **dims, lr=0.05, attention_impl="reference")
+    dims = dict(embedding_dim=args.embedding_dim, model_dim=args.model_dim, num_layers=args.num_layers)
+    return GEMRanker(schema, **dims, num_heads=args.num_heads, head_hidden_dims=(args.model_dim,), lr=1e-4)
+
+
+def fit(rank: int, world_size: int, job: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """One training run of ``job`` on this rank (every rank of the group calls it); rank 0's measurements."""
+    forget_torchrec_node_groups()
+    match = job["match"]
+    L.seed_everything(args.seed, verbose=False)
+    if match:  # the reference runs' fp32 matmuls stay fp32
+        torch.backends.cuda.matmul.allow_tf32 = False
+    steps = job["steps"]
+    source = make_source(args, match, num_users=job["num_users"])
+    data = GEMDataModule(source=source, batch_size=job["batch"], seed=args.seed, balance=job["balance"])
+    model = make_model(source.schema, args, match)
+    clock = StepClock(mean_loss=match)
+    callbacks: list[Any] = [clock]
+    monitor = None
+    if not match:
+        baseline = job.get("baseline_samples_per_s")
+        monitor = MFUMonitor(flops_every_n_steps=steps + 1, plot=False, baseline_samples_per_s=baseline)
+        callbacks.append(monitor)
+    if job.get("save_every"):
+        callbacks.append(
+            L.pytorch.callbacks.ModelCheckpoint(
+                dirpath=job["root"], every_n_train_steps=job["save_every"], save_top_k=-1, filename="{step}"
+            )
+        )
+    cuda = args.device == "cuda"
+    strategy = GEM5DStrategy(**job["strategy"])
+    trainer = L.Trainer(
+        accelerator="gpu" if cuda else "cpu",
+        devices=world_size,
+        strategy=strategy,
+        precision="32-true" if match or not cuda else "bf16-mixed",
+        max_steps=steps,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=bool(job.get("save_every")),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        default_root_dir=job["root"],
+    )
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.fit(model, datamodule=data, ckpt_path=job.get("ckpt_path"))
+    out: dict[str, Any] = {"losses": clock.losses}
+    if job.get("weights"):
+        out["weights"] = full_weights(model)
+    if monitor is not None:
+        interval = clock.median_interval(skip=args.warmup)
+        summary = monitor.summary(skip_first=args.warmup)
+        samples_per_gpu = job["batch"]  # a tensor-parallel group trains on its ranks' batches merged
+        out.update(
+            step_ms=interval * 1e3,
+            samples_per_s_per_gpu=samples_per_gpu / interval,
+            mfu=summary.get("mfu", math.nan),
+            compute_imbalance=summary.get("compute_imbalance", math.nan),
+            step_time_imbalance=summary.get("step_time_imbalance", math.nan),
+            peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else math.nan,
+            prefetched=getattr(strategy.prefetcher, "hits", None),
+        )
+    return out if rank == 0 else {}
+
+
+def load_weights(rank: int, world_size: int, job: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The full weights of a gem5d checkpoint loaded on this group's layout (``Trainer.validate``)."""
+    forget_torchrec_node_groups()
+    source = make_source(args, match=True, num_users=job["num_users"])
+    data = GEMDataModule(source=source, batch_size=job["batch"], seed=args.seed)
+    model = make_model(source.schema, args, match=True)
+    cuda = args.device == "cuda"
+    trainer = L.Trainer(
+        accelerator="gpu" if cuda else "cpu",
+        devices=world_size,
+        strategy=GEM5DStrategy(**job["strategy"]),
+        limit_val_batches=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=job["root"],
+    )
+    trainer.validate(model, datamodule=data, ckpt_path=job["ckpt_path"], verbose=False)
+    weights = full_weights(model)
+    return {"weights": weights} if rank == 0 else {}
+
+
+def run_group(name: str, fn: Any, world_size: int, job: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """``fn`` on a fresh group of ``world_size`` processes; a failure is recorded, not raised, so one broken
+    configuration does not hide the others' measurements."""
+    started = time.perf_counter()
+    threads = max(1, min(8, (os.cpu_count() or 2) // world_size))
+    try:
+        out = run_ranks(fn, world_size, job, args, timeout=args.timeout, threads=threads)[0]
+    except RankError as err:
+        out = {"error": str(err)[-3000:]}
+        print(f"[{name}] FAILED:\n{out['error']}", flush=True)
+    out["wall_s"] = time.perf_counter() - started
+    brief = {k: v for k, v in out.items() if isinstance(v, int | float) and k != "prefetched"}
+    print(f"[{name}] on {world_size} ranks: " + ", ".join(f"{k} {v:.4g}" for k, v in brief.items()), flush=True)
+    return out
+
+
+def layouts(n: int) -> list[dict[str, Any]]:
+    """Sparse sharding group sizes 1, N/2, N x dense FSDP over the data-parallel ranks and FSDP + TP (2)."""
+    groups = sorted({1, max(1, n // 2), n})
+    dense = [{"tensor_parallel_size": 1}] + ([{"tensor_parallel_size": 2}] if n % 2 == 0 and n >= 2 else [])
+    return [{"sparse_group_size": g, **d} for g in groups for d in dense]
+
+
+def layout_name(strategy: dict[str, Any]) -> str:
+    tp = strategy.get("tensor_parallel_size", 1)
+    dense = "FSDP" if tp == 1 else f"FSDP+TP{tp}"
+    return f"sparse {strategy['sparse_group_size']} / {dense}"
+
+
+def max_relative_difference(a: list[float], b: list[float]) -> float:
+    if len(a) != len(b) or not a:
+        return math.inf
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=True))
+
+
+def weights_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    if a.keys() != b.keys():
+        return math.inf
+    return max(float(np.max(np.abs(a[k].astype(np.float64) - b[k]))) if a[k].size else 0.0 for k in a)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
+    parser.add_argument("--devices", type=int, default=None, help="N; default: every GPU (cuda) or 2 (cpu)")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes and few steps: a smoke run of the path")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps of a speed run")
+    parser.add_argument("--warmup", type=int, default=6, help="untimed steps first (compilation, autotuning)")
+    parser.add_argument("--batch-size", type=int, default=64, help="users per GPU (per data-parallel rank)")
+    parser.add_argument("--max-history", type=int, default=4096)
+    parser.add_argument("--mean-candidates", type=float, default=128.0)
+    parser.add_argument("--max-candidates", type=int, default=512)
+    parser.add_argument("--num-items", type=int, default=1_000_000)
+    parser.add_argument("--embedding-dim", type=int, default=128)
+    parser.add_argument("--model-dim", type=int, default=512)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--match-steps", type=int, default=6, help="steps of a correctness run")
+    parser.add_argument("--match-batch", type=int, default=16, help="users per data-parallel rank, correctness")
+    parser.add_argument("--match-history", type=int, default=64)
+    parser.add_argument("--match-items", type=int, default=5000)
+    parser.add_argument("--loss-rtol", type=float, default=1e-4, help="correctness: max relative loss difference")
+    parser.add_argument("--timeout", type=float, default=420.0, help="seconds a group may take per result")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--root", type=Path, default=None, help="checkpoints and logs; default: a temporary folder")
+    parser.add_argument("--out", type=Path, default=None, help="also write every measurement as JSON here")
+    args = parser.parse_args()
+    if args.tiny:
+        args.steps, args.warmup, args.batch_size, args.match_steps = 3, 1, 4, 4
+        args.max_history, args.mean_candidates, args.max_candidates = 32, 3.0, 6
+        args.num_items, args.embedding_dim, args.model_dim, args.num_layers = 500, 16, 32, 1
+        args.match_batch, args.match_history, args.match_items = 4, 16, 200
+    n = args.devices or (torch.cuda.device_count() if args.device == "cuda" else 2)
+    if n < 2:
+        parser.error(f"needs at least 2 devices, got {n}")
+    root = Path(args.root or tempfile.mkdtemp(prefix="gem5d-scaling-"))
+    results: dict[str, Any] = {"n": n, "args": {k: str(v) for k, v in vars(args).items()}}
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    results["device"] = device
+
+    def speed_job(strategy: dict[str, Any], **kw: Any) -> dict[str, Any]:
+        job = dict(match=False, steps=args.warmup + args.steps, batch=args.batch_size, balance=True)
+        job["num_users"] = args.batch_size * n * (args.warmup + args.steps + 2)  # the same users in every run
+        return {**job, "strategy": {"train_pipeline": True, **strategy}, "root": str(root / "speed"), **kw}
+
+    def match_job(strategy: dict[str, Any], **kw: Any) -> dict[str, Any]:
+        job = dict(match=True, steps=args.match_steps, batch=args.match_batch, balance=True, root=str(root / "match"))
+        job["num_users"] = args.match_batch * n * (args.match_steps + 2)
+        return {**job, "strategy": {"embedding_optimizer": "sgd", **strategy}, **kw}
+
+    # 1 GPU: the speed baseline (the same per-GPU batch) and the correctness reference (the N-GPU runs'
+    # global batch: N per-rank batches, also under tensor parallelism, whose groups merge their ranks' batches).
+    base = run_group("1 GPU", fit, 1, speed_job({"train_pipeline": False}), args)
+    results["baseline"] = base
+    baseline = base.get("samples_per_s_per_gpu")
+    ref = run_group("1 GPU, global batch", fit, 1, match_job({}, batch=args.match_batch * n), args)
+    results["reference"] = ref
+
+    rows = []
+    for layout in layouts(n):
+        name = layout_name(layout)
+        speed = run_group(name, fit, n, speed_job(layout, baseline_samples_per_s=baseline), args)
+        check = run_group(name + " (fp32)", fit, n, match_job(layout), args)
+        check["max_loss_rel_diff"] = max_relative_difference(check.get("losses", []), ref.get("losses", []))
+        rows.append({"layout": name, "strategy": layout, "speed": speed, "match": check})
+    results["layouts"] = rows
+
+    headline = {"sparse_group_size": n, "tensor_parallel_size": 1}
+    results["overlap_off"] = run_group(
+        "overlap off", fit, n, speed_job({**headline, "train_pipeline": False}, baseline_samples_per_s=baseline), args
+    )
+    results["shuffling_off"] = run_group(
+        "shuffling off", fit, n, speed_job(headline, balance=False, baseline_samples_per_s=baseline), args
+    )
+
+    # Checkpoints: save at N mid-way and resume, against the uninterrupted run; the weights at N/2.
+    half = args.match_steps // 2
+    ckpt_root = root / "checkpoints"
+    whole = run_group("uninterrupted", fit, n, match_job(headline, root=str(root / "whole")), args)
+    saved = run_group(
+        "save", fit, n, match_job(headline, steps=half, save_every=half, weights=True, root=str(ckpt_root)), args
+    )
+    ckpt = str(ckpt_root / f"step={half}.ckpt")
+    resumed = run_group("resume", fit, n, match_job(headline, ckpt_path=ckpt, root=str(ckpt_root)), args)
+    loaded = run_group(
+        f"weights at {n // 2}",
+        load_weights,
+        n // 2,
+        match_job({}, ckpt_path=ckpt, root=str(root / "load")),
+        args,
+    )
+    results["checkpoint"] = {
+        "resume_max_loss_rel_diff": max_relative_difference(resumed.get("losses", []), whole.get("losses", [])[half:]),
+        "weights_at_half_max_abs_diff": weights_difference(loaded.get("weights", {}), saved.get("weights", {}))
+        if "weights" in loaded and "weights" in saved
+        else math.inf,
+        "errors": [r["error"] for r in (whole, saved, resumed, loaded) if "error" in r],
+    }
+    on = next(r["speed"] for r in rows if r["strategy"] == headline)
+    results["overlap_on_prefetched"] = on.get("prefetched") or 0  # forwards served by a prefetched all-to-all
+    report(results, args)
+    if args.out is not None:
+        args.out.write_text(json.dumps(_plain(results), indent=1))
+
+
+def report(results: dict[str, Any], args: argparse.Namespace) -> None:
+    n, base = results["n"], results["baseline"]
+    print(
+        f"\ngem5d scaling on {n} x {results['device']}: GEMRanker dim {args.model_dim} x {args.num_layers} layers, "
+        f"{args.batch_size} users/GPU, histories clip({args.max_history} u^3), ~{args.mean_candidates:.0f} "
+        f"candidates/user, {'bf16-mixed' if args.device == 'cuda' else 'fp32'}"
+    )
+    print(
+        f"1 GPU: {base.get('step_ms', math.nan):.2f} ms/step, {base.get('samples_per_s_per_gpu', math.nan):.1f} "
+        f"samples/s, local MFU {base.get('mfu', math.nan):.1%}"
+    )
+    header = f"{'configuration':<36} {'ms/step':>8} {'samples/s/GPU':>14} {'scaling':>8} {'MFU':>6} {'E2E MFU':>8}"
+    print(header + f" {'imbalance':>9} {'loss vs 1 GPU':>14}")
+    base_rate = base.get("samples_per_s_per_gpu", math.nan)
+
+    def line(name: str, speed: dict[str, Any], check: dict[str, Any] | None = None) -> None:
+        if "error" in speed:
+            print(f"{name:<36} failed")
+            return
+        scaling = speed["samples_per_s_per_gpu"] / base_rate
+        speed["scaling_ratio"], speed["e2e_mfu"] = scaling, speed["mfu"] * scaling
+        diff = "" if check is None else ("failed" if "error" in check else f"{check['max_loss_rel_diff']:.1e}")
+        print(
+            f"{name:<36} {speed['step_ms']:>8.2f} {speed['samples_per_s_per_gpu']:>14.1f} {scaling:>8.3f} "
+            f"{speed['mfu']:>6.1%} {speed['e2e_mfu']:>8.1%} {speed['compute_imbalance']:>9.3f} {diff:>14}"
+        )
+
+    for row in results["layouts"]:
+        line(row["layout"] + " (overlap, BBS)", row["speed"], row["match"])
+    line(f"sparse {n} / FSDP, no overlap", results["overlap_off"])
+    line(f"sparse {n} / FSDP, no BBS", results["shuffling_off"])
+    on = next(r["speed"] for r in results["layouts"] if r["strategy"]["sparse_group_size"] == n)
+    off = results["overlap_off"]
+    if "error" not in on and "error" not in off:
+        print(f"overlap saves {off['step_ms'] - on['step_ms']:.2f} ms/step ({off['step_ms'] / on['step_ms']:.3f}x)")
+    ck = results["checkpoint"]
+    print(
+        f"resume at {n} vs uninterrupted: max relative loss difference {ck['resume_max_loss_rel_diff']:.1e}; "
+        f"weights loaded at {n // 2} vs saved at {n}: max abs difference {ck['weights_at_half_max_abs_diff']:.1e}"
+    )
+    bad = [
+        r["layout"] for r in results["layouts"] if not r["match"].get("max_loss_rel_diff", math.inf) <= args.loss_rtol
+    ]
+    print("losses match 1 GPU in every layout" if not bad else f"losses differ from 1 GPU: {bad}")
+
+
+def _plain(value: Any) -> Any:
+    """JSON-ready: numpy arrays (weights) dropped to their shapes."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items() if k != "weights"}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+if __name__ == "__main__":
+    main()
