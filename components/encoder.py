@@ -61,6 +61,8 @@ class HSTULayer(nn.Module):
         dropout: dropout on the layer's output before the residual.
         norm: ``"rms"`` or ``"layer"`` for the input and attention-output norms.
         per_head_norm: normalise the attention output per head (see above).
+        attention_scale: GDPA score scale; None: ``1 / sqrt(attention_dim)``. The HSTU reference applies the
+            activation to the raw scores (``1.0``).
         attention_impl: GDPA ``impl`` (``"auto"``, ``"reference"``, ``"triton"``, or the ``"padded"`` baseline).
 
     Shapes:
@@ -87,6 +89,7 @@ class HSTULayer(nn.Module):
         dropout: float = 0.0,
         norm: NormKind = "rms",
         per_head_norm: bool = True,
+        attention_scale: float | None = None,
         attention_impl: str = "auto",
     ) -> None:
         super().__init__()
@@ -109,6 +112,9 @@ class HSTULayer(nn.Module):
         self.causal = causal
         self.window = window
         self.per_head_norm = per_head_norm
+        if attention_scale is not None and not attention_scale > 0:
+            raise ValueError(f"`attention_scale` must be > 0, got {attention_scale}")
+        self.attention_scale = attention_scale
         self.attention_impl = attention_impl
 
         self.input_norm = make_norm(norm, dim)
@@ -164,6 +170,7 @@ class HSTULayer(nn.Module):
             causal=self.causal,
             window=self.window,
             num_targets=num_targets,
+            scale=self.attention_scale,
             max_seq_len_q=max_seq_len,
             impl=self.attention_impl,
             check_offsets=check_offsets,
@@ -217,7 +224,7 @@ class JaggedHistoryEncoder(nn.Module):
         num_layers: HSTU layers.
         num_heads: heads per layer.
         max_length: positions beyond it share the last position embedding.
-        attention_dim, linear_dim, activation, causal, window, norm, per_head_norm, attention_impl:
+        attention_dim, linear_dim, activation, causal, window, norm, per_head_norm, attention_scale, attention_impl:
             see :class:`HSTULayer`.
         dropout: dropout on the input and on each layer's output.
         use_time: add an embedding of ``time_buckets(time_deltas)``; ``forward`` then needs ``time_deltas``.
@@ -251,6 +258,7 @@ class JaggedHistoryEncoder(nn.Module):
         dropout: float = 0.0,
         norm: NormKind = "rms",
         per_head_norm: bool = True,
+        attention_scale: float | None = None,
         use_time: bool = False,
         num_time_buckets: int = 64,
         attention_impl: str = "auto",
@@ -287,6 +295,7 @@ class JaggedHistoryEncoder(nn.Module):
                 dropout=dropout,
                 norm=norm,
                 per_head_norm=per_head_norm,
+                attention_scale=attention_scale,
                 attention_impl=attention_impl,
             )
             for _ in range(num_layers)

@@ -125,6 +125,8 @@ class SequentialRecommender(L.LightningModule):
         attention_window: local attention window (None: full causal).
         dropout: dropout of the encoder.
         norm: ``"rms"`` or ``"layer"``.
+        per_head_norm: normalise the attention output per head (False: over all heads, as the HSTU paper).
+        attention_scale: GDPA score scale; None: ``1 / sqrt(head dim)`` (the HSTU reference uses ``1.0``).
         use_time: encode the gap to the previous event (``batch.timestamps``; causal: no future times).
         num_negatives: uniform negatives of each position's sampled softmax.
         shared_negatives: draw one set of ``num_negatives`` for the whole batch instead of one per position
@@ -133,6 +135,7 @@ class SequentialRecommender(L.LightningModule):
         temperature: softmax temperature over cosine similarities.
         top_k: the cut-offs of HR@K and NDCG@K.
         lr: AdamW learning rate.
+        betas: AdamW betas.
         weight_decay: AdamW weight decay of the Linear weights.
         embedding_init_scale: item rows uniform in ``[-s, s]``; None: torchrec's default.
         attention_impl: GDPA ``impl``.
@@ -158,12 +161,15 @@ class SequentialRecommender(L.LightningModule):
         attention_window: int | None = None,
         dropout: float = 0.2,
         norm: NormKind = "rms",
+        per_head_norm: bool = True,
+        attention_scale: float | None = None,
         use_time: bool = False,
         num_negatives: int = 128,
         shared_negatives: bool = False,
         temperature: float = 0.05,
         top_k: tuple[int, ...] = (10, 50, 200),
         lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
         weight_decay: float = 0.0,
         embedding_init_scale: float | None = 0.05,
         attention_impl: str = "auto",
@@ -223,6 +229,8 @@ class SequentialRecommender(L.LightningModule):
             window=hp.attention_window,
             dropout=hp.dropout,
             norm=hp.norm,
+            per_head_norm=hp.per_head_norm,
+            attention_scale=hp.attention_scale,
             use_time=hp.use_time,
             attention_impl=hp.attention_impl,
         )
@@ -387,7 +395,8 @@ class SequentialRecommender(L.LightningModule):
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
         self._require_schema()
-        return torch.optim.AdamW(adamw_param_groups(self, self.hparams.weight_decay), lr=self.hparams.lr)
+        hp = self.hparams
+        return torch.optim.AdamW(adamw_param_groups(self, hp.weight_decay), lr=hp.lr, betas=tuple(hp.betas))
 
 
 def _gap_to_previous(timestamps: Tensor, offsets: Tensor) -> Tensor:

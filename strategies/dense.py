@@ -15,7 +15,8 @@ Tensor parallelism uses the plan each component declares (``tensor_parallel_plan
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ __all__ = [
     "apply_fsdp",
     "apply_tensor_parallel",
     "dense_units",
+    "split_mixed_param_groups",
     "tensor_parallel_modules",
 ]
 
@@ -257,3 +259,35 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: 
         for group in groups.values():
             torch._foreach_mul_(group, scale)
     return total
+
+
+@contextlib.contextmanager
+def split_mixed_param_groups(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Inside the block, every parameter group of ``optimizer`` holding both DTensor (FSDP2 / tensor-parallel)
+    and plain parameters (the replicated ones, see :func:`dense_units`) is two groups with its options.
+
+    PyTorch's multi-tensor (``foreach``, the CUDA default) and fused optimizer kernels refuse a list mixing
+    DTensors and plain tensors. Splitting only for the step keeps them (no per-parameter fallback) and leaves
+    the groups as the user built them everywhere else (LR schedulers and checkpoints index the groups;
+    optimizer state is keyed by parameter, so it is the same either way).
+    """
+    from torch.distributed.tensor import DTensor
+
+    optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer: the optimizer it wraps
+    groups = optimizer.param_groups
+    split: list[dict[str, Any]] = []
+    for group in groups:
+        sharded = [p for p in group["params"] if isinstance(p, DTensor)]
+        plain = [p for p in group["params"] if not isinstance(p, DTensor)]
+        if sharded and plain:
+            split += [{**group, "params": sharded}, {**group, "params": plain}]
+        else:
+            split.append(group)
+    if len(split) == len(groups):
+        yield
+        return
+    optimizer.param_groups = split
+    try:
+        yield
+    finally:
+        optimizer.param_groups = groups

@@ -365,7 +365,8 @@ class GEM5DStrategy(ParallelStrategy):
             parallel.reduce_gradients()
             return out
 
-        out = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
+        with dense.split_mixed_param_groups(optimizer):
+            out = super().optimizer_step(optimizer, closure_then_reduce, model, **kwargs)
         parallel.after_step()
         return out
 

@@ -52,7 +52,9 @@ __all__ = [
     "sparse_parameter_ids",
 ]
 
-SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise")
+# The planner's default choices. Not table-column-wise: torchrec (1.6) cannot build the state of a rank holding
+# no shard of such a table (it has no global shape for that sharding type); a constraint can still ask for it.
+SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "table_row_wise")
 EC_TYPES = ("table_wise", "row_wise", "column_wise")  # what torchrec's sharded EmbeddingCollection implements
 EmbeddingOptimizerName = Literal["sgd", "adagrad", "rowwise_adagrad", "adam"]
 
@@ -182,8 +184,10 @@ def plan_sharding(
     sharders: list[Any],
     constraints: Mapping[str, TableConstraint] | None = None,
     node_group_size: int | None = None,
+    local_world_size: int | None = None,
 ) -> Any:
-    """torchrec's sharding plan for one sharding group, addressed to the global ranks of ``rank``'s group.
+    """torchrec's sharding plan for one sharding group, addressed to the global ranks of ``rank``'s group
+    (and their devices: ``local_world_size`` processes of one device each per host).
 
     The planner runs on rank 0 for a world of ``sparse_group_size`` ranks and is broadcast (every group
     gets the same plan, so replicas hold identical shards); its rank ``j`` is then rank
@@ -214,12 +218,13 @@ def plan_sharding(
     plan = planner.collective_plan(module, sharders, dist.group.WORLD) if dist.is_initialized() else None
     if plan is None:
         plan = planner.plan(module, sharders)
-    _readdress_plan(plan, offset=(rank // size) * size, device_type=device.type)
+    _readdress_plan(plan, offset=(rank // size) * size, device_type=device.type, local_world_size=local_world_size)
     return plan
 
 
-def _readdress_plan(plan: Any, offset: int, device_type: str) -> None:
-    """Shift every rank of ``plan`` by ``offset`` (group-local ranks to global ranks), in place."""
+def _readdress_plan(plan: Any, offset: int, device_type: str, local_world_size: int | None = None) -> None:
+    """Shift every rank of ``plan`` by ``offset`` (group-local ranks to global ranks), in place; a shard placed
+    on an indexed device moves to its new rank's device, ``rank % local_world_size`` (one device a process)."""
     from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
     from torch.distributed.remote_device import _remote_device
 
@@ -231,10 +236,12 @@ def _readdress_plan(plan: Any, offset: int, device_type: str) -> None:
             spec = param_sharding.sharding_spec
             if isinstance(spec, EnumerableShardingSpec):
                 for shard in spec.shards:
-                    local = shard.placement.rank() + offset
+                    moved = shard.placement.rank() + offset
                     index = shard.placement.device().index
+                    if index is not None and local_world_size:
+                        index = moved % local_world_size
                     device = device_type if index is None else f"{device_type}:{index}"
-                    shard.placement = _remote_device(f"rank:{local}/{device}")
+                    shard.placement = _remote_device(f"rank:{moved}/{device}")
 
 
 def describe_plan(plan: Any, group_size: int) -> dict[str, str]:
@@ -297,7 +304,7 @@ def shard_embeddings(
     sharders = make_sharders(device.type, optimizer)
     rank = dist.get_rank()
     node_group_size = math.gcd(layout.sparse_group_size, local_world_size or layout.sparse_group_size)
-    plan = plan_sharding(module, layout, rank, device, sharders, constraints, node_group_size)
+    plan = plan_sharding(module, layout, rank, device, sharders, constraints, node_group_size, local_world_size)
     env_kwargs: dict[str, Any] = {"node_group_size": node_group_size, "use_inter_host_allreduce": True}
     accepted = inspect.signature(ShardingEnv2D).parameters
     if "use_inter_host_allreduce" not in accepted and layout.sparse_replicas > 1 and layout.sparse_group_size > 1:
@@ -338,7 +345,9 @@ def _local_shards(value: Any) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
     if isinstance(value, DTensor):
         local = value.to_local()
         if hasattr(local, "local_shards"):  # torchrec's LocalShardsWrapper
-            return list(zip(local.local_shards(), (tuple(o) for o in local.local_offsets()), strict=True))
+            shards = local.local_shards()  # none on a rank without a shard (its offsets then list a dummy)
+            offsets = local.local_offsets()[: len(shards)]
+            return [(shard, tuple(offset)) for shard, offset in zip(shards, offsets, strict=True)]
         raise TypeError("expected a torchrec sharded table (a DTensor over LocalShardsWrapper)")
     return [(value, (0,) * value.dim())]
 

@@ -71,9 +71,19 @@ class StepClock(L.Callback):
         return statistics.median(b - a for a, b in zip(ends, ends[1:], strict=False)) if len(ends) > 1 else math.nan
 
 
+_SOURCES: dict[tuple[bool, int], SyntheticRankingSource] = {}
+
+
 def make_source(args: argparse.Namespace, match: bool, num_users: int) -> SyntheticRankingSource:
     """Speed runs: production-shaped users. Correctness runs: one candidate per user, so every rank's loss
-    averages as many candidates and the mean of the ranks' losses is the global batch's loss."""
+    averages as many candidates and the mean of the ranks' losses is the global batch's loss. Made once per
+    process (the runs of a group share it)."""
+    if (match, num_users) not in _SOURCES:
+        _SOURCES[match, num_users] = _new_source(args, match, num_users)
+    return _SOURCES[match, num_users]
+
+
+def _new_source(args: argparse.Namespace, match: bool, num_users: int) -> SyntheticRankingSource:
     return SyntheticRankingSource(
         num_items=args.match_items if match else args.num_items,
         num_train_users=num_users,
@@ -180,20 +190,27 @@ def load_weights(rank: int, world_size: int, job: dict[str, Any], args: argparse
     return {"weights": weights} if rank == 0 else {}
 
 
-def run_group(name: str, fn: Any, world_size: int, job: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """``fn`` on a fresh group of ``world_size`` processes; a failure is recorded, not raised, so one broken
-    configuration does not hide the others' measurements."""
+def run_jobs(rank: int, world_size: int, jobs: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each job in turn on this group of processes (one import and start-up for several runs)."""
+    return [(load_weights if job.get("load") else fit)(rank, world_size, job, args) for job in jobs]
+
+
+def run_group(world_size: int, jobs: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """``jobs`` on a fresh group of ``world_size`` processes; a failure is recorded in every job's result, not
+    raised, so one broken configuration does not hide the other groups' measurements."""
     started = time.perf_counter()
     threads = max(1, min(8, (os.cpu_count() or 2) // world_size))
+    names = ", ".join(job["name"] for job in jobs)
     try:
-        out = run_ranks(fn, world_size, job, args, timeout=args.timeout, threads=threads)[0]
+        outs = run_ranks(run_jobs, world_size, jobs, args, timeout=args.timeout, threads=threads)[0]
     except RankError as err:
-        out = {"error": str(err)[-3000:]}
-        print(f"[{name}] FAILED:\n{out['error']}", flush=True)
-    out["wall_s"] = time.perf_counter() - started
-    brief = {k: v for k, v in out.items() if isinstance(v, int | float) and k != "prefetched"}
-    print(f"[{name}] on {world_size} ranks: " + ", ".join(f"{k} {v:.4g}" for k, v in brief.items()), flush=True)
-    return out
+        print(f"[{names}] FAILED:\n{str(err)[-3000:]}", flush=True)
+        outs = [{"error": str(err)[-3000:]} for _ in jobs]
+    print(f"[{names}] on {world_size} ranks: {time.perf_counter() - started:.1f} s", flush=True)
+    for job, out in zip(jobs, outs, strict=True):
+        brief = {k: v for k, v in out.items() if isinstance(v, int | float) and k != "prefetched"}
+        print(f"  {job['name']}: " + ", ".join(f"{k} {v:.4g}" for k, v in brief.items()), flush=True)
+    return outs
 
 
 def layouts(n: int) -> list[dict[str, Any]]:
@@ -272,44 +289,52 @@ def main() -> None:
 
     # 1 GPU: the speed baseline (the same per-GPU batch) and the correctness reference (the N-GPU runs'
     # global batch: N per-rank batches, also under tensor parallelism, whose groups merge their ranks' batches).
-    base = run_group("1 GPU", fit, 1, speed_job({"train_pipeline": False}), args)
-    results["baseline"] = base
+    base, ref = run_group(
+        1,
+        [
+            speed_job({"train_pipeline": False}, name="1 GPU"),
+            match_job({}, batch=args.match_batch * n, name="1 GPU, global batch (fp32)"),
+        ],
+        args,
+    )
+    results["baseline"], results["reference"] = base, ref
     baseline = base.get("samples_per_s_per_gpu")
-    ref = run_group("1 GPU, global batch", fit, 1, match_job({}, batch=args.match_batch * n), args)
-    results["reference"] = ref
 
     rows = []
     for layout in layouts(n):
         name = layout_name(layout)
-        speed = run_group(name, fit, n, speed_job(layout, baseline_samples_per_s=baseline), args)
-        check = run_group(name + " (fp32)", fit, n, match_job(layout), args)
+        speed, check = run_group(
+            n,
+            [
+                speed_job(layout, baseline_samples_per_s=baseline, name=name),
+                match_job(layout, name=name + " (fp32)"),
+            ],
+            args,
+        )
         check["max_loss_rel_diff"] = max_relative_difference(check.get("losses", []), ref.get("losses", []))
         rows.append({"layout": name, "strategy": layout, "speed": speed, "match": check})
     results["layouts"] = rows
 
+    # Overlap and batch shuffling off; checkpoints: save at N mid-way and resume, against the uninterrupted run.
     headline = {"sparse_group_size": n, "tensor_parallel_size": 1}
-    results["overlap_off"] = run_group(
-        "overlap off", fit, n, speed_job({**headline, "train_pipeline": False}, baseline_samples_per_s=baseline), args
-    )
-    results["shuffling_off"] = run_group(
-        "shuffling off", fit, n, speed_job(headline, balance=False, baseline_samples_per_s=baseline), args
-    )
-
-    # Checkpoints: save at N mid-way and resume, against the uninterrupted run; the weights at N/2.
     half = args.match_steps // 2
     ckpt_root = root / "checkpoints"
-    whole = run_group("uninterrupted", fit, n, match_job(headline, root=str(root / "whole")), args)
-    saved = run_group(
-        "save", fit, n, match_job(headline, steps=half, save_every=half, weights=True, root=str(ckpt_root)), args
-    )
     ckpt = str(ckpt_root / f"step={half}.ckpt")
-    resumed = run_group("resume", fit, n, match_job(headline, ckpt_path=ckpt, root=str(ckpt_root)), args)
-    loaded = run_group(
-        f"weights at {n // 2}",
-        load_weights,
-        n // 2,
-        match_job({}, ckpt_path=ckpt, root=str(root / "load")),
+    off, unshuffled, whole, saved, resumed = run_group(
+        n,
+        [
+            speed_job({**headline, "train_pipeline": False}, baseline_samples_per_s=baseline, name="overlap off"),
+            speed_job(headline, balance=False, baseline_samples_per_s=baseline, name="shuffling off"),
+            match_job(headline, root=str(root / "whole"), name="uninterrupted"),
+            match_job(headline, steps=half, save_every=half, weights=True, root=str(ckpt_root), name="save"),
+            match_job(headline, ckpt_path=ckpt, root=str(ckpt_root), name="resume"),
+        ],
         args,
+    )
+    results["overlap_off"], results["shuffling_off"] = off, unshuffled
+    # The saved weights on N/2 ranks (default sparse group: all of them).
+    [loaded] = run_group(
+        n // 2, [match_job({}, ckpt_path=ckpt, root=str(root / "load"), load=True, name=f"weights at {n // 2}")], args
     )
     results["checkpoint"] = {
         "resume_max_loss_rel_diff": max_relative_difference(resumed.get("losses", []), whole.get("losses", [])[half:]),

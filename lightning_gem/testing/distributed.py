@@ -141,7 +141,8 @@ def _full(value: Any) -> torch.Tensor:
         device = shards[0].device if shards else _collective_device()
         full = torch.zeros(value.shape, dtype=torch.float32, device=device)
         count = torch.zeros(value.shape, dtype=torch.float32, device=device)
-        for shard, offset in zip(shards, local.local_offsets(), strict=True):
+        offsets = local.local_offsets()[: len(shards)]  # a rank without a shard lists one dummy offset
+        for shard, offset in zip(shards, offsets, strict=True):
             index = tuple(slice(o, o + n) for o, n in zip(offset, shard.shape, strict=True))
             full[index] += shard.detach().to(full.dtype)
             count[index] += 1

@@ -126,3 +126,20 @@ def test_encoder_errors_name_the_argument() -> None:
         encoder(torch.randn(3, 4), offsets, time_deltas=torch.zeros(3))
     with pytest.raises(ValueError, match="divisible"):
         HSTULayer(dim=10, num_heads=3)
+
+
+def test_attention_scale_is_the_gdpa_score_scale() -> None:
+    """None scales scores by 1/sqrt(head dim); HSTU's reference applies SiLU to the raw scores (scale 1)."""
+    torch.manual_seed(0)
+    default = _randomized(HSTULayer(dim=50, num_heads=2))  # head dim 25: 1/sqrt(25) = 0.2
+    explicit, raw = (
+        HSTULayer(dim=50, num_heads=2, attention_scale=0.2),
+        HSTULayer(dim=50, num_heads=2, attention_scale=1.0),
+    )
+    explicit.load_state_dict(default.state_dict())
+    raw.load_state_dict(default.state_dict())
+    x, offsets = torch.randn(16, 50), _offsets([9, 7])
+    torch.testing.assert_close(explicit(x, offsets), default(x, offsets))
+    assert not torch.allclose(raw(x, offsets), default(x, offsets))
+    with pytest.raises(ValueError, match="attention_scale"):
+        HSTULayer(dim=50, num_heads=2, attention_scale=0.0)

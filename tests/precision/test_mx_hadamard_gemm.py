@@ -61,10 +61,23 @@ def test_native_gemm_refuses_what_the_device_lacks() -> None:
         scaled_mm(a, a, out_dtype=torch.bfloat16, backend="scaled_mm")
 
 
+def test_blockwise_rows_pad_with_zero_rows_in_the_scale_layout_cublas_reads() -> None:
+    from lightning_gem.ops.mx.gemm import _native_scales, _pad_rows
+
+    q = quantize(torch.randn(301, 256), "1x128")[0]
+    padded = _pad_rows(q, 128)
+    assert padded.shape == (384, 256) and padded.scale.shape == (384, 2)
+    assert padded.scale.stride(0) == 1, "outer-dim-major, as torch._scaled_mm reads a 1x128 first operand"
+    assert _native_scales(padded).data_ptr() == padded.scale.data_ptr()  # no further copy
+    dense = padded.dequantize()
+    torch.testing.assert_close(dense[:301], q.dequantize(), rtol=0, atol=0)
+    assert not dense[301:].any()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
 @pytest.mark.parametrize(("layout_a", "layout_b"), [("1x128", "128x128"), ("1x128", "1x128"), ("rowwise", "rowwise")])
-@pytest.mark.parametrize("shape", [(256, 384, 512), (300, 256, 1024)], ids=str)
+@pytest.mark.parametrize("shape", [(256, 384, 512), (300, 256, 1024), (301, 256, 512)], ids=str)
 def test_native_gemm_matches_emulated(layout_a: str, layout_b: str, shape: tuple[int, int, int]) -> None:
     if not scaled_mm_supported(layout_a, layout_b, torch.device("cuda")):
         pytest.skip(f"{layout_a} x {layout_b} not supported on this GPU")

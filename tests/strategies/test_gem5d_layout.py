@@ -219,3 +219,95 @@ def test_tensor_parallel_groups_train_on_the_union_of_their_batches() -> None:
     assert merge_tensor_parallel_batches(single, [0]) is single  # no tensor parallelism: the loader as it was
     with pytest.raises(TypeError, match="DistributedSampler"):
         merge_tensor_parallel_batches(DataLoader(data, batch_size=3), [0, 1])
+
+
+def _one_process_group() -> None:
+    from lightning_gem.testing.distributed import free_port
+
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}")
+
+
+def test_optimizer_groups_mixing_dtensor_and_plain_parameters_step_with_foreach() -> None:
+    """FSDP2 parameters (DTensors) and replicated ones (plain) in one group: PyTorch's foreach kernels refuse the
+    mix, so gem5d splits such groups for the step only; the update equals the per-parameter one."""
+    from lightning_gem.strategies.dense import split_mixed_param_groups
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    _one_process_group()
+    mesh = init_device_mesh("cpu", (1,))
+    values, grads = [torch.randn(8, 4), torch.randn(4)], [torch.randn(8, 4), torch.randn(4)]
+
+    def params() -> list[nn.Parameter]:
+        out = [nn.Parameter(distribute_tensor(values[0].clone(), mesh, [Shard(0)])), nn.Parameter(values[1].clone())]
+        out[0].grad = distribute_tensor(grads[0].clone(), mesh, [Shard(0)])
+        out[1].grad = grads[1].clone()
+        return out
+
+    with pytest.raises(RuntimeError, match="mixed"):
+        torch.optim.AdamW(params(), lr=0.1, foreach=True).step()
+    fast, slow = params(), params()
+    fast_opt = torch.optim.AdamW(fast, lr=0.1, foreach=True)
+    slow_opt = torch.optim.AdamW(slow, lr=0.1, foreach=False)
+    schedule = torch.optim.lr_scheduler.StepLR(fast_opt, step_size=1, gamma=0.5)
+    group = fast_opt.param_groups[0]
+    for _ in range(3):
+        with split_mixed_param_groups(fast_opt):
+            assert len(fast_opt.param_groups) == 2
+            fast_opt.step()
+        slow_opt.step()
+        schedule.step()
+        slow_opt.param_groups[0]["lr"] = fast_opt.param_groups[0]["lr"]
+    assert fast_opt.param_groups == [group] and group["lr"] == pytest.approx(0.1 / 8)
+    torch.testing.assert_close(fast[0].full_tensor(), slow[0].full_tensor())
+    torch.testing.assert_close(fast[1], slow[1])
+
+
+def test_a_group_plan_moves_to_its_ranks_devices() -> None:
+    """The planner plans one sharding group (ranks 0..g-1 on cuda:0..g-1); group 1 of size 1 on two GPUs
+    is rank 1 on cuda:1, not cuda:0 (metadata only: no GPU needed)."""
+    from lightning_gem.strategies.sparse import _readdress_plan
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+    from torchrec.distributed.types import ParameterSharding, ShardingPlan
+
+    def plan(device: str) -> ShardingPlan:
+        shard = ShardMetadata(shard_offsets=[0, 0], shard_sizes=[10, 4], placement=f"rank:0/{device}")
+        sharding = ParameterSharding(
+            sharding_type="table_wise", compute_kernel="fused", ranks=[0], sharding_spec=EnumerableShardingSpec([shard])
+        )
+        return ShardingPlan({"embeddings": {"item": sharding}})
+
+    moved = plan("cuda:0")
+    _readdress_plan(moved, offset=3, device_type="cuda", local_world_size=2)
+    sharding = moved.plan["embeddings"]["item"]
+    assert sharding.ranks == [3]
+    assert str(sharding.sharding_spec.shards[0].placement) == "rank:3/cuda:1"
+    on_cpu = plan("cpu")
+    _readdress_plan(on_cpu, offset=1, device_type="cpu", local_world_size=2)
+    assert str(on_cpu.plan["embeddings"]["item"].sharding_spec.shards[0].placement) == "rank:1/cpu"
+
+
+def test_a_rank_without_a_shard_of_a_table_has_no_local_shards() -> None:
+    """torchrec gives such a rank an empty LocalShardsWrapper whose offsets still list one dummy chunk."""
+    from lightning_gem.strategies.sparse import _local_shards
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torchrec.distributed.shards_wrapper import LocalShardsWrapper
+
+    _one_process_group()
+    mesh = init_device_mesh("cpu", (1,))
+    empty = LocalShardsWrapper(local_shards=[], local_offsets=[])
+    table = DTensor.from_local(empty, mesh, [Shard(0)], run_check=False, shape=torch.Size([10, 4]), stride=(4, 1))
+    assert _local_shards(table) == []
+    full = torch.randn(6, 4)
+    held = DTensor.from_local(
+        LocalShardsWrapper(local_shards=[full[2:5]], local_offsets=[(2, 0)]),
+        mesh,
+        [Shard(0)],
+        run_check=False,
+        shape=torch.Size([6, 4]),
+        stride=(4, 1),
+    )
+    [(shard, offset)] = _local_shards(held)
+    assert offset == (2, 0) and torch.equal(shard, full[2:5])

@@ -12,7 +12,9 @@ Backends:
   gradient); ``mx`` x ``mx`` (E8M0 scales in cuBLAS's swizzled tiles) needs sm_100 or newer. A ``128x128``
   operand's contraction dim must be a multiple of 512 (its scale rows a multiple of 4): on the H200 with torch
   2.11, narrower ones gave wrong results past the first 128 output columns (cuBLAS pads that dim to 4).
-  ``mx_native`` (sm_100) is written to cuBLAS's documented layout but has not been run.
+  ``mx_native`` (sm_100) is written to cuBLAS's documented layout but has not been run. A ``1x128`` first
+  operand's rows are zero-padded to a multiple of 128 (jagged token counts are arbitrary; cuBLAS refused
+  such a GEMM with CUBLAS_STATUS_NOT_SUPPORTED on the H200) and the result sliced back.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from lightning_gem.ops.mx.formats import QuantizedTensor
 __all__ = ["GEMM_BACKENDS", "scaled_mm", "scaled_mm_supported"]
 
 GEMM_BACKENDS = ("emulated", "scaled_mm")
+_BLOCKWISE_ROWS = 128
 _NATIVE_PAIRS = {("rowwise", "rowwise"), ("1x128", "128x128"), ("1x128", "1x128"), ("mx", "mx")}
 
 
@@ -66,12 +69,26 @@ def scaled_mm(
         raise ValueError(
             f"torch._scaled_mm does not run {a.layout} x {b.layout} scales on {a.data.device}: use backend='emulated'"
         )
+    rows = a.shape[0]
+    if a.layout == "1x128" and rows % _BLOCKWISE_ROWS:
+        a = _pad_rows(a, _BLOCKWISE_ROWS)
     scale_a, scale_b = _native_scales(a), _native_scales(b)
     if b.layout == "rowwise":
         scale_b = scale_b.reshape(1, -1)
     elif b.layout != "mx":  # [N, K / 128] or [N / 128, K / 128] -> transposed, as b itself is passed
         scale_b = scale_b.t()
-    return torch._scaled_mm(a.data, b.data.t(), scale_a, scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum)
+    out = torch._scaled_mm(a.data, b.data.t(), scale_a, scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum)
+    return out[:rows] if out.shape[0] != rows else out
+
+
+def _pad_rows(q: QuantizedTensor, multiple: int) -> QuantizedTensor:
+    """A ``1x128``-quantized ``[M, K]`` with zero rows (scale 1) appended up to a multiple of ``multiple``."""
+    rows, padded = q.shape[0], -(-q.shape[0] // multiple) * multiple
+    data = q.data.new_zeros(padded, q.shape[1])
+    data[:rows] = q.data
+    scale = q.scale.new_ones(q.scale.shape[1], padded).t()  # outer-dim-major, as _native_scales passes it
+    scale[:rows] = q.scale
+    return QuantizedTensor(data, scale, q.layout)
 
 
 def _native_scales(q: QuantizedTensor) -> Tensor:
