@@ -34,7 +34,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning_gem.components import GEMRanker
+from gem_example import add_shape_arguments, gem_ranker, synthetic_users, use_tiny_shapes
 
 from lightning_gem.callbacks import MFUMonitor
 from lightning_gem.data import GEMDataModule, SyntheticRankingSource
@@ -44,41 +44,13 @@ from lightning_gem.precision import MXFP8Precision
 STACKS = ("plain", "kit")
 
 
-def _source(args: argparse.Namespace) -> SyntheticRankingSource:
-    steps = args.warmup + args.steps
-    return SyntheticRankingSource(
-        num_items=args.num_items,
-        num_train_users=args.batch_size * steps,
-        num_val_users=1,
-        num_test_users=1,
-        min_history_length=16,
-        max_history_length=args.max_history,
-        mean_candidates=args.mean_candidates,
-        max_candidates=args.max_candidates,
-        seed=args.seed,
-    )
-
-
-def _model(source: SyntheticRankingSource, args: argparse.Namespace, attention_impl: str) -> GEMRanker:
-    return GEMRanker(
-        source.schema,
-        embedding_dim=args.embedding_dim,
-        model_dim=args.model_dim,
-        num_layers=args.num_layers,
-        num_heads=args.num_heads,
-        head_hidden_dims=(args.model_dim,),
-        attention_impl=attention_impl,
-        lr=1e-4,
-    )
-
-
 def run_stack(
     stack: str, source: SyntheticRankingSource, tokens_per_step: float, args: argparse.Namespace
 ) -> dict[str, float]:
     """Train ``stack`` for warm-up + timed steps on ``source``; returns its measurements."""
     L.seed_everything(args.seed, verbose=False)
     kit = stack == "kit"
-    model = _model(source, args, "auto" if kit else "padded")
+    model = gem_ranker(source, args, "auto" if kit else "padded")
     data = GEMDataModule(source=source, batch_size=args.batch_size, seed=args.seed, balance=kit)
     monitor = MFUMonitor(flops_every_n_steps=args.warmup + args.steps + 1, plot=False)  # counts step 0 only
     cuda = args.device == "cuda"
@@ -114,7 +86,7 @@ def useful_flops_per_step(source: SyntheticRankingSource, args: argparse.Namespa
     """Mean training FLOPs of the timed batches, counted through the jagged attention ops' formulas."""
     L.seed_everything(args.seed, verbose=False)
     device = torch.device(args.device)
-    model = _model(source, args, "auto").to(device)
+    model = gem_ranker(source, args, "auto").to(device)
     data = GEMDataModule(source=source, batch_size=args.batch_size, seed=args.seed, balance=False)
     data.setup("fit")
     counts = []
@@ -139,27 +111,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation, autotuning)")
     parser.add_argument("--batch-size", type=int, default=32, help="users per step")
-    parser.add_argument("--max-history", type=int, default=4096)
-    parser.add_argument("--mean-candidates", type=float, default=128.0)
-    parser.add_argument("--max-candidates", type=int, default=512)
-    parser.add_argument("--num-items", type=int, default=1_000_000)
-    parser.add_argument("--embedding-dim", type=int, default=128)
-    parser.add_argument("--model-dim", type=int, default=512)
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--num-heads", type=int, default=4)
+    add_shape_arguments(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--root", type=Path, default=Path("logs/e2e"), help="the Trainer's default_root_dir")
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     args = parser.parse_args()
     if args.tiny:
         args.steps, args.warmup, args.batch_size = min(args.steps, 3), min(args.warmup, 1), min(args.batch_size, 4)
-        args.max_history, args.mean_candidates, args.max_candidates = 64, 4.0, 8
-        args.num_items, args.embedding_dim, args.model_dim, args.num_layers = 500, 32, 64, 2
+        use_tiny_shapes(args)
     stacks = [s.strip() for s in args.stacks.split(",")]
     if any(s not in STACKS for s in stacks):
         parser.error(f"--stacks must be from {STACKS}, got {args.stacks!r}")
 
-    source = _source(args)  # one data set for every stack and for the FLOP count
+    source = synthetic_users(args, args.batch_size * (args.warmup + args.steps))  # every stack, and the FLOPs
     tokens_per_step = args.batch_size * _mean_tokens_per_user(source)
     results = {stack: run_stack(stack, source, tokens_per_step, args) for stack in stacks}
     useful = useful_flops_per_step(source, args)  # the same global batches in both stacks

@@ -34,6 +34,7 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
+from gem_example import add_shape_arguments, gem_ranker, synthetic_users, use_tiny_shapes
 from lightning_gem.components import GEMRanker
 from lightning_gem.strategies import GEM5DStrategy
 
@@ -84,25 +85,26 @@ def make_source(args: argparse.Namespace, match: bool, num_users: int) -> Synthe
 
 
 def _new_source(args: argparse.Namespace, match: bool, num_users: int) -> SyntheticRankingSource:
+    if not match:
+        return synthetic_users(args, num_users)
     return SyntheticRankingSource(
-        num_items=args.match_items if match else args.num_items,
+        num_items=args.match_items,
         num_train_users=num_users,
         num_val_users=8,
         num_test_users=8,
-        min_history_length=2 if match else 16,
-        max_history_length=args.match_history if match else args.max_history,
-        mean_candidates=1.0 if match else args.mean_candidates,
-        max_candidates=1 if match else args.max_candidates,
+        min_history_length=2,
+        max_history_length=args.match_history,
+        mean_candidates=1.0,
+        max_candidates=1,
         seed=args.seed,
     )
 
 
-def make_model(schema: Any, args: argparse.Namespace, match: bool) -> GEMRanker:
+def make_model(source: SyntheticRankingSource, args: argparse.Namespace, match: bool) -> GEMRanker:
     if match:
         dims = dict(embedding_dim=16, model_dim=32, num_layers=2, num_heads=2, head_hidden_dims=(32,))
-        return SGDRanker(schema, **dims, lr=0.05, attention_impl="reference")
-    dims = dict(embedding_dim=args.embedding_dim, model_dim=args.model_dim, num_layers=args.num_layers)
-    return GEMRanker(schema, **dims, num_heads=args.num_heads, head_hidden_dims=(args.model_dim,), lr=1e-4)
+        return SGDRanker(source.schema, **dims, lr=0.05, attention_impl="reference")
+    return gem_ranker(source, args)
 
 
 def fit(rank: int, world_size: int, job: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -115,7 +117,7 @@ def fit(rank: int, world_size: int, job: dict[str, Any], args: argparse.Namespac
     steps = job["steps"]
     source = make_source(args, match, num_users=job["num_users"])
     data = GEMDataModule(source=source, batch_size=job["batch"], seed=args.seed, balance=job["balance"])
-    model = make_model(source.schema, args, match)
+    model = make_model(source, args, match)
     clock = StepClock(mean_loss=match)
     callbacks: list[Any] = [clock]
     monitor = None
@@ -173,7 +175,7 @@ def load_weights(rank: int, world_size: int, job: dict[str, Any], args: argparse
     forget_torchrec_node_groups()
     source = make_source(args, match=True, num_users=job["num_users"])
     data = GEMDataModule(source=source, batch_size=job["batch"], seed=args.seed)
-    model = make_model(source.schema, args, match=True)
+    model = make_model(source, args, match=True)
     cuda = args.device == "cuda"
     trainer = L.Trainer(
         accelerator="gpu" if cuda else "cpu",
@@ -246,14 +248,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps of a speed run")
     parser.add_argument("--warmup", type=int, default=6, help="untimed steps first (compilation, autotuning)")
     parser.add_argument("--batch-size", type=int, default=64, help="users per GPU (per data-parallel rank)")
-    parser.add_argument("--max-history", type=int, default=4096)
-    parser.add_argument("--mean-candidates", type=float, default=128.0)
-    parser.add_argument("--max-candidates", type=int, default=512)
-    parser.add_argument("--num-items", type=int, default=1_000_000)
-    parser.add_argument("--embedding-dim", type=int, default=128)
-    parser.add_argument("--model-dim", type=int, default=512)
-    parser.add_argument("--num-layers", type=int, default=4)
-    parser.add_argument("--num-heads", type=int, default=4)
+    add_shape_arguments(parser)
     parser.add_argument("--match-steps", type=int, default=6, help="steps of a correctness run")
     parser.add_argument("--match-batch", type=int, default=16, help="users per data-parallel rank, correctness")
     parser.add_argument("--match-history", type=int, default=64)
@@ -266,8 +261,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.tiny:
         args.steps, args.warmup, args.batch_size, args.match_steps = 3, 1, 4, 4
-        args.max_history, args.mean_candidates, args.max_candidates = 32, 3.0, 6
-        args.num_items, args.embedding_dim, args.model_dim, args.num_layers = 500, 16, 32, 1
+        use_tiny_shapes(args)
         args.match_batch, args.match_history, args.match_items = 4, 16, 200
     n = args.devices or (torch.cuda.device_count() if args.device == "cuda" else 2)
     if n < 2:
