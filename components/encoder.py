@@ -5,12 +5,12 @@ output does not depend on the other samples of its batch (GDPA normalises pointw
 sequence's own length).
 
 Legend: ``T`` tokens over the batch, ``B`` sequences, ``H`` heads, ``Dqk`` / ``Dv`` per-head
-query-key / value widths.
+query-key / value widths, ``S`` the tensor-parallel size (sequence parallelism: ``T / S`` tokens a rank).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +21,17 @@ from lightning_gem.data.balancing import AttentionCostModel
 from lightning_gem.flops import attention_cost_coefficients, linear_flops
 from lightning_gem.ops import gdpa
 
-__all__ = ["HSTULayer", "JaggedHistoryEncoder", "make_norm", "recency_positions", "time_buckets"]
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "HSTULayer",
+    "JaggedHistoryEncoder",
+    "make_norm",
+    "pad_tokens_to_multiple",
+    "recency_positions",
+    "time_buckets",
+]
 
 NormKind = Literal["rms", "layer"]
 
@@ -48,7 +58,10 @@ class HSTULayer(nn.Module):
     (``output``) linears. ``uvqk``'s output is laid out head-major (``[H, 2 Dv + 2 Dqk]``), so a
     column-wise shard holds whole heads; with ``per_head_norm=True`` (default) the attention-output norm
     is per head too, so a tensor-parallel layer needs no gather before ``output``. ``per_head_norm=False``
-    normalises all heads together, as the HSTU paper does.
+    normalises all heads together, as the HSTU paper does. Under sequence parallelism (see
+    :meth:`JaggedHistoryEncoder.enable_sequence_parallel`) ``x`` and the output are this rank's share of the
+    tokens: ``input_norm`` and the residual run on it, ``uvqk`` gathers every token before its matmul and
+    ``output`` reduce-scatters back to shards (:meth:`tensor_parallel_token_local`).
 
     Args:
         dim: model width (input and output).
@@ -66,7 +79,8 @@ class HSTULayer(nn.Module):
         attention_impl: GDPA ``impl`` (``"auto"``, ``"reference"``, ``"triton"``, or the ``"padded"`` baseline).
 
     Shapes:
-        x: ``[T, dim]``; offsets: ``[B + 1]``; num_targets: ``[B]`` or None. Output ``[T, dim]``.
+        x: ``[T, dim]`` (sequence parallel: ``[T / S, dim]``); offsets: ``[B + 1]``; num_targets: ``[B]`` or
+        None. Output: the shape of ``x``.
 
     Example:
         >>> import torch
@@ -138,6 +152,13 @@ class HSTULayer(nn.Module):
         them over the tensor-parallel group."""
         return ("attention_norm",)
 
+    @staticmethod
+    def tensor_parallel_token_local() -> tuple[str, ...]:
+        """Submodules replicated under tensor parallelism that run on each rank's own tokens under sequence
+        parallelism (the input norm): each rank's gradient of their parameters covers its tokens only and
+        the plan sums them over the tensor-parallel group."""
+        return ("input_norm",)
+
     def forward(
         self,
         x: Tensor,
@@ -150,16 +171,17 @@ class HSTULayer(nn.Module):
         """Encode ``x [T, dim]`` (sequences by ``offsets [B + 1]``) to ``[T, dim]``.
 
         Args:
-            x: ``[T, dim]`` tokens.
-            offsets: ``[B + 1]`` offsets of the sequences.
+            x: ``[T, dim]`` tokens (sequence parallel: this rank's ``[T / S, dim]`` share).
+            offsets: ``[B + 1]`` offsets of the sequences (of all ``T`` tokens).
             num_targets: ``[B]`` targets at the end of each sequence: they see the history and
                 themselves only (see :func:`lightning_gem.ops.gdpa`).
             max_seq_len: an upper bound of the sequence lengths (a kernel hint, avoids a device sync).
             check_offsets: let GDPA validate the offsets (pass False when validated upstream).
         """
-        num_tokens = x.shape[0]
         h, dv, dqk = self.num_heads, self.linear_dim, self.attention_dim
-        uvqk_THX = F.silu(self.uvqk(self.input_norm(x))).view(num_tokens, h, 2 * dv + 2 * dqk)
+        uvqk_TX = self.uvqk(self.input_norm(x))  # every token, also when x holds a shard of them
+        num_tokens = uvqk_TX.shape[0]
+        uvqk_THX = F.silu(uvqk_TX).view(num_tokens, h, 2 * dv + 2 * dqk)
         u_THD, v_THD, q_THD, k_THD = uvqk_THX.split([dv, dv, dqk, dqk], dim=-1)
         attn_THD = gdpa(
             q_THD,
@@ -180,6 +202,55 @@ class HSTULayer(nn.Module):
         else:
             gated = self.attention_norm(attn_THD.reshape(num_tokens, h * dv)) * u_THD.reshape(num_tokens, h * dv)
         return x + self.dropout(self.output(gated))
+
+
+def pad_tokens_to_multiple(
+    x: Tensor, offsets: Tensor, multiple: int, num_targets: Tensor | None = None, max_seq_len: int | None = None
+) -> tuple[Tensor, Tensor, Tensor | None, int | None]:
+    """Append zero tokens to ``x [T, D]`` up to a multiple of ``multiple`` rows, as a sequence of their own.
+
+    The padding is one extra sequence (``offsets`` gains an entry, ``num_targets`` a 0, ``max_seq_len`` covers
+    its length), so sequence-local ops (attention) and token-local ops (norms, linears) give the real tokens
+    the outputs they would have without it; they are the first ``T`` rows of any output. Nothing is
+    appended when ``T`` is a multiple already.
+
+    Returns:
+        ``(x, offsets, num_targets, max_seq_len)``, padded.
+
+    Example:
+        >>> import torch
+        >>> x, offsets, _, _ = pad_tokens_to_multiple(torch.ones(3, 2), torch.tensor([0, 1, 3]), 4)
+        >>> x.shape, offsets.tolist()
+        (torch.Size([4, 2]), [0, 1, 3, 4])
+    """
+    if multiple < 1:
+        raise ValueError(f"`multiple` must be >= 1, got {multiple}")
+    pad = -x.shape[0] % multiple
+    if pad == 0:
+        return x, offsets, num_targets, max_seq_len
+    x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+    offsets = torch.cat([offsets, offsets[-1:] + pad])  # no read of offsets[-1] (a device sync)
+    if num_targets is not None:
+        num_targets = torch.cat([num_targets, num_targets.new_zeros(1)])
+    if max_seq_len is not None:
+        max_seq_len = max(max_seq_len, pad)
+    return x, offsets, num_targets, max_seq_len
+
+
+def _shard_tokens(x: Tensor, mesh: DeviceMesh) -> Tensor:
+    """This rank's contiguous share of the rows of ``x`` (the same on every rank of ``mesh``); backward
+    all-gathers the shares' gradients, so what computed ``x`` gets the whole gradient on every rank."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(0)]).to_local()
+
+
+def _gather_tokens(x: Tensor, mesh: DeviceMesh) -> Tensor:
+    """The rows of every rank's ``x`` over ``mesh``, in rank order; backward keeps this rank's rows of the
+    gradient (what follows runs the same on every rank, so its gradient is whole, not partial)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    return DTensor.from_local(x, mesh, [Shard(0)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
 
 
 def recency_positions(
@@ -216,6 +287,9 @@ class JaggedHistoryEncoder(nn.Module):
     final norm (``input_proj`` is the identity when ``input_dim`` is None). Positions count from the end of
     the history (the most recent event is 1, targets 0), capped at ``max_length``, so the encoding of an
     event does not depend on how long the history is.
+
+    Sequence parallelism (:meth:`enable_sequence_parallel`): the layers run on token shards of a
+    tensor-parallel mesh.
 
     Args:
         input_dim: width of the per-token input features (e.g. concatenated feature embeddings); None:
@@ -301,6 +375,19 @@ class JaggedHistoryEncoder(nn.Module):
             for _ in range(num_layers)
         )
         self.final_norm = make_norm(norm, dim)
+        self._sequence_parallel_mesh: DeviceMesh | None = None
+
+    def enable_sequence_parallel(self, tp_mesh: DeviceMesh) -> None:
+        """Run the layers on token shards over ``tp_mesh`` (Megatron-style sequence parallelism), in place.
+
+        The encoder input is computed on every token; before the first layer, the tokens are padded to a
+        multiple of the mesh size (:func:`pad_tokens_to_multiple`) and each rank keeps its contiguous share;
+        after the last layer, the shares are gathered and the padding dropped, and ``final_norm`` runs on
+        every token. The layers must be tensor-parallel over ``tp_mesh`` with a sequence-parallel plan
+        (the strategy's ``sequence_parallel=True``: ``uvqk`` takes token shards, ``output`` returns them),
+        and the gradients of their :meth:`HSTULayer.tensor_parallel_token_local` parameters summed over it.
+        """
+        self._sequence_parallel_mesh = tp_mesh
 
     @property
     def use_time(self) -> bool:
@@ -371,9 +458,17 @@ class JaggedHistoryEncoder(nn.Module):
                 raise ValueError(f"`time_deltas` must be [T] = [{features.shape[0]}], got {tuple(time_deltas.shape)}")
             x = x + self.time(time_buckets(time_deltas, self.num_time_buckets))
         x = self.input_dropout(x)
+        mesh = self._sequence_parallel_mesh
+        if mesh is not None:
+            x, offsets, num_targets, max_seq_len = pad_tokens_to_multiple(
+                x, offsets, mesh.size(), num_targets, max_seq_len
+            )
+            x = _shard_tokens(x, mesh)
         for index, layer in enumerate(self.layers):
             # Offsets are validated once above; the first layer also checks num_targets / max_seq_len.
             x = layer(
                 x, offsets, num_targets=num_targets, max_seq_len=max_seq_len, check_offsets=check_offsets and index == 0
             )
+        if mesh is not None:
+            x = _gather_tokens(x, mesh)[: features.shape[0]]
         return self.final_norm(x)

@@ -11,6 +11,12 @@ replicated; :class:`ReplicatedGradients` all-reduces their gradients.
 
 Tensor parallelism uses the plan each component declares (``tensor_parallel_plan()``: submodule name
 -> ``"colwise"`` / ``"rowwise"``), applied with DTensor's ``parallelize_module`` before FSDP2.
+
+Sequence parallelism (Megatron-style, optional) applies inside the components that can shard their
+tokens over the tensor-parallel ranks (``enable_sequence_parallel(tp_mesh)``, e.g. the HSTU encoder):
+between the tensor-parallel components inside them each rank holds a share of the tokens (dim 0), the
+column-wise linears all-gather the tokens before their matmul and the row-wise linears reduce-scatter
+their output to token shares instead of all-reducing it.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ __all__ = [
     "apply_fsdp",
     "apply_tensor_parallel",
     "dense_units",
+    "sequence_parallel_modules",
     "split_mixed_param_groups",
     "tensor_parallel_modules",
 ]
@@ -85,7 +92,16 @@ def tensor_parallel_modules(module: nn.Module) -> list[tuple[str, nn.Module, dic
     return found
 
 
-def apply_tensor_parallel(module: nn.Module, tp_mesh: Any) -> list[str]:
+def sequence_parallel_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, submodule)`` for every submodule that can shard its tokens (``enable_sequence_parallel()``)."""
+    return [
+        (name, sub)
+        for name, sub in module.named_modules()
+        if callable(getattr(type(sub), "enable_sequence_parallel", None))
+    ]
+
+
+def apply_tensor_parallel(module: nn.Module, tp_mesh: Any, *, sequence_parallel: bool = False) -> list[str]:
     """Shard the linears named by each component's ``tensor_parallel_plan()`` over ``tp_mesh``, in place.
 
     Column-wise linears keep their output sharded (heads split across ranks), row-wise linears take a
@@ -93,50 +109,93 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: Any) -> list[str]:
     component's head count (``num_heads``) is divided by the tensor-parallel size so its reshapes see
     the local heads.
 
+    With ``sequence_parallel``, every component declaring ``enable_sequence_parallel(tp_mesh)`` is told to
+    run its inside on token shards, and the tensor-parallel components inside it take token shards:
+    column-wise linears all-gather them (backward: reduce-scatter), row-wise linears reduce-scatter to
+    them instead of all-reducing.
+
     Returns:
-        The qualified names of the parameters of the components' head-local submodules
-        (``tensor_parallel_head_local()``), whose gradients :class:`TensorParallelGradients` must sum.
+        The qualified names of the parameters each rank computes only part of the gradient of, which
+        :class:`TensorParallelGradients` must sum: those of the components' head-local submodules
+        (``tensor_parallel_head_local()``) and, inside a sequence-parallel component, of their
+        token-local submodules (``tensor_parallel_token_local()``).
 
     Raises:
         ValueError: a component's head count is not divisible by the tensor-parallel size, or its plan
-            names a submodule that is not an ``nn.Linear``.
+            names a submodule that is not an ``nn.Linear``; ``sequence_parallel`` finds no component
+            declaring ``enable_sequence_parallel``, or a tensor-parallel component inside one does not
+            declare ``tensor_parallel_token_local()``.
     """
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
+    regions = sequence_parallel_modules(module) if sequence_parallel else []
+    if sequence_parallel and not regions:
+        raise ValueError(
+            f"sequence_parallel=True: no submodule of {type(module).__name__} declares `enable_sequence_parallel("
+            "tp_mesh)` (e.g. JaggedHistoryEncoder), so there are no token shards to run on; turn it off"
+        )
     size = tp_mesh.size()
-    head_local: list[str] = []
+    partial: list[str] = []
     for name, sub, plan in tensor_parallel_modules(module):
+        label = name or type(sub).__name__
         heads = getattr(sub, "num_heads", None)
         if getattr(sub, "per_head_norm", True) is False:
             raise ValueError(
-                f"{name or type(sub).__name__} normalises all heads together (per_head_norm=False): its "
-                "tensor-parallel plan needs per-head norms"
+                f"{label} normalises all heads together (per_head_norm=False): its tensor-parallel plan needs "
+                "per-head norms"
             )
         if heads is not None and heads % size:
+            raise ValueError(f"`tensor_parallel_size` ({size}) must divide the heads of {label} ({heads})")
+        on_shards = any(_inside(name, region) for region, _ in regions)
+        if on_shards and not callable(getattr(type(sub), "tensor_parallel_token_local", None)):
             raise ValueError(
-                f"`tensor_parallel_size` ({size}) must divide the heads of {name or type(sub).__name__} ({heads})"
+                f"sequence_parallel=True runs {label} on token shards, but {type(sub).__name__} does not declare "
+                "`tensor_parallel_token_local()` (its submodules whose parameters see only a rank's tokens)"
             )
-        styles = {}
-        for target, style in plan.items():
-            linear = sub.get_submodule(target)
-            if not isinstance(linear, nn.Linear):
-                raise ValueError(
-                    f"tensor-parallel plan of {name}: {target!r} is a {type(linear).__name__}, not nn.Linear"
-                )
-            if style == "colwise":
-                styles[target] = ColwiseParallel()
-            elif style == "rowwise":
-                styles[target] = RowwiseParallel()
-            else:
-                raise ValueError(f"tensor-parallel plan of {name}: style must be 'colwise' or 'rowwise', got {style!r}")
-        parallelize_module(sub, tp_mesh, styles)
+        parallelize_module(sub, tp_mesh, _linear_styles(label, sub, plan, on_shards))
         if heads is not None:
             sub.num_heads = heads // size
-        local_fn = getattr(type(sub), "tensor_parallel_head_local", None)
-        for local in local_fn() if callable(local_fn) else ():
+        partial += _partial_gradient_params(name, sub, on_shards)
+    for _, region in regions:
+        region.enable_sequence_parallel(tp_mesh)
+    return partial
+
+
+def _inside(name: str, region: str) -> bool:
+    return region == "" or name == region or name.startswith(f"{region}.")
+
+
+def _partial_gradient_params(name: str, sub: nn.Module, on_shards: bool) -> list[str]:
+    """The qualified names of the parameters of ``sub``'s head-local submodules and, ``on_shards``, of its
+    token-local ones: each tensor-parallel rank computes a part of their gradients."""
+    kinds = ("head", "token") if on_shards else ("head",)
+    names = []
+    for kind in kinds:
+        declared = getattr(type(sub), f"tensor_parallel_{kind}_local", None)
+        for local in declared() if callable(declared) else ():
             prefix = f"{name}.{local}" if name else local
-            head_local.extend(f"{prefix}.{p}" for p, _ in sub.get_submodule(local).named_parameters())
-    return head_local
+            names += [f"{prefix}.{p}" for p, _ in sub.get_submodule(local).named_parameters()]
+    return names
+
+
+def _linear_styles(label: str, sub: nn.Module, plan: dict[str, str], on_shards: bool) -> dict[str, Any]:
+    """The DTensor parallel style of each linear of ``plan``; ``on_shards``: inputs and outputs are token shards."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    tokens = Shard(0) if on_shards else None  # None: replicated (the styles' default)
+    styles: dict[str, Any] = {}
+    for target, style in plan.items():
+        linear = sub.get_submodule(target)
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"tensor-parallel plan of {label}: {target!r} is a {type(linear).__name__}, not nn.Linear")
+        if style == "colwise":
+            styles[target] = ColwiseParallel(input_layouts=tokens)
+        elif style == "rowwise":
+            styles[target] = RowwiseParallel(output_layouts=tokens)
+        else:
+            raise ValueError(f"tensor-parallel plan of {label}: style must be 'colwise' or 'rowwise', got {style!r}")
+    return styles
 
 
 def apply_fsdp(
@@ -185,7 +244,8 @@ def apply_fsdp(
 
 
 class TensorParallelGradients:
-    """Sums the gradients of head-local parameters over the tensor-parallel group (each rank has its heads' part).
+    """Sums gradients over the tensor-parallel group for the replicated parameters each rank computes a part of:
+    head-local ones (its heads' part) and, under sequence parallelism, token-local ones (its tokens' part).
 
     Works on the FSDP2-sharded gradients too: the ranks of a tensor-parallel group hold the same shard.
     """

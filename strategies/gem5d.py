@@ -60,11 +60,11 @@ class GEM5DStrategy(ParallelStrategy):
     sharded by torchrec's planner inside sharding groups of ``sparse_group_size`` ranks and replicated
     across groups; they are trained by a fused optimizer inside the backward. The rest of the model
     trains with the LightningModule's optimizer under FSDP2 (HSDP when ``dense_replicate_size > 1``)
-    and optionally tensor parallelism over the plans the components declare. Every rank (every
-    tensor-parallel group) trains on its own batch; gradients are those of the mean of the ranks' losses,
-    which is the loss of one process on the whole global batch when the ranks' batches weigh the same
-    (as the tests check). Gradient clipping covers the dense parameters (the tables are updated inside
-    the backward).
+    and optionally tensor parallelism over the plans the components declare, optionally with sequence
+    parallelism in the HSTU encoder. Every rank (every tensor-parallel group) trains on its own batch;
+    gradients are those of the mean of the ranks' losses, which is the loss of one process on the whole
+    global batch when the ranks' batches weigh the same (as the tests check). Gradient clipping covers the
+    dense parameters (the tables are updated inside the backward).
 
     Rank layout (``W`` ranks; details and an example in :mod:`lightning_gem.strategies.mesh`):
     ``rank = (replicate * dense_shard + shard) * tensor_parallel + tp`` on the dense axes, and
@@ -77,7 +77,14 @@ class GEM5DStrategy(ParallelStrategy):
         dense_replicate_size: HSDP replicas of the dense parameters.
         dense_shard_size: ranks each dense parameter is sharded over; ``None``:
             ``W / (dense_replicate_size x tensor_parallel_size)``.
-        tensor_parallel_size: ranks the tensor-parallel linears are split over (see ``dense.py``).
+        tensor_parallel_size: ranks the tensor-parallel linears are split over (see ``dense.py``). The ranks of
+            a tensor-parallel group train on one batch, their batches merged (``tp_batches.py``).
+        sequence_parallel: with ``tensor_parallel_size > 1``, Megatron-style sequence parallelism in the
+            components that declare it (``enable_sequence_parallel``, e.g. ``JaggedHistoryEncoder``): between
+            their layers each rank of a tensor-parallel group holds ``1 / tensor_parallel_size`` of the
+            tokens: the norms and residuals run on that share (their activations take ``1 / tensor_parallel_size``
+            of the memory), column-wise linears all-gather the tokens, row-wise linears reduce-scatter them. No
+            effect without tensor parallelism.
         table_constraints: per-table planner constraints (table name -> :class:`TableConstraint`).
         embedding_optimizer: fused optimizer of the tables: ``sgd``, ``adagrad``, ``rowwise_adagrad`` or ``adam``
             (CUDA only).
@@ -95,8 +102,10 @@ class GEM5DStrategy(ParallelStrategy):
         timeout: collective timeout.
 
     Raises:
-        ValueError: at setup, sizes that do not fit the world size (naming the argument); at construction,
-            a bad size or optimizer.
+        ValueError: at setup, sizes that do not fit the world size (naming the argument), or
+            ``sequence_parallel`` under tensor parallelism on a model with no component declaring it; at
+            construction, a bad size or optimizer.
+        TypeError: at construction, a size or ``sequence_parallel`` of the wrong type.
     """
 
     strategy_name = "gem5d"
@@ -107,6 +116,7 @@ class GEM5DStrategy(ParallelStrategy):
         dense_replicate_size: int = 1,
         dense_shard_size: int | None = None,
         tensor_parallel_size: int = 1,
+        sequence_parallel: bool = False,
         table_constraints: dict[str, TableConstraint] | None = None,
         embedding_optimizer: EmbeddingOptimizerName = "rowwise_adagrad",
         embedding_lr: float | None = None,
@@ -138,6 +148,8 @@ class GEM5DStrategy(ParallelStrategy):
         ):
             if value is not None:
                 check_size(value, name)
+        if not isinstance(sequence_parallel, bool):
+            raise TypeError(f"`sequence_parallel` must be a bool, got {sequence_parallel!r}")
         if activation_memory_budget is not None and (
             isinstance(activation_memory_budget, bool)
             or activation_memory_budget <= 0
@@ -165,6 +177,7 @@ class GEM5DStrategy(ParallelStrategy):
             weight_decay=embedding_weight_decay,
         )
         self.reshard_after_forward = reshard_after_forward
+        self.sequence_parallel = sequence_parallel
         self.activation_memory_budget = activation_memory_budget
         self.train_pipeline = bool(train_pipeline)
         self.weights_from = weights_from
@@ -248,7 +261,8 @@ class GEM5DStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, backend, **kwargs)
         self.layout = resolve_layout(self.world_size, **self._sizes)
         self._meshes = build_device_mesh(self.layout, self.root_device.type)
-        rank_zero_info(f"gem5d: {self.layout.describe()}")
+        sequence = ", sequence parallel" if self.sequence_parallel and self.layout.tensor_parallel > 1 else ""
+        rank_zero_info(f"gem5d: {self.layout.describe()}{sequence}")
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -297,6 +311,7 @@ class GEM5DStrategy(ParallelStrategy):
             table_constraints=self.table_constraints,
             local_world_size=self.num_processes,
             reshard_after_forward=self.reshard_after_forward,
+            sequence_parallel=self.sequence_parallel,
             train_pipeline=self.train_pipeline,
             move=lambda batch: move_data_to_device(batch, device),
             before_dense=None if budget is None else lambda m: self._apply_activation_checkpointing(m, trainer),

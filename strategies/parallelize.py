@@ -71,6 +71,7 @@ def parallelize_model(
     table_constraints: Mapping[str, sparse.TableConstraint] | None = None,
     local_world_size: int | None = None,
     reshard_after_forward: bool = True,
+    sequence_parallel: bool = False,
     train_pipeline: bool = False,
     move: Callable[[Any], Any] | None = None,
     before_dense: Callable[[nn.Module], None] | None = None,
@@ -85,6 +86,8 @@ def parallelize_model(
         table_constraints: per-table planner constraints.
         local_world_size: ranks per machine (torchrec's node groups).
         reshard_after_forward: FSDP2's ZeRO-3 (True) or ZeRO-2 (False).
+        sequence_parallel: under tensor parallelism, run the components that can shard their tokens on
+            token shards (see ``dense.py``); no effect when ``layout.tensor_parallel == 1``.
         train_pipeline: start each batch's embedding input all-to-all one batch ahead (needs ``move``).
         move: moves a batch to ``device`` (the train pipeline's prefetch).
         before_dense: called with the model once it is on the device with its tables sharded, before
@@ -116,9 +119,11 @@ def parallelize_model(
         prefetcher = SparseDistPrefetcher(module, sharded.features, move)
     if before_dense is not None:
         before_dense(module)
-    head_local: list[str] = []
+    partial_grads: list[str] = []
     if layout.tensor_parallel > 1:
-        head_local = dense.apply_tensor_parallel(module, dense_mesh["tensor_parallel"])
+        partial_grads = dense.apply_tensor_parallel(
+            module, dense_mesh["tensor_parallel"], sequence_parallel=sequence_parallel
+        )
     # Gradients of the mean loss over the global batch: the mean over the data-parallel ranks (sparse.py).
     dp_mesh = dense_mesh["dense_replicate", "dense_shard"] if layout.dense_replicate > 1 else dense_mesh["dense_shard"]
     units, replicated = dense.dense_units(module)
@@ -133,8 +138,8 @@ def parallelize_model(
     else:
         dp_group = dense_mesh["dense_replicate", "dense_shard"]._flatten("data_parallel").get_group()
     tensor_parallel_grads = None
-    if head_local:  # resolved after fully_shard, which replaces the parameters
-        params = [module.get_parameter(name) for name in head_local]
+    if partial_grads:  # resolved after fully_shard, which replaces the parameters
+        params = [module.get_parameter(name) for name in partial_grads]
         tensor_parallel_grads = dense.TensorParallelGradients(params, dense_mesh["tensor_parallel"].get_group())
     parallel = ParallelModel(
         layout=layout,

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning_gem.components.encoder import HSTULayer, JaggedHistoryEncoder, recency_positions, time_buckets
+from lightning_gem.components.encoder import (
+    HSTULayer,
+    JaggedHistoryEncoder,
+    pad_tokens_to_multiple,
+    recency_positions,
+    time_buckets,
+)
 from torch import nn
 
 LENGTHS = [0, 1, 5, 0, 3, 7]
@@ -40,6 +46,38 @@ def test_hstu_layer_shapes_and_gradients(activation: str, per_head_norm: bool) -
         assert param.grad is not None and torch.isfinite(param.grad).all(), name
     for name, kind in layer.tensor_parallel_plan().items():
         assert isinstance(layer.get_submodule(name), nn.Linear) and kind in ("colwise", "rowwise")
+
+
+@pytest.mark.parametrize("multiple", [1, 3, 5, 16, 17, 32])
+def test_padding_tokens_to_a_multiple_leaves_the_real_tokens_outputs_alone(multiple: int) -> None:
+    """Sequence parallelism pads the tokens to a multiple of the tensor-parallel size: the padding is a
+    sequence of its own (longer than the max_seq_len hint at multiple=32), so the real tokens' outputs and
+    gradients are those without it."""
+    torch.manual_seed(0)
+    layer = _randomized(HSTULayer(dim=8, num_heads=2))
+    offsets = _offsets(LENGTHS)
+    num_tokens = int(offsets[-1])
+    num_targets = torch.tensor([min(2, n) for n in LENGTHS])
+    x = torch.randn(num_tokens, 8, requires_grad=True)
+    padded, padded_offsets, padded_targets, hint = pad_tokens_to_multiple(x, offsets, multiple, num_targets, 7)
+    assert padded.shape[0] % multiple == 0 and 0 <= padded.shape[0] - num_tokens < multiple
+    if padded.shape[0] == num_tokens:
+        assert padded is x and padded_offsets is offsets and padded_targets is num_targets and hint == 7
+    else:
+        assert padded_offsets[:-1].tolist() == offsets.tolist() and int(padded_offsets[-1]) == padded.shape[0]
+        assert padded_targets.tolist() == [*num_targets.tolist(), 0] and hint == max(7, padded.shape[0] - num_tokens)
+    out = layer(padded, padded_offsets, num_targets=padded_targets, max_seq_len=hint)[:num_tokens]
+    out_grad = torch.randn_like(out)
+    (grad,) = torch.autograd.grad(out, x, out_grad)
+    alone = layer(x, offsets, num_targets=num_targets, max_seq_len=7)
+    (alone_grad,) = torch.autograd.grad(alone, x, out_grad)
+    torch.testing.assert_close(out, alone)
+    torch.testing.assert_close(grad, alone_grad)
+
+
+def test_padding_to_a_multiple_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="`multiple` must be >= 1"):
+        pad_tokens_to_multiple(torch.zeros(2, 4), _offsets([2]), 0)
 
 
 def test_a_fresh_layer_is_the_identity() -> None:

@@ -106,7 +106,9 @@ def fit_gem(
     trainer_kwargs: dict[str, Any] | None = None,
     then_test: bool = False,
 ) -> dict[str, Any]:
-    """Train the GEM example ``steps`` steps on ``world_size`` ranks; the losses and a checksum of the weights."""
+    """Train the GEM example ``steps`` steps on ``world_size`` ranks; the losses, the full weights and, per
+    encoder forward, its token count and the rows of the first layer's input norm (token shards under
+    sequence parallelism)."""
     import lightning as L
     from lightning_gem.strategies import GEM5DStrategy
 
@@ -116,6 +118,11 @@ def fit_gem(
     L.seed_everything(seed, verbose=False)
     data = GEMDataModule(source=make_source(), batch_size=global_batch // world_size, seed=seed)
     model = make_model(data.schema, dense_optimizer)
+    rows: dict[str, list[int]] = {"history_tokens": [], "input_norm_rows": []}
+    model.encoder.register_forward_pre_hook(lambda _, args: rows["history_tokens"].append(args[0].shape[0]))
+    model.encoder.layers[0].input_norm.register_forward_pre_hook(
+        lambda _, args: rows["input_norm_rows"].append(args[0].shape[0])
+    )
     recorder = LossRecorder()
     callbacks: list[Any] = [recorder]
     if ckpt_every is not None:
@@ -150,6 +157,7 @@ def fit_gem(
         "checkpointed": sorted(checkpointed_modules(model)),
         "prefetched": getattr(trainer.strategy.prefetcher, "hits", None),
         "tested": tested,
+        **rows,
     }
 
 

@@ -1,5 +1,6 @@
 """gem5d with real processes on CPU/gloo: the GEM example trains at 2 and 4 ranks in every layout that fits,
-with the losses and weights of a single process on the same global batch.
+with the losses and weights of a single process on the same global batch; the HSTU encoder on token shards
+(sequence parallelism) gives the outputs and gradients of the encoder on every token.
 
 Each test spawns one group of processes (``lightning_gem.testing.distributed.run_ranks``) that trains
 several layouts in turn.
@@ -25,6 +26,7 @@ GLOBAL_BATCH = 8
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 2e-6
 CLIP = 0.05  # below the GEM example's gradient norms, so clipping acts on every step
+SEQUENCE_PARALLEL = {"tensor_parallel_size": 2, "sequence_parallel": True}
 
 
 def _train_layouts(
@@ -111,6 +113,12 @@ def test_every_layout_trains_like_one_process(world_size: int) -> None:
         clip = {"gradient_clip_val": CLIP}
         layouts.append({"embedding_optimizer": "sgd", "trainer": clip})
         layouts.append({"embedding_optimizer": "sgd", "tensor_parallel_size": 2, "trainer": clip})
+        # the encoder's layers on token shards (clipped: its norms' gradients are summed before the norm is taken)
+        layouts.append({"embedding_optimizer": "rowwise_adagrad"} | SEQUENCE_PARALLEL)
+        layouts.append({"embedding_optimizer": "sgd", "trainer": clip} | SEQUENCE_PARALLEL)
+    else:
+        # token shards in 2 tensor-parallel groups, the dense layers sharded over the groups
+        layouts.append({"embedding_optimizer": "sgd", "sparse_group_size": 2} | SEQUENCE_PARALLEL)
     # the bad configurations ride along (a spawn costs more than a fit)
     bad = BAD_LAYOUTS[world_size]
     results, errors = run_ranks(_train_layouts, world_size, layouts, tuple(kwargs for kwargs, _ in bad))[0]
@@ -120,10 +128,86 @@ def test_every_layout_trains_like_one_process(world_size: int) -> None:
         assert bool(result["checkpointed"]) == ("activation_memory_budget" in layout), result["checkpointed"]
         # with the pipeline, every forward of both embedding modules used the input_dist started ahead
         assert result["prefetched"] == (2 * STEPS if layout.get("train_pipeline") else None), result["prefetched"]
+        _check_token_shards(result, layout)
     for (kwargs, message), error in zip(bad, errors, strict=True):
         assert message in error, (kwargs, error)
     if world_size == 2:  # the clipped reference did clip
         assert _single_process("sgd", CLIP)["losses"][1:] != _single_process("sgd")["losses"][1:]
+
+
+def _check_token_shards(result: dict[str, Any], layout: dict[str, Any]) -> None:
+    """Under sequence parallelism the first layer's input norm saw ``ceil(T / 2)`` of the ``T`` tokens (padded
+    when ``T`` is odd, which some batch is); otherwise all of them."""
+    if "activation_memory_budget" in layout:
+        return  # recomputation runs the norm again in the backward
+    tokens, rows = result["history_tokens"], result["input_norm_rows"]
+    shards = layout["tensor_parallel_size"] if layout.get("sequence_parallel") else 1
+    assert len(tokens) == STEPS and rows == [-(-t // shards) for t in tokens], (layout, tokens, rows)
+    if shards > 1:
+        assert any(t % shards for t in tokens), tokens  # the padding path ran
+
+
+def _sequence_parallel_encoder(rank: int, world_size: int, cases: list[tuple[str, list[int]]]) -> list[list[int]]:
+    """For each ``(norm, lengths)``: the encoder with its layers on token shards over all ranks against a copy on
+    every token, same weights and inputs (targets and time included), in float64 so that only the order of
+    the sums differs; the outputs, input gradients and parameter gradients must match. Returns the rows the
+    first layer's input norm saw, per case."""
+    import copy
+
+    import torch
+    from lightning_gem.components.encoder import JaggedHistoryEncoder
+    from lightning_gem.strategies.dense import TensorParallelGradients, apply_tensor_parallel
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.distributed.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (world_size,))
+    seen = []
+    for norm, lengths in cases:
+        torch.manual_seed(0)
+        sharded = JaggedHistoryEncoder(
+            None, 16, 2, 2, max_length=8, norm=norm, use_time=True, attention_impl="reference"
+        ).double()
+        for layer in sharded.layers:  # residual branches start at zero; give them weights
+            torch.nn.init.normal_(layer.output.weight, std=0.3)
+        whole = copy.deepcopy(sharded)
+        rows: list[int] = []
+        sharded.layers[0].input_norm.register_forward_pre_hook(lambda _, args, rows=rows: rows.append(args[0].shape[0]))
+        partial = apply_tensor_parallel(sharded, mesh, sequence_parallel=True)
+        assert sorted(partial) == sorted(
+            f"layers.{i}.{norm_name}.{p}"
+            for i in range(2)
+            for norm_name in ("attention_norm", "input_norm")
+            for p in (("weight", "bias") if norm == "layer" else ("weight",))
+        ), partial
+        sum_partial_grads = TensorParallelGradients([sharded.get_parameter(n) for n in partial], mesh.get_group())
+        offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        num_tokens = int(offsets[-1])
+        kwargs = {
+            "time_deltas": torch.rand(num_tokens) * 1e4,
+            "num_targets": torch.tensor([min(1, n) for n in lengths]),
+            "max_seq_len": max(lengths),
+        }
+        features = torch.randn(num_tokens, 16, dtype=torch.float64)
+        out_grad = torch.randn(num_tokens, 16, dtype=torch.float64)
+        inputs = [features.clone().requires_grad_(), features.clone().requires_grad_()]
+        outs = [sharded(inputs[0], offsets, **kwargs), whole(inputs[1], offsets, **kwargs)]
+        for out in outs:
+            out.backward(out_grad)
+        sum_partial_grads()
+        torch.testing.assert_close(outs[0], outs[1])
+        torch.testing.assert_close(inputs[0].grad, inputs[1].grad)
+        for name, param in sharded.named_parameters():
+            grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+            torch.testing.assert_close(grad, whole.get_parameter(name).grad, msg=lambda m, name=name: f"{name}: {m}")
+        seen.append(rows)
+    return seen
+
+
+def test_sequence_parallel_encoder_matches_the_encoder_on_every_token() -> None:
+    # odd and even token counts (padded and not), a batch of 1 token (rank 1 holds only padding), none
+    cases = [("rms", [3, 0, 5, 1]), ("layer", [4, 2, 6]), ("rms", [1]), ("rms", [0, 0])]
+    rows = run_ranks(_sequence_parallel_encoder, 2, cases)[0]
+    assert rows == [[5], [6], [1], [0]]  # ceil(T / 2) of T = 9, 12, 1, 0
 
 
 CKPT_LAYOUT = {"sparse_group_size": 2, "dense_replicate_size": 2, "embedding_optimizer": "rowwise_adagrad"}

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from lightning_gem.strategies import GEM5DStrategy
-from lightning_gem.strategies.dense import dense_units, tensor_parallel_modules
+from lightning_gem.strategies.dense import dense_units, sequence_parallel_modules, tensor_parallel_modules
 from lightning_gem.strategies.mesh import (
     MeshLayout,
     replica_group_ranks,
@@ -102,6 +102,8 @@ def test_bad_types_and_constructor_checks() -> None:
         resolve_layout(4, dense_shard_size=2.0)
     with pytest.raises(TypeError, match="`tensor_parallel_size` must be an int"):
         GEM5DStrategy(tensor_parallel_size=True)
+    with pytest.raises(TypeError, match="`sequence_parallel` must be a bool"):
+        GEM5DStrategy(sequence_parallel="yes")
     with pytest.raises(ValueError, match="`sparse_group_size` must be >= 1"):
         GEM5DStrategy(sparse_group_size=0)
     with pytest.raises(ValueError, match="`embedding_optimizer` must be"):
@@ -164,6 +166,38 @@ def test_components_declare_tensor_parallel_plans() -> None:
     found = {type(sub).__name__: plan for _, sub, plan in tensor_parallel_modules(_ranker())}
     assert found["HSTULayer"] == {"uvqk": "colwise", "output": "rowwise"}
     assert found["GDPAInteraction"]["attention_output"] == "rowwise"
+    # sequence parallelism: the encoder shards its tokens; its layers name the norms that run on the shards
+    model = _ranker()
+    assert [name for name, _ in sequence_parallel_modules(model)] == ["encoder"]
+    token_local = {
+        type(sub).__name__: sub.tensor_parallel_token_local()
+        for _, sub, _ in tensor_parallel_modules(model)
+        if hasattr(sub, "tensor_parallel_token_local")
+    }
+    assert token_local == {"HSTULayer": ("input_norm",)}
+
+
+def test_sequence_parallel_needs_components_that_declare_it() -> None:
+    from lightning_gem.components import GDPAInteraction
+    from lightning_gem.components.encoder import HSTULayer
+    from lightning_gem.strategies.dense import apply_tensor_parallel
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _one_process_group()
+    mesh = init_device_mesh("cpu", (1,))
+    with pytest.raises(ValueError, match="no submodule of Sequential declares `enable_sequence_parallel"):
+        apply_tensor_parallel(nn.Sequential(HSTULayer(8, 2)), mesh, sequence_parallel=True)
+
+    class Shards(nn.Module):  # shards its tokens, but runs a component that cannot say which norms see them
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = GDPAInteraction(8, 2)
+
+        def enable_sequence_parallel(self, tp_mesh: object) -> None:
+            raise AssertionError("not reached")
+
+    with pytest.raises(ValueError, match="runs inner on token shards, but GDPAInteraction does not declare"):
+        apply_tensor_parallel(Shards(), mesh, sequence_parallel=True)
 
 
 def _strategy_from_cli(*args: str) -> GEM5DStrategy:
@@ -187,14 +221,17 @@ def _strategy_from_cli(*args: str) -> GEM5DStrategy:
 
 
 def test_cli_parses_a_gem5d_config(tmp_path: Path) -> None:
-    strategy = _strategy_from_cli("--trainer.default_root_dir", str(tmp_path))
-    assert isinstance(strategy, GEM5DStrategy)
+    strategy = _strategy_from_cli(
+        "--trainer.default_root_dir", str(tmp_path), "--trainer.strategy.init_args.sequence_parallel", "true"
+    )
+    assert isinstance(strategy, GEM5DStrategy) and strategy.sequence_parallel is True
     assert strategy._sizes["sparse_group_size"] == 1
     assert strategy.table_constraints["item"] == TableConstraint(sharding_types=("row_wise", "table_wise"))
     assert not torch.distributed.is_initialized()  # building the Trainer starts no process group
     # the registered name alone takes every default
     strategy = _strategy_from_cli("--trainer.default_root_dir", str(tmp_path), "--trainer.strategy", "gem5d")
     assert isinstance(strategy, GEM5DStrategy) and strategy._sizes["sparse_group_size"] is None
+    assert strategy.sequence_parallel is False
 
 
 def test_tensor_parallel_groups_train_on_the_union_of_their_batches() -> None:
