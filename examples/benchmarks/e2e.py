@@ -125,7 +125,12 @@ def main() -> None:
 
     source = synthetic_users(args, args.batch_size * (args.warmup + args.steps))  # every stack, and the FLOPs
     tokens_per_step = args.batch_size * _mean_tokens_per_user(source)
-    results = {stack: run_stack(stack, source, tokens_per_step, args) for stack in stacks}
+    results = {}
+    for stack in stacks:  # each stack's figures are written as soon as it has run: a cut-short run keeps them
+        results[stack] = run_stack(stack, source, tokens_per_step, args)
+        print(f"{stack}: {results[stack]['step_ms']:.2f} ms per step (median)", flush=True)
+        if args.out is not None:
+            args.out.write_text(json.dumps({"partial": True, **results}, indent=1))
     useful = useful_flops_per_step(source, args)  # the same global batches in both stacks
     peak = peak_tflops(args.device) if args.device == "cuda" else None
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"

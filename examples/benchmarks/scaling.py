@@ -292,6 +292,7 @@ def main() -> None:
         args,
     )
     results["baseline"], results["reference"] = base, ref
+    save(results, args.out)
     baseline = base.get("samples_per_s_per_gpu")
 
     rows = []
@@ -307,6 +308,7 @@ def main() -> None:
         )
         check["max_loss_rel_diff"] = max_relative_difference(check.get("losses", []), ref.get("losses", []))
         rows.append({"layout": name, "strategy": layout, "speed": speed, "match": check})
+        save(results | {"layouts": rows}, args.out)
     results["layouts"] = rows
 
     # Overlap and batch shuffling off; checkpoints: save at N mid-way and resume, against the uninterrupted run.
@@ -326,6 +328,7 @@ def main() -> None:
         args,
     )
     results["overlap_off"], results["shuffling_off"] = off, unshuffled
+    save(results, args.out)
     # The saved weights on N/2 ranks (default sparse group: all of them).
     [loaded] = run_group(
         n // 2, [match_job({}, ckpt_path=ckpt, root=str(root / "load"), load=True, name=f"weights at {n // 2}")], args
@@ -340,8 +343,13 @@ def main() -> None:
     on = next(r["speed"] for r in rows if r["strategy"] == headline)
     results["overlap_on_prefetched"] = on.get("prefetched") or 0  # forwards served by a prefetched all-to-all
     report(results, args)
-    if args.out is not None:
-        args.out.write_text(json.dumps(_plain(results), indent=1))
+    save(results, args.out)
+
+
+def save(results: dict[str, Any], path: Path | None) -> None:
+    """Write what is measured so far (after every group: a run cut short keeps its finished groups)."""
+    if path is not None:
+        path.write_text(json.dumps(_plain(results), indent=1))
 
 
 def report(results: dict[str, Any], args: argparse.Namespace) -> None:
