@@ -441,13 +441,16 @@ class JaggedHistoryEncoder(nn.Module):
             time_deltas: ``[T]`` seconds between each event and the request (required iff ``use_time``).
             num_targets: ``[B]`` targets at the end of each sequence (see :class:`HSTULayer`).
             max_seq_len: an upper bound of the sequence lengths, passed to GDPA as a kernel hint.
-            check_offsets: validate ``offsets`` here, once (a device sync).
+            check_offsets: validate ``offsets`` and ``max_seq_len`` here, once (a device sync; ``num_targets``
+                adds one more).
         """
         jagged.check_floating(features, "features")
         if features.dim() != 2 or features.shape[1] != self.input_dim:
             raise ValueError(f"`features` must be [T, {self.input_dim}], got shape {tuple(features.shape)}")
-        if check_offsets:
-            jagged.validate_offsets(offsets, "offsets", num_values=features.shape[0], device=features.device)
+        check_offsets = check_offsets and not torch.compiler.is_compiling()
+        if check_offsets:  # offsets and the length hint, one device sync
+            jagged.check_device(offsets, "offsets", features.device)
+            jagged.validate_offsets_together([(offsets, "offsets", features.shape[0], max_seq_len)])
         x = self.input_proj(features) + self.position(
             recency_positions(offsets, self.max_length, num_targets, num_tokens=features.shape[0])
         )
@@ -464,10 +467,11 @@ class JaggedHistoryEncoder(nn.Module):
                 x, offsets, mesh.size(), num_targets, max_seq_len
             )
             x = _shard_tokens(x, mesh)
+        # Offsets and max_seq_len are validated above; num_targets (reading its values) by the first layer.
+        check_targets = check_offsets and num_targets is not None
         for index, layer in enumerate(self.layers):
-            # Offsets are validated once above; the first layer also checks num_targets / max_seq_len.
             x = layer(
-                x, offsets, num_targets=num_targets, max_seq_len=max_seq_len, check_offsets=check_offsets and index == 0
+                x, offsets, num_targets=num_targets, max_seq_len=max_seq_len, check_offsets=check_targets and index == 0
             )
         if mesh is not None:
             x = _gather_tokens(x, mesh)[: features.shape[0]]

@@ -280,13 +280,24 @@ class GEMRanker(L.LightningModule):
         embeddings = self.sequence_embeddings(batch.sequence_features)
         history_offsets = batch.history_offsets()
         candidate_offsets = batch.candidate_offsets()
+        history_tokens = self._tokens(embeddings, self._history_keys, self.history_bias)
+        candidates = self._tokens(embeddings, self._candidate_keys, self.candidate_bias)
+        # One device sync a batch: both offsets and the length hint, read back together; the encoder and
+        # the interaction then skip their own checks. Skipped under torch.compile (data-dependent).
+        if not torch.compiler.is_compiling():
+            jagged.validate_offsets_together(
+                [
+                    (history_offsets, "history offsets", history_tokens.shape[0], schema.max_history_length),
+                    (candidate_offsets, "candidate offsets", candidates.shape[0], None),
+                ]
+            )
         history = self.encoder(
-            self._tokens(embeddings, self._history_keys, self.history_bias),
+            history_tokens,
             history_offsets,
             time_deltas=batch.history_time_deltas if self.use_time else None,
             max_seq_len=schema.max_history_length,
+            check_offsets=False,
         )
-        candidates = self._tokens(embeddings, self._candidate_keys, self.candidate_bias)
         context = [segment_mean(history, history_offsets)]
         if self.pooled_proj is not None:
             if batch.pooled_features is None:
@@ -309,6 +320,7 @@ class GEMRanker(L.LightningModule):
             history_offsets,
             context=context_BND,
             max_history_len=schema.max_history_length,
+            check_offsets=False,
         )
         return self.head(interacted)
 

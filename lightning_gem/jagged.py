@@ -21,6 +21,8 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -37,6 +39,7 @@ __all__ = [
     "to_padded",
     "validate_lengths",
     "validate_offsets",
+    "validate_offsets_together",
 ]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -103,6 +106,38 @@ def validate_offsets(
         if last != num_values:
             raise ValueError(f"`{name}` must end at the number of values {num_values}, got offsets[-1] = {last}")
     return offsets
+
+
+def validate_offsets_together(checks: Sequence[tuple[Tensor, str, int | None, int | None]]) -> None:
+    """Validate several offsets tensors of one batch with a single device sync.
+
+    Each check is ``(offsets, name, num_values, max_len)``: the :func:`validate_offsets` rules (with
+    ``num_values`` if not None) and, if ``max_len`` is not None, no sequence longer than ``max_len`` (a
+    kernel's length hint). A model calls this once per batch, then passes ``check_offsets=False`` on.
+
+    Raises:
+        TypeError, ValueError: as :func:`validate_offsets` (naming the offending tensor), or a sequence
+            longer than its ``max_len``.
+    """
+    flags: list[Tensor] = []
+    for offsets, name, num_values, _ in checks:
+        validate_offsets(offsets, name, check_values=False)  # dtype, shape, non-empty: no read
+        flags.append(offsets[0] != 0)
+        steps = offsets[1:] - offsets[:-1]
+        if steps.numel():
+            flags.append((steps < 0).any())
+        if num_values is not None:
+            flags.append(offsets[-1] != num_values)
+    for offsets, _, _, max_len in checks:
+        if max_len is not None and offsets.numel() > 1:
+            flags.append((offsets[1:] - offsets[:-1]).max() > max_len)
+    if not flags or not bool(torch.stack([f.to(flags[0].device) for f in flags]).any()):
+        return
+    for offsets, name, num_values, max_len in checks:  # something is wrong: find it and say what
+        validate_offsets(offsets, name, num_values=num_values)
+        longest = max_length(offsets)
+        if max_len is not None and longest > max_len:
+            raise ValueError(f"`{name}` holds a sequence of {longest}, longer than the maximum length {max_len}")
 
 
 def validate_lengths(lengths: Tensor, name: str = "lengths") -> Tensor:

@@ -212,3 +212,28 @@ def test_random_lengths_include_the_edges() -> None:
     for _ in range(10):
         lengths = random_lengths(4, 11, generator)
         assert 0 in lengths and 1 in lengths and max(lengths) <= 11
+
+
+def test_validate_offsets_together_reads_the_device_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    reads = []
+    real_bool = torch.Tensor.__bool__
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.append(1) or real_bool(t))
+    history, candidates = torch.tensor([0, 3, 3, 7]), torch.tensor([0, 1, 4, 4], dtype=torch.int32)
+    jagged.validate_offsets_together([(history, "history", 7, 4), (candidates, "candidates", 4, None)])
+    assert len(reads) == 1
+
+
+@pytest.mark.parametrize(
+    ("checks", "match"),
+    [
+        ([(torch.tensor([1, 3]), "history", None, None)], "`history` must start at 0"),
+        ([(torch.tensor([0, 3, 2]), "history", None, None)], "`history` must be non-decreasing"),
+        ([(torch.tensor([0, 3]), "history", 4, None)], "`history` must end at the number of values 4"),
+        ([(torch.tensor([0, 3, 8]), "history", 8, 4)], "`history` holds a sequence of 5, longer than .* 4"),
+        ([(torch.tensor([0, 1]), "a", 1, None), (torch.tensor([0, 2, 1]), "b", 1, None)], "`b` must be"),
+        ([(torch.tensor([0.0, 1.0]), "a", None, None)], "`a` must have dtype"),
+    ],
+)
+def test_validate_offsets_together_names_what_is_wrong(checks: list, match: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=match):
+        jagged.validate_offsets_together(checks)

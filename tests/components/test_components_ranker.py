@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import lightning as L
 import pytest
 import torch
@@ -187,3 +189,32 @@ def test_checkpoint_round_trip_rebuilds_the_model(batches, tmp_path) -> None:
     model.eval()
     loaded.eval()
     torch.testing.assert_close(loaded(batch), model(batch))
+
+
+def test_a_forward_validates_the_batch_once(batches, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One fused check of both offsets and the length hint a batch (one device sync); the encoder, its layers
+    and the interaction do not check again."""
+    from lightning_gem import jagged
+
+    schema = batches.ranking_schema()
+    model = _tiny(schema, num_layers=2)
+    batch = batches.make_ranking_batch(schema, history_lengths=[0, 1, 5, 3], candidate_counts=[2, 0, 3, 1])
+    calls = {"together": 0, "single": 0}
+    together, single = jagged.validate_offsets_together, jagged.validate_offsets
+
+    def count_together(checks):  # noqa: ANN001, ANN202
+        calls["together"] += 1
+        return together(checks)
+
+    def count_single(offsets, name="offsets", **kwargs):  # noqa: ANN001, ANN003, ANN202
+        calls["single"] += kwargs.get("check_values", True)
+        return single(offsets, name, **kwargs)
+
+    monkeypatch.setattr(jagged, "validate_offsets_together", count_together)
+    monkeypatch.setattr(jagged, "validate_offsets", count_single)
+    model(batch)
+    assert calls == {"together": 1, "single": 0}
+    bad = batches.make_ranking_batch(schema, history_lengths=[0, 1, 5, 3], candidate_counts=[2, 0, 3, 1])
+    too_long = _tiny(dataclasses.replace(schema, max_history_length=4))
+    with pytest.raises(ValueError, match="history offsets"):
+        too_long(bad)
