@@ -174,10 +174,9 @@ class _MXLinearFn(torch.autograd.Function):
         # Fast accumulation on the forward GEMM of rowwise FP8 only (contraction over features, as torchao's
         # float8 training does); blockwise and MX scaling promote per block anyway.
         fast = plan.act_layout == "rowwise"
-        out = scaled_mm(xq, wq, out_dtype=_gemm_dtype(x.dtype, plan), backend=plan.gemm, fast_accum=fast)
-        out = out.to(x.dtype)
-        if bias is not None:
-            out = out + bias.to(out.dtype)
+        gemm_dtype = _gemm_dtype(x.dtype, plan)
+        bias_in = None if bias is None else bias.to(gemm_dtype)  # added in the GEMM's epilogue when it can
+        out = scaled_mm(xq, wq, out_dtype=gemm_dtype, backend=plan.gemm, fast_accum=fast, bias=bias_in).to(x.dtype)
 
         ctx.layer, ctx.plan, ctx.has_bias = layer, plan, bias is not None
         ctx.x_source = "handoff" if handoff is not None else ("fp8" if keep_fp8 else "input")

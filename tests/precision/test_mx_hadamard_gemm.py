@@ -50,6 +50,9 @@ def test_emulated_gemm_is_the_dequantized_product() -> None:
     expected = a.dequantize().double() @ b.dequantize().double().T
     out = scaled_mm(a, b, out_dtype=torch.float32, backend="emulated")
     torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-5)
+    bias = torch.randn(24)
+    with_bias = scaled_mm(a, b, out_dtype=torch.float32, backend="emulated", bias=bias)
+    torch.testing.assert_close(with_bias.double(), expected + bias.double(), rtol=1e-6, atol=1e-5)
     with pytest.raises(ValueError, match="share K"):
         scaled_mm(a, quantize(torch.randn(24, 64), "mx")[0], out_dtype=torch.float32, backend="emulated")
 
@@ -89,3 +92,7 @@ def test_native_gemm_matches_emulated(layout_a: str, layout_b: str, shape: tuple
     emulated = scaled_mm(a, b, out_dtype=torch.float32, backend="emulated")
     relative = float((native - emulated).norm() / emulated.norm())
     assert relative < 4e-3, relative  # same operands: only accumulation order and the bf16 output differ
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16) * 10  # in cuBLAS's epilogue where it takes one
+    native = scaled_mm(a, b, out_dtype=torch.bfloat16, backend="scaled_mm", bias=bias).float()
+    emulated = scaled_mm(a, b, out_dtype=torch.float32, backend="emulated", bias=bias)
+    assert float((native - emulated).norm() / emulated.norm()) < 4e-3

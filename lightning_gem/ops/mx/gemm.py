@@ -19,6 +19,8 @@ Backends:
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import Tensor
 
@@ -26,8 +28,11 @@ from lightning_gem.ops.mx.formats import QuantizedTensor
 
 __all__ = ["GEMM_BACKENDS", "scaled_mm", "scaled_mm_supported"]
 
+log = logging.getLogger(__name__)
+
 GEMM_BACKENDS = ("emulated", "scaled_mm")
 _BLOCKWISE_ROWS = 128
+_NO_BIAS_EPILOGUE: set[tuple[str, str]] = set()  # layout pairs whose cuBLAS GEMM refused a bias here
 _NATIVE_PAIRS = {("rowwise", "rowwise"), ("1x128", "128x128"), ("1x128", "1x128"), ("mx", "mx")}
 
 
@@ -44,9 +49,15 @@ def scaled_mm_supported(layout_a: str, layout_b: str, device: torch.device) -> b
 
 
 def scaled_mm(
-    a: QuantizedTensor, b: QuantizedTensor, *, out_dtype: torch.dtype, backend: str, fast_accum: bool = False
+    a: QuantizedTensor,
+    b: QuantizedTensor,
+    *,
+    out_dtype: torch.dtype,
+    backend: str,
+    fast_accum: bool = False,
+    bias: Tensor | None = None,
 ) -> Tensor:
-    """``[M, N]`` ``dequantize(a) @ dequantize(b)^T`` in ``out_dtype``.
+    """``[M, N]`` ``dequantize(a) @ dequantize(b)^T (+ bias)`` in ``out_dtype``.
 
     Args:
         a: ``[M, K]`` quantized along ``K``.
@@ -55,6 +66,8 @@ def scaled_mm(
         backend: ``"emulated"`` or ``"scaled_mm"`` (see the module docstring); never falls back.
         fast_accum: let ``scaled_mm`` accumulate in the tensor cores' reduced-precision accumulator (faster;
             fine for short contraction dims such as a forward's features, not for a weight gradient's tokens).
+        bias: ``[N]`` added to every row before the cast to ``out_dtype``: in cuBLAS's epilogue (no extra pass
+            over the output) where it takes one for this layout pair, else as a separate add.
 
     Raises:
         ValueError: mismatched contraction dims, or ``scaled_mm`` on a device or layout pair it lacks.
@@ -62,7 +75,8 @@ def scaled_mm(
     if a.shape[1] != b.shape[1]:
         raise ValueError(f"`a` [M, K] and `b` [N, K] must share K, got {tuple(a.shape)} and {tuple(b.shape)}")
     if backend == "emulated":
-        return (a.dequantize() @ b.dequantize().t()).to(out_dtype)
+        out = a.dequantize() @ b.dequantize().t()
+        return (out if bias is None else out + bias.to(out.dtype)).to(out_dtype)
     if backend != "scaled_mm":
         raise ValueError(f"`backend` must be one of {GEMM_BACKENDS}, got {backend!r}")
     if not scaled_mm_supported(a.layout, b.layout, a.data.device):
@@ -77,7 +91,26 @@ def scaled_mm(
         scale_b = scale_b.reshape(1, -1)
     elif b.layout != "mx":  # [N, K / 128] or [N / 128, K / 128] -> transposed, as b itself is passed
         scale_b = scale_b.t()
-    out = torch._scaled_mm(a.data, b.data.t(), scale_a, scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum)
+    out = None
+    pair = (a.layout, b.layout)
+    if bias is not None and pair not in _NO_BIAS_EPILOGUE:
+        try:
+            out = torch._scaled_mm(
+                a.data,
+                b.data.t(),
+                scale_a,
+                scale_b,
+                bias=bias.to(out_dtype),
+                out_dtype=out_dtype,
+                use_fast_accum=fast_accum,
+            )
+        except RuntimeError as err:  # this cuBLAS has no bias epilogue for these scales: add it apart from now on
+            _NO_BIAS_EPILOGUE.add(pair)
+            log.info("torch._scaled_mm takes no bias with %s x %s scales here (%s): adding it separately", *pair, err)
+    if out is None:
+        out = torch._scaled_mm(a.data, b.data.t(), scale_a, scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
     return out[:rows] if out.shape[0] != rows else out
 
 
