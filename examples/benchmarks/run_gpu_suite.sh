@@ -1,0 +1,60 @@
+#!/bin/bash
+# Every GPU measurement behind docs/benchmarks.md and docs/results.md, in one command, each step under its
+# own time limit so one slow or failing step does not cost the others. Results and logs go to OUT.
+#
+# Usage (from the repository root, on a CUDA machine with torchrec and fbgemm-gpu installed):
+#   OUT=gpu-results ML1M=PATH/TO/ml-1m bash examples/benchmarks/run_gpu_suite.sh [STEP ...]
+# STEP: any of tests attention precision balance e2e scaling ml1m (default: all, in that order).
+# ML1M: the MovieLens-1M folder from https://grouplens.org/datasets/movielens/1m/ (the ml1m step needs it).
+# PYTHON: the interpreter (default python3). The first process on a fresh machine compiles and tunes the Triton
+# kernels (minutes): the limits allow it.
+set -u
+OUT=${OUT:-gpu-results}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests attention precision balance e2e scaling ml1m)
+gpus=$($PY -c 'import torch; print(torch.cuda.device_count())')
+nvidia-smi -L > "$OUT/gpus.txt" 2>&1
+
+step() {  # name limit_s command...
+  local name=$1 limit=$2 start
+  shift 2
+  start=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name: exit $? after $(($(date +%s) - start)) s (limit $limit s)" | tee -a "$OUT/summary.txt"
+}
+
+for s in "${steps[@]}"; do
+  case $s in
+    tests) step tests 600 $PY -m pytest -q -p no:cacheprovider -m gpu -s tests ;;
+    attention) step attention 600 $PY examples/benchmarks/attention.py --parallel-compile --rep 20 \
+      --out "$OUT/attention.md" ;;
+    precision) step precision 600 $PY examples/benchmarks/precision.py --tokens 16384 65536 \
+      --quality-steps 150 --profile --out "$OUT/precision.json" ;;
+    balance) step balance 600 $PY examples/benchmarks/balance_ranks.py --num-batches 4 --reps 3 \
+      --out "$OUT/balance_ranks.json" ;;
+    e2e) step e2e 600 $PY examples/benchmarks/e2e.py --root "$OUT/e2e" --out "$OUT/e2e.json" ;;
+    scaling)
+      if [ "$gpus" -ge 2 ]; then
+        step scaling 600 $PY examples/benchmarks/scaling.py --timeout 300 --root "$OUT/scaling" \
+          --out "$OUT/scaling.json"
+      else
+        echo "scaling: skipped ($gpus GPU)" | tee -a "$OUT/summary.txt"
+      fi ;;
+    ml1m)
+      if [ -z "${ML1M:-}" ]; then
+        echo "ml1m: skipped (set ML1M to the ml-1m folder)" | tee -a "$OUT/summary.txt"
+        continue
+      fi
+      config=examples/configs/ml1m_hstu_h200.yaml
+      data=(--data.init_args.source.init_args.path "$ML1M")
+      step ml1m_fit 900 $PY -m lightning_gem.cli fit --config $config "${data[@]}" \
+        --trainer.logger.init_args.save_dir "$OUT/ml1m"
+      ckpt=$(ls "$OUT"/ml1m/ml1m_hstu_h200/version_*/checkpoints/*.ckpt 2> /dev/null | tail -1)
+      [ -n "$ckpt" ] && step ml1m_test 300 $PY -m lightning_gem.cli test --config $config "${data[@]}" \
+        --trainer.logger false --ckpt_path "$ckpt" ;;
+    *) echo "unknown step $s" >&2 ;;
+  esac
+done
