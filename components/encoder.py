@@ -10,6 +10,7 @@ query-key / value widths, ``S`` the tensor-parallel size (sequence parallelism: 
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -27,9 +28,11 @@ if TYPE_CHECKING:
 __all__ = [
     "HSTULayer",
     "JaggedHistoryEncoder",
+    "RelativePositionBias",
     "make_norm",
     "pad_tokens_to_multiple",
     "recency_positions",
+    "relative_bias_attention",
     "time_buckets",
 ]
 
@@ -76,6 +79,11 @@ class HSTULayer(nn.Module):
         per_head_norm: normalise the attention output per head (see above).
         attention_scale: GDPA score scale; None: ``1 / sqrt(attention_dim)``. The HSTU reference applies the
             activation to the raw scores (``1.0``).
+        relative_bias_length: add a learned bias of the relative position ``t - i`` to every score (HSTU's
+            relative attention bias over positions; distances beyond ``relative_bias_length - 1`` share the
+            last value). The GDPA kernels take no additive bias, so such a layer attends through
+            :func:`relative_bias_attention`, a dense path over ``[B, H, L, L]`` meant for short sequences
+            (a few hundred events); ``num_targets`` and tensor parallelism are not supported with it.
         attention_impl: GDPA ``impl`` (``"auto"``, ``"reference"``, ``"triton"``, or the ``"padded"`` baseline).
 
     Shapes:
@@ -104,6 +112,7 @@ class HSTULayer(nn.Module):
         norm: NormKind = "rms",
         per_head_norm: bool = True,
         attention_scale: float | None = None,
+        relative_bias_length: int | None = None,
         attention_impl: str = "auto",
     ) -> None:
         super().__init__()
@@ -136,6 +145,7 @@ class HSTULayer(nn.Module):
         self.attention_norm = make_norm(norm, self.linear_dim if per_head_norm else num_heads * self.linear_dim)
         self.output = nn.Linear(num_heads * self.linear_dim, dim)
         self.dropout = nn.Dropout(dropout)
+        self.relative_bias = None if relative_bias_length is None else RelativePositionBias(relative_bias_length)
         # The residual branch starts at zero: a fresh stack is the identity and learns as fast as a shallow one.
         nn.init.zeros_(self.output.weight)
         nn.init.zeros_(self.output.bias)
@@ -183,25 +193,117 @@ class HSTULayer(nn.Module):
         num_tokens = uvqk_TX.shape[0]
         uvqk_THX = F.silu(uvqk_TX).view(num_tokens, h, 2 * dv + 2 * dqk)
         u_THD, v_THD, q_THD, k_THD = uvqk_THX.split([dv, dv, dqk, dqk], dim=-1)
-        attn_THD = gdpa(
-            q_THD,
-            k_THD,
-            v_THD,
-            offsets,
-            activation=self.activation,
-            causal=self.causal,
-            window=self.window,
-            num_targets=num_targets,
-            scale=self.attention_scale,
-            max_seq_len_q=max_seq_len,
-            impl=self.attention_impl,
-            check_offsets=check_offsets,
-        )
+        if self.relative_bias is not None:
+            if num_targets is not None:
+                raise ValueError("`num_targets` is not supported with a relative attention bias")
+            attn_THD = relative_bias_attention(
+                q_THD,
+                k_THD,
+                v_THD,
+                offsets,
+                self.relative_bias,
+                max_seq_len,
+                activation=self.activation,
+                causal=self.causal,
+                window=self.window,
+                scale=self.attention_scale,
+            )
+        else:
+            attn_THD = gdpa(
+                q_THD,
+                k_THD,
+                v_THD,
+                offsets,
+                activation=self.activation,
+                causal=self.causal,
+                window=self.window,
+                num_targets=num_targets,
+                scale=self.attention_scale,
+                max_seq_len_q=max_seq_len,
+                impl=self.attention_impl,
+                check_offsets=check_offsets,
+            )
         if self.per_head_norm:
             gated = (self.attention_norm(attn_THD) * u_THD).reshape(num_tokens, h * dv)
         else:
             gated = self.attention_norm(attn_THD.reshape(num_tokens, h * dv)) * u_THD.reshape(num_tokens, h * dv)
         return x + self.dropout(self.output(gated))
+
+
+class RelativePositionBias(nn.Module):
+    """A learned score bias per relative position ``t - i`` (key minus query position within a sequence), the
+    position half of HSTU's relative attention bias: ``weight [2 * length - 1]``, distances clamped to
+    ``[-(length - 1), length - 1]``, initialised ``N(0, 0.02)``."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__()
+        if length < 1:
+            raise ValueError(f"`relative_bias_length` must be >= 1, got {length}")
+        self.length = length
+        self.weight = nn.Parameter(torch.empty(2 * length - 1).normal_(std=0.02))
+
+    def forward(self, size: int) -> Tensor:
+        """``[size, size]``: the bias of query position ``i`` (rows) and key position ``t`` (columns)."""
+        positions = torch.arange(size, device=self.weight.device)
+        distance = (positions[None, :] - positions[:, None]).clamp(1 - self.length, self.length - 1)
+        return self.weight[distance + self.length - 1]
+
+
+def relative_bias_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    offsets: Tensor,
+    bias: RelativePositionBias,
+    max_seq_len: int | None = None,
+    *,
+    activation: str = "silu",
+    causal: bool = True,
+    window: int | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """GDPA self-attention with ``bias(t - i)`` added to every score, computed densely: ``[T, H, Dv]``.
+
+    The semantics of :func:`lightning_gem.ops.gdpa` (softmax, or a pointwise activation normalised by the
+    sequence's length; causal and window masks), on ``[B, H, L, L]`` padded scores (``L`` = ``max_seq_len``,
+    or the longest sequence, read from the device). No device sync with ``max_seq_len`` given; memory and time
+    grow with ``B L^2``: meant for short sequences until the kernels take a bias.
+
+    Raises:
+        ValueError: an unknown activation.
+    """
+    from lightning_gem.ops.attention.impl.reference import POINTWISE
+
+    if activation != "softmax" and activation not in POINTWISE:
+        raise ValueError(f"`activation` must be 'softmax' or one of {tuple(POINTWISE)}, got {activation!r}")
+    num_tokens, num_heads, dim = q.shape
+    if num_tokens == 0:
+        return v.new_zeros(0, num_heads, v.shape[2])
+    lengths = (offsets[1:] - offsets[:-1]).to(torch.int64)
+    size = max(1, jagged.max_length(offsets) if max_seq_len is None else max_seq_len)
+    positions = torch.arange(size, device=q.device)
+    valid_BL = positions[None, :] < lengths[:, None]
+    rows_BL = (offsets[:-1, None].to(torch.int64) + positions[None, :]).clamp(max=max(num_tokens - 1, 0))
+
+    def padded(x: Tensor) -> Tensor:  # [T, H, D] -> [B, H, L, D], zeros past each sequence's end
+        return (x[rows_BL] * valid_BL[:, :, None, None].to(x.dtype)).transpose(1, 2)
+
+    scores = torch.einsum("bhid,bhtd->bhit", padded(q), padded(k)).float()
+    scores = scores * (1.0 / math.sqrt(dim) if scale is None else scale) + bias(size)
+    allowed = valid_BL[:, None, :, None] & valid_BL[:, None, None, :]
+    if causal:
+        allowed = allowed & (positions[None, :] <= positions[:, None])
+    if window is not None:
+        allowed = allowed & ((positions[None, :] - positions[:, None]).abs() <= window)
+    if activation == "softmax":  # a finite fill: padded query rows (no allowed key) stay finite in backward
+        weights = torch.softmax(scores.masked_fill(~allowed, -1e30), dim=-1) * allowed
+    else:
+        weights = POINTWISE[activation][0](scores) / lengths.clamp_min(1)[:, None, None, None]
+        weights = weights.masked_fill(~allowed, 0.0)
+    out_BHLD = torch.einsum("bhit,bhtd->bhid", weights.to(v.dtype), padded(v))
+    segment = jagged.segment_ids(offsets, num_tokens)
+    position = torch.arange(num_tokens, device=q.device) - offsets[:-1].to(torch.int64)[segment]
+    return out_BHLD.transpose(1, 2)[segment, position]
 
 
 def pad_tokens_to_multiple(
@@ -301,6 +403,9 @@ class JaggedHistoryEncoder(nn.Module):
         attention_dim, linear_dim, activation, causal, window, norm, per_head_norm, attention_scale, attention_impl:
             see :class:`HSTULayer`.
         dropout: dropout on the input and on each layer's output.
+        relative_attention_bias: every layer adds a learned bias of the relative position to its scores
+            (:class:`RelativePositionBias` over ``max_length`` positions; a dense attention path, see
+            :class:`HSTULayer`).
         use_time: add an embedding of ``time_buckets(time_deltas)``; ``forward`` then needs ``time_deltas``.
         num_time_buckets: buckets of the time encoding.
 
@@ -333,6 +438,7 @@ class JaggedHistoryEncoder(nn.Module):
         norm: NormKind = "rms",
         per_head_norm: bool = True,
         attention_scale: float | None = None,
+        relative_attention_bias: bool = False,
         use_time: bool = False,
         num_time_buckets: int = 64,
         attention_impl: str = "auto",
@@ -370,6 +476,7 @@ class JaggedHistoryEncoder(nn.Module):
                 norm=norm,
                 per_head_norm=per_head_norm,
                 attention_scale=attention_scale,
+                relative_bias_length=max_length if relative_attention_bias else None,
                 attention_impl=attention_impl,
             )
             for _ in range(num_layers)

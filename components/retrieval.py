@@ -127,6 +127,9 @@ class SequentialRecommender(L.LightningModule):
         norm: ``"rms"`` or ``"layer"``.
         per_head_norm: normalise the attention output per head (False: over all heads, as the HSTU paper).
         attention_scale: GDPA score scale; None: ``1 / sqrt(head dim)`` (the HSTU reference uses ``1.0``).
+        relative_attention_bias: a learned bias of the relative position in every layer's scores (HSTU's
+            positional relative attention bias; a dense attention path for short histories, see
+            :class:`~lightning_gem.components.encoder.HSTULayer`).
         use_time: encode the gap to the previous event (``batch.timestamps``; causal: no future times).
         num_negatives: uniform negatives of each position's sampled softmax.
         shared_negatives: draw one set of ``num_negatives`` for the whole batch instead of one per position
@@ -163,6 +166,7 @@ class SequentialRecommender(L.LightningModule):
         norm: NormKind = "rms",
         per_head_norm: bool = True,
         attention_scale: float | None = None,
+        relative_attention_bias: bool = False,
         use_time: bool = False,
         num_negatives: int = 128,
         shared_negatives: bool = False,
@@ -231,6 +235,7 @@ class SequentialRecommender(L.LightningModule):
             norm=hp.norm,
             per_head_norm=hp.per_head_norm,
             attention_scale=hp.attention_scale,
+            relative_attention_bias=hp.relative_attention_bias,
             use_time=hp.use_time,
             attention_impl=hp.attention_impl,
         )

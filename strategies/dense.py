@@ -144,6 +144,11 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: Any, *, sequence_parallel:
                 f"{label} normalises all heads together (per_head_norm=False): its tensor-parallel plan needs "
                 "per-head norms"
             )
+        if getattr(sub, "relative_bias", None) is not None:
+            raise ValueError(
+                f"{name or type(sub).__name__} adds a relative attention bias (a dense attention path): its "
+                "tensor-parallel plan does not cover it"
+            )
         if heads is not None and heads % size:
             raise ValueError(f"`tensor_parallel_size` ({size}) must divide the heads of {label} ({heads})")
         on_shards = any(_inside(name, region) for region, _ in regions)

@@ -181,3 +181,77 @@ def test_attention_scale_is_the_gdpa_score_scale() -> None:
     assert not torch.allclose(raw(x, offsets), default(x, offsets))
     with pytest.raises(ValueError, match="attention_scale"):
         HSTULayer(dim=50, num_heads=2, attention_scale=0.0)
+
+
+def _qkv(lengths: list[int], heads: int = 2, dim: int = 8, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    return tuple(torch.randn(total, heads, dim, generator=gen, dtype=torch.float64) for _ in range(3))
+
+
+@pytest.mark.parametrize(
+    ("activation", "causal", "window"), [("silu", True, None), ("softmax", True, None), ("silu", False, 2)]
+)
+@pytest.mark.parametrize("max_seq_len", [None, 9])
+def test_relative_bias_attention_with_a_zero_bias_is_gdpa(
+    activation: str, causal: bool, window: int | None, max_seq_len: int | None
+) -> None:
+    from lightning_gem.components.encoder import RelativePositionBias, relative_bias_attention
+
+    from lightning_gem.ops import gdpa
+
+    q, k, v = _qkv(LENGTHS)
+    offsets = _offsets(LENGTHS)
+    bias = RelativePositionBias(4).double()
+    nn.init.zeros_(bias.weight)
+    kwargs = dict(activation=activation, causal=causal, window=window)
+    expected = gdpa(q, k, v, offsets, impl="reference", **kwargs)
+    torch.testing.assert_close(relative_bias_attention(q, k, v, offsets, bias, max_seq_len, **kwargs), expected)
+
+
+def test_relative_bias_attention_adds_the_bias_of_each_distance_and_learns_it() -> None:
+    """Against a direct per-sequence computation: ``silu(q k^T / sqrt(D) + w[t - i]) / L``, causal."""
+    from lightning_gem.components.encoder import RelativePositionBias, relative_bias_attention
+
+    q, k, v = _qkv([5, 0, 3])
+    offsets = _offsets([5, 0, 3])
+    bias = RelativePositionBias(3).double()
+    out = relative_bias_attention(q, k, v, offsets, bias, 6)
+    for start, length in ((0, 5), (5, 3)):
+        qs, ks, vs = (x[start : start + length].transpose(0, 1) for x in (q, k, v))
+        i = torch.arange(length)
+        w = bias.weight[(i[None, :] - i[:, None]).clamp(-2, 2) + 2]
+        scores = torch.nn.functional.silu(qs @ ks.transpose(1, 2) / 8**0.5 + w) / length
+        expected = (scores * (i[None, :] <= i[:, None])) @ vs
+        torch.testing.assert_close(out[start : start + length], expected.transpose(0, 1))
+    out.square().sum().backward()
+    assert bias.weight.grad is not None and bias.weight.grad.abs().sum() > 0
+
+
+def test_relative_bias_attention_is_causal_and_batch_invariant() -> None:
+    from lightning_gem.components.encoder import RelativePositionBias, relative_bias_attention
+
+    q, k, v = _qkv([4, 6])
+    offsets = _offsets([4, 6])
+    bias = RelativePositionBias(8).double()
+    out = relative_bias_attention(q, k, v, offsets, bias, 8)
+    alone = relative_bias_attention(q[4:], k[4:], v[4:], _offsets([6]), bias, None)
+    torch.testing.assert_close(out[4:], alone)
+    k2, v2 = k.clone(), v.clone()
+    k2[9], v2[9] = 0.0, 0.0  # the last token of the second sequence: earlier outputs must not move
+    moved = relative_bias_attention(q, k2, v2, offsets, bias, 8)
+    torch.testing.assert_close(moved[:9], out[:9])
+
+
+def test_layers_with_a_relative_bias_train_and_refuse_targets() -> None:
+    encoder = JaggedHistoryEncoder(8, 16, num_layers=2, num_heads=2, max_length=8, relative_attention_bias=True)
+    encoder = _randomized(encoder)
+    assert all(layer.relative_bias.weight.shape == (15,) for layer in encoder.layers)
+    offsets = _offsets([3, 0, 5])
+    out = encoder(torch.randn(8, 8), offsets, max_seq_len=8)
+    out.square().sum().backward()
+    assert all(layer.relative_bias.weight.grad.abs().sum() > 0 for layer in encoder.layers)
+    with pytest.raises(ValueError, match="num_targets"):
+        encoder.layers[0](torch.randn(8, 16), offsets, num_targets=torch.tensor([1, 0, 1]))
+    with pytest.raises(ValueError, match="relative_bias_length"):
+        HSTULayer(dim=16, num_heads=2, relative_bias_length=0)

@@ -58,15 +58,23 @@ def test_catalogue_ranks_exclude_seen_items_but_never_the_target() -> None:
     assert ranks.tolist() == [1, 1]
 
 
-@pytest.mark.parametrize("shared_negatives", [False, True])
+@pytest.mark.parametrize(("shared_negatives", "relative_bias"), [(False, False), (True, False), (False, True)])
 def test_forward_training_step_and_gradients_with_empty_and_single_event_sequences(
-    batches, shared_negatives: bool
+    batches, shared_negatives: bool, relative_bias: bool
 ) -> None:
     torch.manual_seed(0)
     schema = batches.retrieval_schema()
     model = SequentialRecommender(
-        schema, embedding_dim=16, num_layers=1, use_time=True, num_negatives=8, shared_negatives=shared_negatives
+        schema,
+        embedding_dim=16,
+        num_layers=1,
+        use_time=True,
+        num_negatives=8,
+        shared_negatives=shared_negatives,
+        relative_attention_bias=relative_bias,
     )
+    if relative_bias:  # a fresh layer's residual branch is zero: give it weights so the bias gets a gradient
+        torch.nn.init.normal_(model.encoder.layers[0].output.weight, std=0.1)
     batch = batches.make_retrieval_batch(schema, [0, 1, 5, 3])
     out = model(batch)
     assert out.shape == (9, 16) and torch.isfinite(out).all()
@@ -78,6 +86,8 @@ def test_forward_training_step_and_gradients_with_empty_and_single_event_sequenc
     assert model.embeddings.embeddings["rating"].weight.grad.abs().sum() > 0
     assert model.encoder.time.weight.grad.abs().sum() > 0
     assert model.item_embeddings(torch.tensor([0, 3])).shape == (2, 16)
+    if relative_bias:
+        assert model.encoder.layers[0].relative_bias.weight.grad.abs().sum() > 0
 
 
 def test_ignored_targets_and_schema_errors(batches) -> None:
