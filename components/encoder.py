@@ -279,7 +279,7 @@ def relative_bias_attention(
     num_tokens, num_heads, dim = q.shape
     if num_tokens == 0:
         return v.new_zeros(0, num_heads, v.shape[2])
-    lengths = (offsets[1:] - offsets[:-1]).to(torch.int64)
+    lengths = jagged.offsets_to_lengths(offsets).to(torch.int64)
     size = max(1, jagged.max_length(offsets) if max_seq_len is None else max_seq_len)
     positions = torch.arange(size, device=q.device)
     valid_BL = positions[None, :] < lengths[:, None]
@@ -301,8 +301,7 @@ def relative_bias_attention(
         weights = POINTWISE[activation][0](scores) / lengths.clamp_min(1)[:, None, None, None]
         weights = weights.masked_fill(~allowed, 0.0)
     out_BHLD = torch.einsum("bhit,bhtd->bhid", weights.to(v.dtype), padded(v))
-    segment = jagged.segment_ids(offsets, num_tokens)
-    position = torch.arange(num_tokens, device=q.device) - offsets[:-1].to(torch.int64)[segment]
+    segment, position = jagged.segment_positions(offsets, num_tokens)
     return out_BHLD.transpose(1, 2)[segment, position]
 
 
@@ -367,8 +366,7 @@ def recency_positions(
     lengths = jagged.offsets_to_lengths(offsets).to(torch.int64)
     if num_tokens is None:
         num_tokens = int(offsets[-1])
-    seg = jagged.segment_ids(offsets, num_tokens)
-    local = torch.arange(num_tokens, device=offsets.device) - offsets[:-1].to(torch.int64)[seg]
+    seg, local = jagged.segment_positions(offsets, num_tokens)
     history = lengths if num_targets is None else lengths - num_targets.to(torch.int64)
     return (history[seg] - local).clamp(0, max_length)
 

@@ -35,6 +35,7 @@ __all__ = [
     "max_length",
     "offsets_to_lengths",
     "segment_ids",
+    "segment_positions",
     "from_padded",
     "to_padded",
     "validate_lengths",
@@ -120,17 +121,16 @@ def validate_offsets_together(checks: Sequence[tuple[Tensor, str, int | None, in
             longer than its ``max_len``.
     """
     flags: list[Tensor] = []
-    for offsets, name, num_values, _ in checks:
+    for offsets, name, num_values, max_len in checks:
         validate_offsets(offsets, name, check_values=False)  # dtype, shape, non-empty: no read
         flags.append(offsets[0] != 0)
-        steps = offsets[1:] - offsets[:-1]
+        steps = offsets_to_lengths(offsets)
         if steps.numel():
             flags.append((steps < 0).any())
+            if max_len is not None:
+                flags.append(steps.max() > max_len)
         if num_values is not None:
             flags.append(offsets[-1] != num_values)
-    for offsets, _, _, max_len in checks:
-        if max_len is not None and offsets.numel() > 1:
-            flags.append((offsets[1:] - offsets[:-1]).max() > max_len)
     if not flags or not bool(torch.stack([f.to(flags[0].device) for f in flags]).any()):
         return
     for offsets, name, num_values, max_len in checks:  # something is wrong: find it and say what
@@ -175,6 +175,13 @@ def segment_ids(offsets: Tensor, num_values: int | None = None) -> Tensor:
     lengths = offsets_to_lengths(offsets).to(torch.int64)
     total = int(offsets[-1]) if num_values is None else num_values
     return torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths, output_size=total)
+
+
+def segment_positions(offsets: Tensor, num_values: int | None = None) -> tuple[Tensor, Tensor]:
+    """``([T] segment of each value, [T] its position within that segment)``, int64 (see :func:`segment_ids`)."""
+    segment = segment_ids(offsets, num_values)
+    position = torch.arange(segment.numel(), device=offsets.device) - offsets[:-1].to(torch.int64)[segment]
+    return segment, position
 
 
 def check_device(tensor: Tensor, name: str, device: torch.device) -> None:

@@ -146,7 +146,7 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: Any, *, sequence_parallel:
             )
         if getattr(sub, "relative_bias", None) is not None:
             raise ValueError(
-                f"{name or type(sub).__name__} adds a relative attention bias (a dense attention path): its "
+                f"{label} adds a relative attention bias (a dense attention path): its "
                 "tensor-parallel plan does not cover it"
             )
         if heads is not None and heads % size:

@@ -46,6 +46,7 @@ __all__ = [
     "TableConstraint",
     "embedding_module_paths",
     "fused_optimizer",
+    "local_shards",
     "make_sharders",
     "plan_sharding",
     "shard_embeddings",
@@ -335,7 +336,7 @@ def shard_embeddings(
     return SparseShardingResult(plan=plan, paths=paths, replica_sync=sync, features=features)
 
 
-def _local_shards(value: Any) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+def local_shards(value: Any) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
     """``(local shard, its offset in the full table)`` of a sharded state-dict entry (DTensor or ShardedTensor)."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed.tensor import DTensor
@@ -357,7 +358,7 @@ def copy_full_into_shards(sharded: nn.Module, full_state: Mapping[str, torch.Ten
     """Write the full tables ``full_state`` (an unsharded collection's state dict) into ``sharded``'s local shards."""
     for name, value in sharded.state_dict().items():
         full = full_state[name]
-        for shard, offset in _local_shards(value):
+        for shard, offset in local_shards(value):
             index = tuple(slice(o, o + n) for o, n in zip(offset, shard.shape, strict=True))
             shard.copy_(full[index])
 
@@ -389,13 +390,13 @@ def local_state_tensors(module: nn.Module) -> list[torch.Tensor]:
     tensors: list[torch.Tensor] = []
     for _, sharded in _sharded_modules(module):
         for value in sharded.state_dict().values():
-            tensors.extend(shard for shard, _ in _local_shards(value))
+            tensors.extend(shard for shard, _ in local_shards(value))
         optimizer = getattr(sharded, "fused_optimizer", None)
         if optimizer is not None:
             for state in optimizer.state_dict()["state"].values():
                 for value in state.values():
                     if isinstance(value, torch.Tensor) and value.is_floating_point():
-                        tensors.extend(shard for shard, _ in _local_shards(value))
+                        tensors.extend(shard for shard, _ in local_shards(value))
     return [t for t in tensors if t.numel()]
 
 

@@ -237,3 +237,9 @@ def test_validate_offsets_together_reads_the_device_once(monkeypatch: pytest.Mon
 def test_validate_offsets_together_names_what_is_wrong(checks: list, match: str) -> None:
     with pytest.raises((ValueError, TypeError), match=match):
         jagged.validate_offsets_together(checks)
+
+
+def test_segment_positions_count_from_each_segment_start() -> None:
+    segment, position = jagged.segment_positions(torch.tensor([0, 2, 2, 5]), 5)
+    assert segment.tolist() == [0, 0, 2, 2, 2]
+    assert position.tolist() == [0, 1, 0, 1, 2]

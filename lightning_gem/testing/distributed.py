@@ -132,17 +132,17 @@ def _full(value: Any) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
-        local = value.to_local()
-        if not hasattr(local, "local_shards"):  # FSDP2 / tensor-parallel DTensor
+        from lightning_gem.strategies.sparse import local_shards
+
+        if not hasattr(value.to_local(), "local_shards"):  # FSDP2 / tensor-parallel DTensor
             return value.full_tensor().detach().float().clone()
         # torchrec's sharded table: place this rank's shards, average over the ranks holding each element
         # (replicas of a shard hold equal values). On the shards' device, which the process group can reduce.
-        shards = local.local_shards()
-        device = shards[0].device if shards else _collective_device()
+        shards = local_shards(value)
+        device = shards[0][0].device if shards else _collective_device()
         full = torch.zeros(value.shape, dtype=torch.float32, device=device)
         count = torch.zeros(value.shape, dtype=torch.float32, device=device)
-        offsets = local.local_offsets()[: len(shards)]  # a rank without a shard lists one dummy offset
-        for shard, offset in zip(shards, offsets, strict=True):
+        for shard, offset in shards:
             index = tuple(slice(o, o + n) for o, n in zip(offset, shard.shape, strict=True))
             full[index] += shard.detach().to(full.dtype)
             count[index] += 1

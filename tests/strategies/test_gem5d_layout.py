@@ -327,7 +327,7 @@ def test_a_group_plan_moves_to_its_ranks_devices() -> None:
 
 def test_a_rank_without_a_shard_of_a_table_has_no_local_shards() -> None:
     """torchrec gives such a rank an empty LocalShardsWrapper whose offsets still list one dummy chunk."""
-    from lightning_gem.strategies.sparse import _local_shards
+    from lightning_gem.strategies.sparse import local_shards
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
     from torchrec.distributed.shards_wrapper import LocalShardsWrapper
@@ -336,7 +336,7 @@ def test_a_rank_without_a_shard_of_a_table_has_no_local_shards() -> None:
     mesh = init_device_mesh("cpu", (1,))
     empty = LocalShardsWrapper(local_shards=[], local_offsets=[])
     table = DTensor.from_local(empty, mesh, [Shard(0)], run_check=False, shape=torch.Size([10, 4]), stride=(4, 1))
-    assert _local_shards(table) == []
+    assert local_shards(table) == []
     full = torch.randn(6, 4)
     held = DTensor.from_local(
         LocalShardsWrapper(local_shards=[full[2:5]], local_offsets=[(2, 0)]),
@@ -346,7 +346,7 @@ def test_a_rank_without_a_shard_of_a_table_has_no_local_shards() -> None:
         shape=torch.Size([6, 4]),
         stride=(4, 1),
     )
-    [(shard, offset)] = _local_shards(held)
+    [(shard, offset)] = local_shards(held)
     assert offset == (2, 0) and torch.equal(shard, full[2:5])
 
 

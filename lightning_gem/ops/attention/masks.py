@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_gem import jagged
+
 __all__ = ["allowed_mask", "key_ranges", "num_allowed_pairs"]
 
 
@@ -106,8 +108,7 @@ def num_allowed_pairs(
     total_q = int(len_q_b.sum())
     if total_q == 0:
         return 0
-    seg = torch.repeat_interleave(torch.arange(len_q_b.numel(), device=q_offsets.device), len_q_b, output_size=total_q)
-    q_pos = torch.arange(total_q, device=q_offsets.device) - q_offsets[:-1].to(torch.int64)[seg]
+    seg, q_pos = jagged.segment_positions(q_offsets, total_q)
     lo, hi, own = key_ranges(
         q_pos, len_q_b[seg], len_k_b[seg], hist_b[seg], causal=causal, window=window, block_size=block_size
     )

@@ -91,24 +91,22 @@ def scaled_mm(
         scale_b = scale_b.reshape(1, -1)
     elif b.layout != "mx":  # [N, K / 128] or [N / 128, K / 128] -> transposed, as b itself is passed
         scale_b = scale_b.t()
+
+    def gemm(epilogue_bias: Tensor | None = None) -> Tensor:
+        return torch._scaled_mm(
+            a.data, b.data.t(), scale_a, scale_b, bias=epilogue_bias, out_dtype=out_dtype, use_fast_accum=fast_accum
+        )
+
     out = None
     pair = (a.layout, b.layout)
     if bias is not None and pair not in _NO_BIAS_EPILOGUE:
         try:
-            out = torch._scaled_mm(
-                a.data,
-                b.data.t(),
-                scale_a,
-                scale_b,
-                bias=bias.to(out_dtype),
-                out_dtype=out_dtype,
-                use_fast_accum=fast_accum,
-            )
+            out = gemm(bias.to(out_dtype))
         except RuntimeError as err:  # this cuBLAS has no bias epilogue for these scales: add it apart from now on
             _NO_BIAS_EPILOGUE.add(pair)
             log.info("torch._scaled_mm takes no bias with %s x %s scales here (%s): adding it separately", *pair, err)
     if out is None:
-        out = torch._scaled_mm(a.data, b.data.t(), scale_a, scale_b, out_dtype=out_dtype, use_fast_accum=fast_accum)
+        out = gemm()
         if bias is not None:
             out = out + bias.to(out.dtype)
     return out[:rows] if out.shape[0] != rows else out
