@@ -164,15 +164,21 @@ def _tile_workloads() -> list[tuple[str, torch.Tensor, torch.Tensor | None, int,
 
 
 def _tiles() -> None:
-    """Kernel times of each candidate tile shape (and a few more) on the benchmark workloads: forward, fused
-    backward (dK/dV with atomic dQ), and the deterministic backward's dQ kernel."""
-    from lightning_gem.ops.attention.impl.triton._tuning import Tiles, candidate_tiles
+    """Kernel times of each candidate launch (and a few more) on the benchmark workloads: the forward, and the
+    backward as the dK/dV kernel with atomic dQ or as the one-launch dK/dV + dQ kernel."""
+    from lightning_gem.ops.attention.impl.triton._tuning import (
+        BackwardTiles,
+        Tiles,
+        backward_candidates,
+        candidate_tiles,
+    )
     from lightning_gem.ops.attention.impl.triton.backward import gdpa_backward
     from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
 
-    extra = {"fwd": [Tiles(128, 64, 8, 2), Tiles(128, 128, 8, 3), Tiles(64, 64, 4, 2), Tiles(128, 64, 4, 3)],
-             "dkdv": [Tiles(64, 64, 4, 3), Tiles(32, 64, 4, 3), Tiles(64, 128, 8, 3), Tiles(128, 128, 8, 2)],
-             "dq": [Tiles(64, 64, 4, 2), Tiles(128, 64, 8, 3)]}  # fmt: skip
+    extra_fwd = [Tiles(128, 64, 8, 2), Tiles(128, 128, 8, 3), Tiles(64, 64, 4, 2), Tiles(128, 64, 4, 3)]
+    extra_bwd = [BackwardTiles(Tiles(64, 128, 8, 3), Tiles(128, 64, 8, 3)), BackwardTiles(Tiles(32, 128, 8, 2)),
+                 BackwardTiles(Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 3)),
+                 BackwardTiles(Tiles(32, 128, 4, 3), Tiles(128, 32, 4, 3))]  # fmt: skip
     for name, q_lengths, kv_lengths, heads, dim, mode in _tile_workloads():
         offsets = _offsets(q_lengths).cuda()
         kv_offsets = offsets if kv_lengths is None else _offsets(kv_lengths).cuda()
@@ -191,21 +197,24 @@ def _tiles() -> None:
             q, k, v, *jagged, causal=options["causal"], window=None, block_size=options["block_size"]
         )
         print(f"\n== tiles: {name} (H={heads}, D={dim}, {total} q tokens, fwd {fwd_flops / 1e9:.3g} GFLOP) ==")
-        for kernel in ("fwd", "dkdv", "dq"):
-            shapes = candidate_tiles(kernel, q.dtype, q.device, dim, block_size=options["block_size"], max_len_q=max_q)
-            shapes += [t for t in extra[kernel] if t not in shapes and (max_q > 64 or t.block_m <= 64)]
-            for tiles in shapes:
-                if kernel == "fwd":
-                    run = partial(gdpa_forward, q, k, v, *jagged, **options, max_seq_len_q=max_q, tiles=tiles)
-                else:
-                    which = {"dkdv_tiles": tiles} if kernel == "dkdv" else {"deterministic": True, "dq_tiles": tiles}
-                    run = partial(gdpa_backward, grad_out, q, k, v, out, lse, *jagged, **options, **lens, **which)
-                try:
-                    ms = f"{_bench(run):8.3f} ms"
-                except Exception as error:  # noqa: BLE001  (a tile that does not fit is reported, not fatal)
-                    ms = type(error).__name__
-                label = {"fwd": "forward", "dkdv": "backward, atomic dQ", "dq": "backward, deterministic"}[kernel]
-                print(f"  {label:24s} {tuple(tiles)!s:18s} {ms}", flush=True)
+        fwd = candidate_tiles("fwd", q.dtype, q.device, dim, block_size=options["block_size"], max_len_q=max_q)
+        fwd += [t for t in extra_fwd if t not in fwd and (max_q > 64 or t.block_m <= 64)]
+        bwd = backward_candidates(q.dtype, q.device, dim, deterministic=False, block_size=options["block_size"],
+                                  max_len_q=max_q)  # fmt: skip
+        bwd += [t for t in extra_bwd if t not in bwd and (max_q > 64 or t.dkdv.block_m <= 64)]
+        runs = [(f"forward {tuple(t)}", partial(gdpa_forward, q, k, v, *jagged, **options, max_seq_len_q=max_q,
+                                                tiles=t)) for t in fwd]  # fmt: skip
+        for plan in bwd:
+            label = f"backward {tuple(plan.dkdv)} " + ("atomic dQ" if plan.dq is None else f"dQ {tuple(plan.dq)}")
+            run = partial(gdpa_backward, grad_out, q, k, v, out, lse, *jagged, **options, **lens,
+                          dkdv_tiles=plan.dkdv, dq_tiles=plan.dq)  # fmt: skip
+            runs.append((label, run))
+        for label, run in runs:
+            try:
+                ms = f"{_bench(run):8.3f} ms"
+            except Exception as error:  # noqa: BLE001  (a tile that does not fit is reported, not fatal)
+                ms = type(error).__name__
+            print(f"  {label:60s} {ms}", flush=True)
 
 
 SWEEP_MODES = {

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 # Two specializations that between them turn on every mode flag, a head dim below its block (96 of 128),
-# int32 and int64 offsets, the fused (atomic dQ) and the deterministic backward.
+# int32 and int64 offsets, the atomic-dQ dK/dV kernel and the one-launch dK/dV + dQ kernel.
 _COMPILE = r"""
 import inspect, json
 import triton
@@ -55,7 +55,8 @@ for flags, offsets, (bm, bn, warps, stages), fused in modes:
     sizes[f"fwd {name}"] = compile_one(forward._gdpa_fwd_kernel, common, offsets, warps, stages)
     sizes[f"dkdv {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(common, FUSED_DQ=fused), offsets,
                                         warps, stages)
-    sizes[f"dq {name}"] = compile_one(backward._gdpa_bwd_dq_kernel, common, offsets, warps, stages)
+    sizes[f"bwd {name}"] = compile_one(backward._gdpa_bwd_kernel, dict(common, DQ_BLOCK_M=bn, DQ_BLOCK_N=bm),
+                                       offsets, warps, stages)
 sizes["delta"] = compile_one(backward._bwd_delta_kernel, dict(HEAD_DIM_V=96, BLOCK_DV=128, BLOCK_T=64),
                              "*i64", 4, 1)
 print(json.dumps(sizes))

@@ -14,12 +14,24 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 import triton
 
-__all__ = ["Tiles", "candidate_tiles", "chosen_tiles", "length_bucket", "pick_tiles", "tile_meta"]
+__all__ = [
+    "BackwardTiles",
+    "Tiles",
+    "backward_candidates",
+    "candidate_tiles",
+    "chosen_tiles",
+    "length_bucket",
+    "pick_tiles",
+    "tile_meta",
+]
+
+
+T = TypeVar("T")
 
 
 class Tiles(NamedTuple):
@@ -31,7 +43,16 @@ class Tiles(NamedTuple):
     num_stages: int = 2
 
 
-_CHOSEN: dict[tuple, Tiles] = {}
+class BackwardTiles(NamedTuple):
+    """A backward launch: ``dkdv`` tiles the dK/dV programs (query rows x key rows, and the warps and stages of
+    the launch); ``dq`` the dQ programs' query rows x key rows in the same launch, or None for dQ added through
+    fp32 atomics by the dK/dV programs (not bitwise reproducible)."""
+
+    dkdv: Tiles
+    dq: Tiles | None = None
+
+
+_CHOSEN: dict[tuple, Tiles | BackwardTiles] = {}
 
 
 def length_bucket(length: int) -> int:
@@ -86,20 +107,44 @@ def candidate_tiles(
             return [Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 2), Tiles(128, 128, 8, 2)]
         return [Tiles(64, 64, 4, 2), Tiles(128, 32, 8, 2)]
     # Backward tiles hold two fp32 accumulators (dK, dV) of BLOCK_N x D: at D = 128, 64-key tiles over 8
-    # warps keep them in registers, where 128-key tiles or 4 warps spill hundreds of bytes per thread.
+    # warps keep them in registers, where 4 warps spill hundreds of bytes per thread.
     if kernel == "dkdv":
         if short <= 32:
             return [Tiles(short, 64, 8, 2), Tiles(short, 64, 8, 3)]
         if head_dim <= 64:
-            return [Tiles(64, 64, 8, 2), Tiles(64, 64, 4, 3), Tiles(64, 128, 8, 2)]
+            return [Tiles(64, 64, 8, 2), Tiles(64, 128, 8, 3), Tiles(64, 64, 4, 3)]
         if head_dim <= 128:
-            return [Tiles(64, 64, 8, 2), Tiles(32, 64, 8, 2), Tiles(64, 64, 8, 3)]
+            return [Tiles(64, 64, 8, 2), Tiles(64, 128, 8, 3), Tiles(32, 64, 8, 2)]
         return [Tiles(32, 64, 8, 2), Tiles(16, 64, 8, 2)]
     if short <= 64:
-        return [Tiles(short, 64, 4, 3), Tiles(short, 64, 8, 2)]
+        return [Tiles(short, 64, 8, 2), Tiles(short, 128, 8, 2)]
     if head_dim <= 128:
-        return [Tiles(128, 64, 8, 2), Tiles(128, 32, 8, 2), Tiles(64, 64, 8, 2)]
-    return [Tiles(64, 64, 8, 2), Tiles(64, 32, 4, 2)]
+        return [Tiles(128, 64, 8, 2), Tiles(64, 64, 8, 2)]
+    return [Tiles(64, 64, 8, 2), Tiles(64, 32, 8, 2)]
+
+
+def backward_candidates(
+    dtype: torch.dtype,
+    device: torch.device,
+    head_dim: int,
+    *,
+    deterministic: bool,
+    block_size: int | None = None,
+    max_len_q: int = 1 << 30,
+) -> list[BackwardTiles]:
+    """Candidate backward launches, best guess first: the one-launch dK/dV + dQ kernel over pairs of the
+    ``dkdv`` and ``dq`` candidates (the launch takes the dK/dV tiles' warps and stages), and unless
+    ``deterministic`` the dK/dV kernel with atomic dQ. Off CUDA the atomic one comes first (the interpreter
+    then tests both kernels: ``deterministic=True`` picks the other)."""
+    dkdv = candidate_tiles("dkdv", dtype, device, head_dim, block_size=block_size, max_len_q=max_len_q)
+    dq = candidate_tiles("dq", dtype, device, head_dim, block_size=block_size, max_len_q=max_len_q)
+    merged = [BackwardTiles(dkdv[0], dq[0])]
+    merged += [BackwardTiles(t, dq[0]) for t in dkdv[1:2]]
+    merged += [BackwardTiles(dkdv[0], t) for t in dq[1:2]]
+    if deterministic:
+        return merged
+    atomic = [BackwardTiles(t) for t in dkdv[:2]]
+    return atomic + merged if device.type != "cuda" else merged + atomic
 
 
 def _can_time(tensors: tuple[torch.Tensor, ...]) -> bool:
@@ -112,9 +157,7 @@ def _can_time(tensors: tuple[torch.Tensor, ...]) -> bool:
     return not torch.cuda.is_current_stream_capturing()
 
 
-def pick_tiles(
-    key: tuple, candidates: list[Tiles], run: Callable[[Tiles], None], tensors: tuple[torch.Tensor, ...]
-) -> Tiles:
+def pick_tiles(key: tuple, candidates: list[T], run: Callable[[T], None], tensors: tuple[torch.Tensor, ...]) -> T:
     """The tiles for ``key``: the remembered choice, else (when timing is possible) the fastest candidate.
 
     ``run(tiles)`` launches the kernel with ``tiles`` on the call's own buffers; it is run once to compile,
@@ -123,8 +166,12 @@ def pick_tiles(
     """
     if len(candidates) == 1:
         return candidates[0]
-    if key in _CHOSEN:
-        return _CHOSEN[key]
+    try:
+        chosen = _CHOSEN.get(key)
+    except TypeError:  # symbolic sizes in the key (tracing with dynamic shapes): nothing to look up or time
+        return candidates[0]
+    if chosen is not None:
+        return chosen  # type: ignore[return-value]
     if not _can_time(tensors):
         return candidates[0]
     best, best_ms = candidates[0], float("inf")
@@ -147,7 +194,7 @@ def pick_tiles(
     return best
 
 
-def chosen_tiles() -> dict[tuple, Tiles]:
+def chosen_tiles() -> dict[tuple, Tiles | BackwardTiles]:
     """A copy of the choices made so far in this process: ``{key: tiles}`` (for benchmarks and logs)."""
     return dict(_CHOSEN)
 

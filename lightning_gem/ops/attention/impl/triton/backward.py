@@ -1,7 +1,8 @@
-"""GDPA backward in Triton: a dK/dV kernel (one program per kv segment, head and key block) that by default
-also accumulates dQ through fp32 atomics, and, for ``deterministic=True``, a separate dQ kernel (one program
-per query segment, head and query block) instead of the atomics, so every output row has one writer and
-results are bitwise reproducible (at the price of computing ``Q K^T`` and ``dO V^T`` twice).
+"""GDPA backward in Triton, two kernels: one launch of dK/dV programs (one per kv segment, head and key block)
+beside dQ programs (one per query segment, head and query block), so every output row has one writer and
+results are bitwise reproducible (at the price of computing ``Q K^T`` and ``dO V^T`` twice); and a dK/dV kernel
+that adds dQ into an fp32 buffer through atomics instead. ``deterministic=True`` keeps to the first; otherwise
+the tuner times both and keeps the faster for each shape key.
 
 Legend: ``T`` tokens, ``H`` heads, ``D`` / ``DV`` head dims, ``M`` / ``N`` a query / key block.
 
@@ -40,7 +41,14 @@ from lightning_gem.ops.attention.impl.triton._common import (
     fast_math,
     launch,
 )
-from lightning_gem.ops.attention.impl.triton._tuning import Tiles, candidate_tiles, length_bucket, pick_tiles, tile_meta
+from lightning_gem.ops.attention.impl.triton._tuning import (
+    BackwardTiles,
+    Tiles,
+    backward_candidates,
+    length_bucket,
+    pick_tiles,
+    tile_meta,
+)
 
 __all__ = ["gdpa_backward"]
 
@@ -121,6 +129,112 @@ def _dkdv_query_blocks(
 
 
 @triton.jit
+def _dkdv_program(
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
+    Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
+    scale, window, block_size, kv_seg, head, n_start,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_DQ: tl.constexpr,
+    ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
+    HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    """dK and dV of the key tile at ``n_start`` of kv segment ``kv_seg``, head ``head`` (and, with ``FUSED_DQ``,
+    its part of dQ through atomics); nothing when the tile lies past the segment's end."""
+    qk_scale = scale * LOG2E
+    k_start = tl.load(KV_OFFSETS + kv_seg).to(tl.int64)
+    len_k = (tl.load(KV_OFFSETS + kv_seg + 1) - k_start).to(tl.int32)
+    if n_start < len_k:
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        col_ok = offs_n < len_k
+        k_ND = _load_tile(K + k_start * stride_kt + head * stride_kh, offs_n, stride_kt, offs_d, col_ok,
+                          HEAD_DIM, BLOCK_D, True)  # fmt: skip
+        v_NDV = _load_tile(V + k_start * stride_vt + head * stride_vh, offs_n, stride_vt, offs_dv, col_ok,
+                           HEAD_DIM_V, BLOCK_DV, True)  # fmt: skip
+        dk_ND = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv_NDV = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+        inv_len_k = 1.0 / len_k.to(tl.float32)
+
+        first, end = kv_seg, kv_seg + 1
+        if HAS_KV_INDEX:
+            first = tl.load(SEG_OFFSETS + kv_seg).to(tl.int32)
+            end = tl.load(SEG_OFFSETS + kv_seg + 1).to(tl.int32)
+        for idx in range(first, end):
+            seg = idx
+            if HAS_KV_INDEX:
+                seg = tl.load(SEG_ORDER + idx)
+            q_start = tl.load(Q_OFFSETS + seg).to(tl.int64)
+            len_q = (tl.load(Q_OFFSETS + seg + 1) - q_start).to(tl.int32)
+            num_history = len_k
+            if HAS_TARGETS:
+                num_history = len_k - tl.load(NUM_TARGETS + seg).to(tl.int32)
+            shift = len_k - len_q
+            q_base = Q + q_start * stride_qt + head * stride_qh
+            do_base = DO + q_start * stride_dot + head * stride_doh
+            lse_base = LSE + head * stride_lse_h + q_start
+            delta_base = DELTA + head * stride_lse_h + q_start
+            dq_base = DQ + q_start * stride_dqt + head * stride_dqh
+
+            n_end = tl.minimum(n_start + BLOCK_N, num_history)
+            i_lo, i_hi = _query_range(
+                n_start, n_end, len_q, shift, num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
+            )
+            full_lo, full_hi = _full_query_range(
+                n_start, n_start + BLOCK_N, len_q, shift, num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
+            )
+            a, b = _stages(i_lo, i_hi, full_lo, full_hi, BLOCK_M)
+            for stage in tl.static_range(3):  # masked edge, unmasked inside, masked edge
+                m_lo, m_hi = _stage_range(stage, i_lo, a, b, i_hi)
+                dk_ND, dv_NDV = _dkdv_query_blocks(
+                    dk_ND, dv_NDV, k_ND, v_NDV, offs_n, q_base, do_base, lse_base, delta_base, dq_base,
+                    stride_qt, stride_dot, stride_dqt, m_lo, m_hi, i_hi, shift, num_history, window, block_size,
+                    qk_scale, scale, inv_len_k, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, stage != 1, FUSED_DQ,
+                    ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
+                )  # fmt: skip
+
+            # A target key t is seen by one query only: the target itself, row t of the segment. A run-time branch:
+            # only key tiles that hold targets pay for the row-wise tiles (registers) of this term.
+            if HAS_TARGETS and (shift == 0) & (n_start + BLOCK_N > num_history):
+                own = col_ok & (offs_n >= num_history)
+                q_own_ND = _load_tile(q_base, offs_n, stride_qt, offs_d, own, HEAD_DIM, BLOCK_D, True).to(tl.float32)
+                do_own_NDV = _load_tile(do_base, offs_n, stride_dot, offs_dv, own, HEAD_DIM_V, BLOCK_DV, True)
+                do_own_NDV = do_own_NDV.to(tl.float32)
+                qk_N = tl.sum(k_ND.to(tl.float32) * q_own_ND, axis=1)
+                dp_N = tl.sum(v_NDV.to(tl.float32) * do_own_NDV, axis=1)
+                if ACTIVATION == "softmax":
+                    lse_N = tl.load(lse_base + offs_n, mask=own, other=float("inf"))
+                    delta_N = tl.load(delta_base + offs_n, mask=own, other=0.0)
+                    p_N = tl.where(own, tl.exp2(qk_N * qk_scale - lse_N), 0.0)
+                    ds_N = p_N * (dp_N - delta_N)
+                else:
+                    p_N = tl.where(own, _activation(qk_N * scale, ACTIVATION, FAST) * inv_len_k, 0.0)
+                    ds_N = tl.where(own, _activation_grad(qk_N * scale, ACTIVATION, FAST) * dp_N * inv_len_k, 0.0)
+                dv_NDV += p_N[:, None] * do_own_NDV
+                dk_ND += ds_N[:, None] * q_own_ND
+                if FUSED_DQ:
+                    tl.atomic_add(
+                        dq_base + offs_n[:, None] * stride_dqt + offs_d[None, :],
+                        ds_N[:, None] * k_ND.to(tl.float32) * scale,
+                        mask=own[:, None] & (offs_d[None, :] < HEAD_DIM),
+                        sem="relaxed",
+                    )
+
+        tl.store(
+            DK + (k_start + offs_n)[:, None] * stride_dkt + head * stride_dkh + offs_d[None, :],
+            (dk_ND * scale).to(DK.dtype.element_ty),
+            mask=col_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
+        )
+        tl.store(
+            DV + (k_start + offs_n)[:, None] * stride_dvt + head * stride_dvh + offs_dv[None, :],
+            dv_NDV.to(DV.dtype.element_ty),
+            mask=col_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V),
+        )
+
+
+@triton.jit
 def _gdpa_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ,  # [Tq, H, D], [Tk, H, D], [Tk, H, DV], [Tq, H, DV], [H, Tq] x2, like k v q
     Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,  # [B + 1], [Bkv + 1], [B], [Bkv + 1], [B]
@@ -132,101 +246,16 @@ def _gdpa_bwd_dkdv_kernel(
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
     HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
-    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
-    qk_scale = scale * LOG2E
-    kv_seg = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-    n_start = tl.program_id(2) * BLOCK_N
-    k_start = tl.load(KV_OFFSETS + kv_seg).to(tl.int64)
-    len_k = (tl.load(KV_OFFSETS + kv_seg + 1) - k_start).to(tl.int32)
-    if n_start >= len_k:
-        return
-    offs_n = n_start + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    col_ok = offs_n < len_k
-    k_ND = _load_tile(K + k_start * stride_kt + head * stride_kh, offs_n, stride_kt, offs_d, col_ok, HEAD_DIM, BLOCK_D,
-                      True)  # fmt: skip
-    v_NDV = _load_tile(V + k_start * stride_vt + head * stride_vh, offs_n, stride_vt, offs_dv, col_ok, HEAD_DIM_V,
-                       BLOCK_DV, True)  # fmt: skip
-    dk_ND = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv_NDV = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    inv_len_k = 1.0 / len_k.to(tl.float32)
-
-    first, end = kv_seg, kv_seg + 1
-    if HAS_KV_INDEX:
-        first = tl.load(SEG_OFFSETS + kv_seg).to(tl.int32)
-        end = tl.load(SEG_OFFSETS + kv_seg + 1).to(tl.int32)
-    for idx in range(first, end):
-        seg = idx
-        if HAS_KV_INDEX:
-            seg = tl.load(SEG_ORDER + idx)
-        q_start = tl.load(Q_OFFSETS + seg).to(tl.int64)
-        len_q = (tl.load(Q_OFFSETS + seg + 1) - q_start).to(tl.int32)
-        num_history = len_k
-        if HAS_TARGETS:
-            num_history = len_k - tl.load(NUM_TARGETS + seg).to(tl.int32)
-        shift = len_k - len_q
-        q_base = Q + q_start * stride_qt + head * stride_qh
-        do_base = DO + q_start * stride_dot + head * stride_doh
-        lse_base = LSE + head * stride_lse_h + q_start
-        delta_base = DELTA + head * stride_lse_h + q_start
-        dq_base = DQ + q_start * stride_dqt + head * stride_dqh
-
-        n_end = tl.minimum(n_start + BLOCK_N, num_history)
-        i_lo, i_hi = _query_range(
-            n_start, n_end, len_q, shift, num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
-        )
-        full_lo, full_hi = _full_query_range(
-            n_start, n_start + BLOCK_N, len_q, shift, num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
-        )
-        a, b = _stages(i_lo, i_hi, full_lo, full_hi, BLOCK_M)
-        for stage in tl.static_range(3):  # masked edge, unmasked inside, masked edge
-            m_lo, m_hi = _stage_range(stage, i_lo, a, b, i_hi)
-            dk_ND, dv_NDV = _dkdv_query_blocks(
-                dk_ND, dv_NDV, k_ND, v_NDV, offs_n, q_base, do_base, lse_base, delta_base, dq_base,
-                stride_qt, stride_dot, stride_dqt, m_lo, m_hi, i_hi, shift, num_history, window, block_size,
-                qk_scale, scale, inv_len_k, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, stage != 1, FUSED_DQ,
-                ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
-            )  # fmt: skip
-
-        # A target key t is seen by one query only: the target itself, row t of the segment. A run-time branch:
-        # only key tiles that hold targets pay for the row-wise tiles (registers) of this term.
-        if HAS_TARGETS and (shift == 0) & (n_start + BLOCK_N > num_history):
-            own = col_ok & (offs_n >= num_history)
-            q_own_ND = _load_tile(q_base, offs_n, stride_qt, offs_d, own, HEAD_DIM, BLOCK_D, True).to(tl.float32)
-            do_own_NDV = _load_tile(do_base, offs_n, stride_dot, offs_dv, own, HEAD_DIM_V, BLOCK_DV, True)
-            do_own_NDV = do_own_NDV.to(tl.float32)
-            qk_N = tl.sum(k_ND.to(tl.float32) * q_own_ND, axis=1)
-            dp_N = tl.sum(v_NDV.to(tl.float32) * do_own_NDV, axis=1)
-            if ACTIVATION == "softmax":
-                lse_N = tl.load(lse_base + offs_n, mask=own, other=float("inf"))
-                delta_N = tl.load(delta_base + offs_n, mask=own, other=0.0)
-                p_N = tl.where(own, tl.exp2(qk_N * qk_scale - lse_N), 0.0)
-                ds_N = p_N * (dp_N - delta_N)
-            else:
-                p_N = tl.where(own, _activation(qk_N * scale, ACTIVATION, FAST) * inv_len_k, 0.0)
-                ds_N = tl.where(own, _activation_grad(qk_N * scale, ACTIVATION, FAST) * dp_N * inv_len_k, 0.0)
-            dv_NDV += p_N[:, None] * do_own_NDV
-            dk_ND += ds_N[:, None] * q_own_ND
-            if FUSED_DQ:
-                tl.atomic_add(
-                    dq_base + offs_n[:, None] * stride_dqt + offs_d[None, :],
-                    ds_N[:, None] * k_ND.to(tl.float32) * scale,
-                    mask=own[:, None] & (offs_d[None, :] < HEAD_DIM),
-                    sem="relaxed",
-                )
-
-    tl.store(
-        DK + (k_start + offs_n)[:, None] * stride_dkt + head * stride_dkh + offs_d[None, :],
-        (dk_ND * scale).to(DK.dtype.element_ty),
-        mask=col_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
-    )
-    tl.store(
-        DV + (k_start + offs_n)[:, None] * stride_dvt + head * stride_dvh + offs_dv[None, :],
-        dv_NDV.to(DV.dtype.element_ty),
-        mask=col_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V),
-    )
+    """One program per (kv segment, head, key tile): dK/dV, plus dQ through fp32 atomics with ``FUSED_DQ``."""
+    _dkdv_program(
+        Q, K, V, DO, LSE, DELTA, DK, DV, DQ, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
+        stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
+        tl.cast(scale, tl.float32),  # Inductor passes Python floats as fp64 scalars
+        window, block_size, tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2) * BLOCK_N,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, FUSED_DQ,
+        ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -263,79 +292,120 @@ def _dq_key_blocks(
 
 
 @triton.jit
-def _gdpa_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ,  # [Tq, H, D], [Tk, H, D], [Tk, H, DV], [Tq, H, DV], [H, Tq] x2, like q
-    Q_OFFSETS, KV_OFFSETS, KV_INDEX, NUM_TARGETS,  # [B + 1], [Bkv + 1], [B], [B]
+def _dq_program(
+    Q, K, V, DO, LSE, DELTA, DQ, Q_OFFSETS, KV_OFFSETS, KV_INDEX, NUM_TARGETS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
     stride_dqt, stride_dqh,
-    scale, window, block_size,
+    scale, window, block_size, seg, head, m_start,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
     HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
-    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
+    """dQ of the query tile at ``m_start`` of query segment ``seg``, head ``head`` (one writer per row); nothing
+    when the tile lies past the segment's end."""
     qk_scale = scale * LOG2E
-    seg = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-    m_start = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M  # last query blocks first
     q_start = tl.load(Q_OFFSETS + seg).to(tl.int64)
     len_q = (tl.load(Q_OFFSETS + seg + 1) - q_start).to(tl.int32)
-    if m_start >= len_q:
-        return
-    k_start, len_k, num_history, shift = _kv_segment(
-        seg, len_q, KV_OFFSETS, KV_INDEX, NUM_TARGETS, HAS_KV_INDEX, HAS_TARGETS
-    )
-    inv_len_k = 1.0 / tl.maximum(len_k, 1).to(tl.float32)
+    if m_start < len_q:
+        k_start, len_k, num_history, shift = _kv_segment(
+            seg, len_q, KV_OFFSETS, KV_INDEX, NUM_TARGETS, HAS_KV_INDEX, HAS_TARGETS
+        )
+        inv_len_k = 1.0 / tl.maximum(len_k, 1).to(tl.float32)
 
-    offs_m = m_start + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    row_ok = offs_m < len_q
-    pos_m = _position(offs_m, shift, num_history)
-    q_MD = _load_tile(Q + q_start * stride_qt + head * stride_qh, offs_m, stride_qt, offs_d, row_ok, HEAD_DIM, BLOCK_D,
-                      True)  # fmt: skip
-    do_MDV = _load_tile(DO + q_start * stride_dot + head * stride_doh, offs_m, stride_dot, offs_dv, row_ok, HEAD_DIM_V,
-                        BLOCK_DV, True)  # fmt: skip
-    lse_M = tl.zeros([BLOCK_M], dtype=tl.float32)
-    delta_M = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if ACTIVATION == "softmax":
-        lse_M = tl.load(LSE + head * stride_lse_h + q_start + offs_m, mask=row_ok, other=float("inf"))
-        delta_M = tl.load(DELTA + head * stride_lse_h + q_start + offs_m, mask=row_ok, other=0.0)
-    k_base = K + k_start * stride_kt + head * stride_kh
-    v_base = V + k_start * stride_vt + head * stride_vh
-    dq_MD = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
-    lo, full_lo, full_hi, hi = _query_tile_keys(
-        m_start, len_q, shift, num_history, window, block_size, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_BLOCK
-    )
-    for stage in tl.static_range(3):  # masked edge, unmasked inside, masked edge
-        n_lo, n_hi = _stage_range(stage, lo, full_lo, full_hi, hi)
-        dq_MD = _dq_key_blocks(
-            dq_MD, q_MD, do_MDV, lse_M, delta_M, k_base, v_base, stride_kt, stride_vt, n_lo, n_hi, hi, pos_m, row_ok,
-            qk_scale, scale, inv_len_k, num_history, window, block_size,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1,
-            ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
-        )  # fmt: skip
-
-    if HAS_TARGETS and (shift == 0) & (m_start + BLOCK_M > num_history):  # target rows' own key: row-wise products
-        own = row_ok & (offs_m >= num_history)
-        k_own_MD = _load_tile(k_base, offs_m, stride_kt, offs_d, own, HEAD_DIM, BLOCK_D, True).to(tl.float32)
-        v_own_MDV = _load_tile(v_base, offs_m, stride_vt, offs_dv, own, HEAD_DIM_V, BLOCK_DV, True).to(tl.float32)
-        qk_M = tl.sum(q_MD.to(tl.float32) * k_own_MD, axis=1)
-        dp_M = tl.sum(do_MDV.to(tl.float32) * v_own_MDV, axis=1)
+        offs_m = m_start + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        row_ok = offs_m < len_q
+        pos_m = _position(offs_m, shift, num_history)
+        q_MD = _load_tile(Q + q_start * stride_qt + head * stride_qh, offs_m, stride_qt, offs_d, row_ok,
+                          HEAD_DIM, BLOCK_D, True)  # fmt: skip
+        do_MDV = _load_tile(DO + q_start * stride_dot + head * stride_doh, offs_m, stride_dot, offs_dv, row_ok,
+                            HEAD_DIM_V, BLOCK_DV, True)  # fmt: skip
+        lse_M = tl.zeros([BLOCK_M], dtype=tl.float32)
+        delta_M = tl.zeros([BLOCK_M], dtype=tl.float32)
         if ACTIVATION == "softmax":
-            p_M = tl.where(own, tl.exp2(qk_M * qk_scale - lse_M), 0.0)
-            ds_M = p_M * (dp_M - delta_M)
-        else:
-            ds_M = tl.where(own, _activation_grad(qk_M * scale, ACTIVATION, FAST) * dp_M * inv_len_k, 0.0)
-        dq_MD += ds_M[:, None] * k_own_MD
+            lse_M = tl.load(LSE + head * stride_lse_h + q_start + offs_m, mask=row_ok, other=float("inf"))
+            delta_M = tl.load(DELTA + head * stride_lse_h + q_start + offs_m, mask=row_ok, other=0.0)
+        k_base = K + k_start * stride_kt + head * stride_kh
+        v_base = V + k_start * stride_vt + head * stride_vh
+        dq_MD = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    tl.store(
-        DQ + (q_start + offs_m)[:, None] * stride_dqt + head * stride_dqh + offs_d[None, :],
-        (dq_MD * scale).to(DQ.dtype.element_ty),
-        mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
-    )
+        lo, full_lo, full_hi, hi = _query_tile_keys(
+            m_start, len_q, shift, num_history, window, block_size, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_BLOCK
+        )
+        for stage in tl.static_range(3):  # masked edge, unmasked inside, masked edge
+            n_lo, n_hi = _stage_range(stage, lo, full_lo, full_hi, hi)
+            dq_MD = _dq_key_blocks(
+                dq_MD, q_MD, do_MDV, lse_M, delta_M, k_base, v_base, stride_kt, stride_vt, n_lo, n_hi, hi, pos_m,
+                row_ok, qk_scale, scale, inv_len_k, num_history, window, block_size,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1,
+                ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
+            )  # fmt: skip
+
+        if HAS_TARGETS and (shift == 0) & (m_start + BLOCK_M > num_history):  # target rows' own key: row-wise products
+            own = row_ok & (offs_m >= num_history)
+            k_own_MD = _load_tile(k_base, offs_m, stride_kt, offs_d, own, HEAD_DIM, BLOCK_D, True).to(tl.float32)
+            v_own_MDV = _load_tile(v_base, offs_m, stride_vt, offs_dv, own, HEAD_DIM_V, BLOCK_DV, True).to(tl.float32)
+            qk_M = tl.sum(q_MD.to(tl.float32) * k_own_MD, axis=1)
+            dp_M = tl.sum(do_MDV.to(tl.float32) * v_own_MDV, axis=1)
+            if ACTIVATION == "softmax":
+                p_M = tl.where(own, tl.exp2(qk_M * qk_scale - lse_M), 0.0)
+                ds_M = p_M * (dp_M - delta_M)
+            else:
+                ds_M = tl.where(own, _activation_grad(qk_M * scale, ACTIVATION, FAST) * dp_M * inv_len_k, 0.0)
+            dq_MD += ds_M[:, None] * k_own_MD
+
+        tl.store(
+            DQ + (q_start + offs_m)[:, None] * stride_dqt + head * stride_dqh + offs_d[None, :],
+            (dq_MD * scale).to(DQ.dtype.element_ty),
+            mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
+        )
+
+
+@triton.jit
+def _gdpa_bwd_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ,  # [Tq, H, D], [Tk, H, D], [Tk, H, DV], [Tq, H, DV], [H, Tq] x2, like k v q
+    Q_OFFSETS, KV_OFFSETS, KV_INDEX, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,  # [B + 1], [Bkv + 1], [B] x2, [Bkv + 1], [B]
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
+    scale, window, block_size, num_segments, num_kv_segments, num_key_tiles, num_query_tiles,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr,
+    ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
+    HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    """The deterministic backward in one launch: dK/dV programs (key tiles of ``BLOCK_N`` over query tiles of
+    ``BLOCK_M``) and dQ programs (query tiles of ``DQ_BLOCK_M`` over key tiles of ``DQ_BLOCK_N``) share the grid,
+    so neither waits for the other's tail. Along axis 2 they alternate, dK/dV from the first key tile and dQ from the
+    last query tile: under a causal mask both orders start with the costliest tiles."""
+    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
+    seg = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    z = tl.program_id(2)
+    paired = tl.minimum(num_key_tiles, num_query_tiles)
+    is_dq = tl.where(z < 2 * paired, z % 2 == 1, num_query_tiles > num_key_tiles)
+    index = tl.where(z < 2 * paired, z // 2, z - paired)
+    if is_dq:
+        if seg < num_segments:
+            _dq_program(
+                Q, K, V, DO, LSE, DELTA, DQ, Q_OFFSETS, KV_OFFSETS, KV_INDEX, NUM_TARGETS,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
+                stride_dqt, stride_dqh, scale, window, block_size, seg, head,
+                (num_query_tiles - 1 - index) * DQ_BLOCK_M,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DQ_BLOCK_M, DQ_BLOCK_N,
+                ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST,
+            )  # fmt: skip
+    else:
+        if seg < num_kv_segments:
+            _dkdv_program(
+                Q, K, V, DO, LSE, DELTA, DK, DV, DQ, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
+                stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
+                scale, window, block_size, seg, head, index * BLOCK_N,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False,
+                ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST,
+            )  # fmt: skip
 
 
 def _segments_by_kv(kv_index: Tensor, num_kv_segments: int) -> tuple[Tensor, Tensor]:
@@ -389,7 +459,9 @@ def gdpa_backward(
     dq_tiles: Tiles | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Launch the backward kernels. ``out`` and ``lse`` (from :func:`gdpa_forward`) are needed for softmax
-    only; ``deterministic`` computes dQ in its own kernel instead of fp32 atomics; the tiles override the
+    only. ``deterministic`` keeps to the one-launch kernel whose dQ programs write each row once (bitwise
+    reproducible); otherwise the tuner also tries the dK/dV kernel that adds dQ through fp32 atomics and keeps
+    the faster. ``dkdv_tiles`` (alone: the atomic kernel) or both tiles (the one-launch kernel) override the
     tuned choice. Returns ``(dq, dk, dv)`` in the inputs' dtypes.
     """
     grad_out, q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (grad_out, q, k, v))
@@ -402,11 +474,9 @@ def gdpa_backward(
         delta = _delta(out if out.stride(-1) == 1 else out.contiguous(), grad_out)
     else:
         lse = delta = torch.empty(0, 0, dtype=torch.float32, device=q.device)
-    fused = not deterministic
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else torch.empty_like(q)
+    dk, dv, dq = torch.empty_like(k), torch.empty_like(v), torch.empty_like(q)
     if num_segments == 0 or heads == 0:
-        return dq.to(q.dtype), dk.zero_(), dv.zero_()
+        return dq.zero_(), dk.zero_(), dv.zero_()
     if kv_index is None:
         seg_offsets = seg_order = q_offsets  # placeholders, never read
     else:
@@ -420,49 +490,51 @@ def gdpa_backward(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)),
         **flags, DOT_PRECISION=dot_precision(q.dtype), FAST=fast_math(q),
     )  # fmt: skip
-    common_strides = (
+    strides = (
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         grad_out.stride(0), grad_out.stride(1), lse.stride(0) if softmax else 0,
+        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq.stride(0), dq.stride(1),
     )  # fmt: skip
     targets = q_offsets if num_targets is None else num_targets  # placeholder when absent
-    key = (head_dim, head_dim_v, q.dtype, tuple(flags.values()), block_size, length_bucket(max_seq_len_q),
-           length_bucket(max_seq_len_kv))  # fmt: skip
-    if k.shape[0] > 0:
-        dkdv_args = (
-            q, k, v, grad_out, lse, delta, dk, dv, dq,
-            q_offsets, kv_offsets, targets, seg_offsets, seg_order,
-            *common_strides, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq.stride(0), dq.stride(1),
-            scale, window or 0, block_size or 1,
-        )  # fmt: skip
+    kv_map = q_offsets if kv_index is None else kv_index  # placeholder when absent
+    has_keys = k.shape[0] > 0
+    dq_atomic: list[Tensor] = []  # the fp32 dQ of the atomic kernel, made when it first runs
 
-        def run_dkdv(tiles: Tiles) -> None:
-            if fused:
-                dq.zero_()
-            grid = (num_kv_segments, heads, max(1, triton.cdiv(max_seq_len_kv, tiles.block_n)))
-            launch(_gdpa_bwd_dkdv_kernel, grid, dkdv_args, {**meta, **tile_meta(tiles), "FUSED_DQ": fused})
+    def run(plan: BackwardTiles) -> None:
+        tiles = plan.dkdv
+        num_key_tiles = triton.cdiv(max_seq_len_kv, tiles.block_n) if has_keys else 0
+        if plan.dq is None:
+            if not dq_atomic:
+                dq_atomic.append(torch.zeros(q.shape, dtype=torch.float32, device=q.device))
+            dq32 = dq_atomic[0].zero_()
+            if num_key_tiles > 0:
+                args = (q, k, v, grad_out, lse, delta, dk, dv, dq32, q_offsets, kv_offsets, targets, seg_offsets,
+                        seg_order, *strides[:-2], dq32.stride(0), dq32.stride(1), scale, window or 0,
+                        block_size or 1)  # fmt: skip
+                grid = (num_kv_segments, heads, num_key_tiles)
+                launch(_gdpa_bwd_dkdv_kernel, grid, args, {**meta, **tile_meta(tiles), "FUSED_DQ": True})
+            return
+        num_query_tiles = triton.cdiv(max_seq_len_q, plan.dq.block_m) if num_q > 0 else 0
+        if num_key_tiles + num_query_tiles == 0:
+            return
+        args = (q, k, v, grad_out, lse, delta, dk, dv, dq, q_offsets, kv_offsets, kv_map, targets, seg_offsets,
+                seg_order, *strides, scale, window or 0, block_size or 1, num_segments, num_kv_segments,
+                num_key_tiles, num_query_tiles)  # fmt: skip
+        grid = (max(num_segments, num_kv_segments), heads, num_key_tiles + num_query_tiles)
+        dq_meta = {"DQ_BLOCK_M": plan.dq.block_m, "DQ_BLOCK_N": plan.dq.block_n}
+        launch(_gdpa_bwd_kernel, grid, args, {**meta, **tile_meta(tiles), **dq_meta})
 
-        if dkdv_tiles is None:
-            candidates = candidate_tiles("dkdv", q.dtype, q.device, head_dim, block_size=block_size,
-                                         max_len_q=max_seq_len_q)  # fmt: skip
-            dkdv_tiles = pick_tiles(("dkdv", fused, *key), candidates, run_dkdv, (q, k, v, grad_out))
-        run_dkdv(dkdv_tiles)
-    if fused:
-        return dq.to(q.dtype), dk, dv
-    if num_q > 0:
-        dq_args = (
-            q, k, v, grad_out, lse, delta, dq,
-            q_offsets, kv_offsets, q_offsets if kv_index is None else kv_index, targets,
-            *common_strides, dq.stride(0), dq.stride(1),
-            scale, window or 0, block_size or 1,
-        )  # fmt: skip
-
-        def run_dq(tiles: Tiles) -> None:
-            grid = (num_segments, heads, max(1, triton.cdiv(max_seq_len_q, tiles.block_m)))
-            launch(_gdpa_bwd_dq_kernel, grid, dq_args, {**meta, **tile_meta(tiles)})
-
-        if dq_tiles is None:
-            candidates = candidate_tiles("dq", q.dtype, q.device, head_dim, block_size=block_size,
-                                         max_len_q=max_seq_len_q)  # fmt: skip
-            dq_tiles = pick_tiles(("dq", *key), candidates, run_dq, (q, k, v, grad_out))
-        run_dq(dq_tiles)
+    if dkdv_tiles is not None:
+        plan = BackwardTiles(dkdv_tiles, dq_tiles if (deterministic or dq_tiles is not None) else None)
+        if plan.dq is None and deterministic:
+            raise ValueError("deterministic=True needs dq_tiles with dkdv_tiles")
+    else:
+        candidates = backward_candidates(q.dtype, q.device, head_dim, deterministic=deterministic,
+                                         block_size=block_size, max_len_q=max_seq_len_q)  # fmt: skip
+        key = ("bwd", deterministic, head_dim, head_dim_v, q.dtype, tuple(flags.values()), block_size,
+               length_bucket(max_seq_len_q), length_bucket(max_seq_len_kv))  # fmt: skip
+        plan = pick_tiles(key, candidates, run, (q, k, v, grad_out))
+    run(plan)
+    if plan.dq is None:
+        dq = dq_atomic[0].to(q.dtype)
     return dq, dk, dv
