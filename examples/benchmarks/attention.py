@@ -636,6 +636,10 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, copy
         title = (f"{name}: {label} | {len(lengths)} segments, {int(lengths.sum())} q tokens "
                  f"(max {int(lengths.max())}){kv}, H={workload.heads}, D={workload.dim}, bf16")  # fmt: skip
         case_start = time.perf_counter()
+        if device.type == "cuda":
+            from lightning_gem.ops.attention.impl.triton._tuning import chosen_tiles
+
+            chosen_before = chosen_tiles()
         try:
             rows, fwd_flops, bwd_flops, results = run_case(case, gdpa_impl, args.rep)
         except Exception as error:  # noqa: BLE001
@@ -647,6 +651,11 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, copy
             case.notes.append(f"forward moves Q, K, V, O ({moved / 1e6:.1f} MB) at {tbs:.2f} TB/s = "
                               f"{100 * tbs / copy_tbs:.0f}% of the measured copy bandwidth "
                               f"({copy_tbs:.2f} TB/s)")  # fmt: skip
+        if device.type == "cuda":
+            for key, tiles in chosen_tiles().items():
+                if key not in chosen_before:
+                    which = key[0] if key[0] == "fwd" else f"{key[0]} ({'deterministic' if key[1] else 'default'})"
+                    case.notes.append(f"tuned {which}: {tiles}")
         notes = [f"useful GFLOP: fwd {fwd_flops / 1e9:.4g}, bwd {bwd_flops / 1e9:.4g}", *case.notes]
         sections.append(dict(
             title=title, rows=rows, notes=notes, fwd_flops=fwd_flops, bwd_flops=bwd_flops,
@@ -680,6 +689,10 @@ def _worker(args: argparse.Namespace, device: torch.device) -> None:
     folder, (name,) = Path(args.worker_dir), args.workloads.split(",")
     warm = argparse.Namespace(**{**vars(args), "rep": 1})
     run_workload(name, warm, device, None)
+    # The warm-up shared the device with the other workers: keep the compiled kernels, time the tiles again alone.
+    from lightning_gem.ops.attention.impl.triton._tuning import forget_choices
+
+    forget_choices()
     (folder / f"{name}.ready").touch()
     while not (folder / f"{name}.go").exists():
         time.sleep(0.05)

@@ -25,6 +25,7 @@ __all__ = [
     "backward_candidates",
     "candidate_tiles",
     "chosen_tiles",
+    "forget_choices",
     "length_bucket",
     "pick_tiles",
     "tile_meta",
@@ -192,6 +193,12 @@ def pick_tiles(key: tuple, candidates: list[T], run: Callable[[T], None], tensor
             best, best_ms = tiles, ms
     _CHOSEN[key] = best
     return best
+
+
+def forget_choices() -> None:
+    """Drop the choices made so far (compiled kernels stay cached): the next call of each key times its
+    candidates again, e.g. after a warm-up that shared the device with other work."""
+    _CHOSEN.clear()
 
 
 def chosen_tiles() -> dict[tuple, Tiles | BackwardTiles]:
