@@ -3,7 +3,8 @@
 Both are :func:`torch.library.triton_op` s whose bodies launch the kernels through
 :func:`torch.library.wrap_triton`, so ``torch.compile`` sees (and can fuse around) the kernels, and the
 body itself is the fake impl (it only allocates outputs and launches, which fake tensors trace). The
-autograd formula calls the backward op; ``FlopCounterMode`` counts both with :func:`gdpa_flops`.
+autograd formula calls the backward op; ``FlopCounterMode`` counts both with :func:`gdpa_flops`. Plain eager
+calls skip the ops' dispatch (host time only) through a private ``autograd.Function`` over the same bodies.
 """
 
 from __future__ import annotations
@@ -135,6 +136,45 @@ def _gdpa_triton_backward_flop(*args, out_val=None, **kwargs) -> int:  # noqa: A
     return _flops(args[1:4], args[6:], backward=True)
 
 
+class _GDPAEager(torch.autograd.Function):
+    """The ops' bodies without the custom-op dispatch, for eager calls (see :func:`_eager`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation, *options):  # noqa: ANN001, ANN205
+        causal, window, block_size, scale, max_seq_len_q, max_seq_len_kv, deterministic = options
+        out, lse = gdpa_forward(
+            q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation=activation, causal=causal,
+            window=window, block_size=block_size, scale=scale, max_seq_len_q=max_seq_len_q,
+        )  # fmt: skip
+        softmax = activation == "softmax"
+        ctx.save_for_backward(
+            q, k, v, out if softmax else None, lse if softmax else None, q_offsets, kv_offsets, kv_index, num_targets
+        )
+        ctx.options = (activation, *options)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: Tensor):  # noqa: ANN001, ANN205
+        activation, causal, window, block_size, scale, max_seq_len_q, max_seq_len_kv, deterministic = ctx.options
+        dq, dk, dv = gdpa_backward(
+            grad_out, *ctx.saved_tensors, activation=activation, causal=causal, window=window,
+            block_size=block_size, scale=scale, max_seq_len_q=max_seq_len_q, max_seq_len_kv=max_seq_len_kv,
+            deterministic=deterministic,
+        )  # fmt: skip
+        return dq, dk, dv, *(None,) * 12
+
+
+def _eager(*tensors: Tensor | None) -> bool:
+    """Whether a call can skip the custom ops: no compiler, no dispatch mode (``FlopCounterMode``, fake or
+    functional tensors: they must see the ops) and plain tensors. The ops' dispatch layers cost host time and
+    nothing else in eager mode (about half a millisecond per forward + backward), which makes small attention
+    layers CPU-bound."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    return all(t is None or type(t) is Tensor for t in tensors)
+
+
 def _max_length(offsets: Tensor, num_rows: int) -> int:
     """Longest segment: read from the offsets (a sync) in eager, bounded by the row count under compile."""
     if torch.compiler.is_compiling() or offsets.shape[0] < 2:
@@ -187,8 +227,9 @@ def gdpa_triton(
         max_seq_len_q = _max_length(q_offsets, q.shape[0])
     if max_seq_len_kv is None:
         max_seq_len_kv = _max_length(kv_offsets, k.shape[0])
-    out, _ = _gdpa_triton_op(
-        q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size,
-        float(scale), max_seq_len_q, max_seq_len_kv, deterministic,
-    )  # fmt: skip
+    args = (q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size,
+            float(scale), max_seq_len_q, max_seq_len_kv, deterministic)  # fmt: skip
+    if _eager(q, k, v, q_offsets, kv_offsets, kv_index, num_targets):
+        return _GDPAEager.apply(*args)
+    out, _ = _gdpa_triton_op(*args)
     return out
