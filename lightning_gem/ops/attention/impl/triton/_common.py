@@ -12,7 +12,9 @@ masks' rule floors. A negative position (cross-attention with more queries than 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import triton
@@ -290,14 +292,32 @@ def is_interpreted(kernel: object) -> bool:
     return isinstance(kernel, InterpretedFunction)
 
 
+_COMPILE_ONLY: ContextVar[bool] = ContextVar("gdpa_compile_only", default=False)
+
+
+@contextmanager
+def compile_only() -> Iterator[None]:
+    """Inside, :func:`launch` compiles its kernel (``kernel.warmup``) and launches nothing."""
+    token = _COMPILE_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _COMPILE_ONLY.reset(token)
+
+
 def launch(kernel: Callable, grid: tuple[int, ...], args: Sequence[object], meta: dict[str, object]) -> None:
     """``wrap_triton(kernel)[grid](*args, **meta)``, except an interpreted kernel on fake tensors.
 
     Compiled kernels go through ``wrap_triton`` and so into traced graphs. An interpreted kernel is
     returned unwrapped by ``wrap_triton`` and would read the data of fake tensors: there it is skipped,
-    which is exactly the op's fake impl (outputs allocated, contents unspecified).
+    which is exactly the op's fake impl (outputs allocated, contents unspecified). Under
+    :func:`compile_only` the kernel is compiled for these arguments and not run.
     """
     from torch._subclasses.fake_tensor import is_fake
+
+    if _COMPILE_ONLY.get():
+        kernel.warmup(*args, grid=grid, **meta)  # type: ignore[attr-defined]
+        return
 
     if is_interpreted(kernel) and any(isinstance(a, torch.Tensor) and is_fake(a) for a in args):
         return

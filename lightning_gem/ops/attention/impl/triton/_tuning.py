@@ -4,9 +4,9 @@ The key is what changes the best shape: the kernel, head dims, dtype, the mode's
 length hints bucketed to powers of two. Lengths stay runtime values in the kernels, so a new batch with a
 new longest sequence neither recompiles nor retunes unless it crosses a power of two.
 
-The tuner times candidates on the call's own inputs (CUDA events, after one compiling run), only for real CUDA
-tensors outside tracing and graph capture; elsewhere, and before a key is tuned, the first candidate runs
-(a best guess: for the backward, the shape that spills fewest registers when compiled for sm_90).
+The tuner compiles a key's candidates at once on a thread pool, then times them on the call's own inputs
+(CUDA events, after one warm-up run), only for real CUDA tensors outside tracing and graph capture;
+elsewhere, and before a key is tuned, the first candidate runs (a best guess).
 ``LIGHTNING_GEM_GDPA_TUNE=0`` in the environment turns timing off.
 """
 
@@ -158,6 +158,27 @@ def _can_time(tensors: tuple[torch.Tensor, ...]) -> bool:
     return not torch.cuda.is_current_stream_capturing()
 
 
+def _compile_all(candidates: list[T], run: Callable[[T], None]) -> None:
+    """Compile every candidate at once on a thread pool (Triton's asynchronous compile mode: code generation
+    and ``ptxas`` of one kernel overlap those of the others), instead of one after another as each is first run.
+    A candidate that fails to compile is left to fail again, alone, when it is timed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lightning_gem.ops.attention.impl.triton._common import compile_only
+
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:  # a Triton without it: candidates compile as they are first run
+        return
+    with ThreadPoolExecutor(max_workers=min(8, len(candidates))) as pool:
+        with AsyncCompileMode(pool, ignore_errors=True), compile_only():
+            for candidate in candidates:
+                try:
+                    run(candidate)
+                except Exception:  # noqa: BLE001  (reported when the candidate is timed)
+                    continue
+
+
 def pick_tiles(key: tuple, candidates: list[T], run: Callable[[T], None], tensors: tuple[torch.Tensor, ...]) -> T:
     """The tiles for ``key``: the remembered choice, else (when timing is possible) the fastest candidate.
 
@@ -175,6 +196,7 @@ def pick_tiles(key: tuple, candidates: list[T], run: Callable[[T], None], tensor
         return chosen  # type: ignore[return-value]
     if not _can_time(tensors):
         return candidates[0]
+    _compile_all(candidates, run)
     best, best_ms = candidates[0], float("inf")
     for tiles in candidates:
         try:
