@@ -5,6 +5,7 @@ Importing this package registers ``"gem5d"`` in Lightning's ``StrategyRegistry``
 config resolve to :class:`GEM5DStrategy` with its defaults.
 
 Modules: ``mesh`` (rank layout, sizes), ``sparse`` (torchrec 2D sharding, fused embedding optimizer),
+``replication`` (torchrec's ``DMPCollection`` on CUDA or gem5d's replica sync keeping the table replicas equal),
 ``dense`` (FSDP2/HSDP, tensor parallel), ``checkpoint_io`` (distributed checkpoints), ``gem5d`` (the
 Lightning adapter).
 """

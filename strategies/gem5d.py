@@ -1,6 +1,6 @@
 """``GEM5DStrategy`` (``strategy="gem5d"``): a thin Lightning adapter over plain functions: ``mesh.py``
-(layout), ``parallelize.py`` (over ``sparse.py`` and ``dense.py``), ``checkpoint_io.py``, ``recompute.py``
-(activation checkpointing), ``tp_batches.py`` and ``pipeline.py`` (the loaders).
+(layout), ``parallelize.py`` (over ``sparse.py``, ``replication.py`` and ``dense.py``), ``checkpoint_io.py``,
+``recompute.py`` (activation checkpointing), ``tp_batches.py`` and ``pipeline.py`` (the loaders).
 
 Example:
     >>> import lightning as L
@@ -42,6 +42,7 @@ from typing_extensions import override
 from . import checkpoint_io, dense, sparse
 from .mesh import MeshLayout, build_device_mesh, check_size, resolve_layout
 from .parallelize import ParallelModel, parallelize_model
+from .replication import SparseReplication, check_replication, check_trainer
 from .sparse import EmbeddingOptimizerConfig, EmbeddingOptimizerName, TableConstraint
 
 if TYPE_CHECKING:
@@ -58,7 +59,9 @@ class GEM5DStrategy(ParallelStrategy):
 
     Embedding tables (every torchrec ``EmbeddingCollection`` / ``EmbeddingBagCollection`` of the model) are
     sharded by torchrec's planner inside sharding groups of ``sparse_group_size`` ranks and replicated
-    across groups; they are trained by a fused optimizer inside the backward. The rest of the model
+    across groups (on CUDA through torchrec's ``DMPCollection``, elsewhere through ``DistributedModelParallel``
+    over a 2D sharding environment; the replicas averaged after each step either way, see ``sparse_replication``);
+    they are trained by a fused optimizer inside the backward. The rest of the model
     trains with the LightningModule's optimizer under FSDP2 (HSDP when ``dense_replicate_size > 1``)
     and optionally tensor parallelism over the plans the components declare, optionally with sequence
     parallelism in the HSTU encoder. Every rank (every tensor-parallel group) trains on its own batch;
@@ -74,6 +77,15 @@ class GEM5DStrategy(ParallelStrategy):
     Args:
         sparse_group_size: ranks each embedding table is sharded over. ``None``: all ranks (plain
             torchrec sharding); ``1``: every rank holds every table (pure replication). Must divide ``W``.
+        sparse_replication: how the replicas of the embedding shards are kept equal
+            (:mod:`lightning_gem.strategies.replication`): ``"collection"``: torchrec's ``DMPCollection`` shards the
+            tables and its ``sync()`` averages tables and optimizer states over each replica group after every
+            step (CUDA only); ``"fully_sharded"``: ``DMPCollection``'s ``FULLY_SHARDED`` strategy, each replica
+            holding ``1 / replicas`` of its tables between forward and backward (CUDA only, with
+            ``Trainer(inference_mode=False)``); ``"replica_sync"``: ``DistributedModelParallel`` over a 2D sharding
+            environment and gem5d's own average of tables and optimizer states (any device); ``"auto"``:
+            ``"collection"`` where it can run (CUDA, an optimizer other than ``adam``, ...), else ``"replica_sync"``,
+            the reason logged. Same rank layout and same plan in every mode.
         dense_replicate_size: HSDP replicas of the dense parameters.
         dense_shard_size: ranks each dense parameter is sharded over; ``None``:
             ``W / (dense_replicate_size x tensor_parallel_size)``.
@@ -102,9 +114,11 @@ class GEM5DStrategy(ParallelStrategy):
         timeout: collective timeout.
 
     Raises:
-        ValueError: at setup, sizes that do not fit the world size (naming the argument), or
-            ``sequence_parallel`` under tensor parallelism on a model with no component declaring it; at
-            construction, a bad size or optimizer.
+        ValueError: at setup, sizes that do not fit the world size (naming the argument),
+            ``sequence_parallel`` under tensor parallelism on a model with no component declaring it, or a
+            ``sparse_replication`` of ``DMPCollection`` where it cannot run (saying why: not CUDA, ``adam``, ...);
+            at construction, a bad size, optimizer or ``sparse_replication`` (or one the installed torchrec
+            lacks).
         TypeError: at construction, a size or ``sequence_parallel`` of the wrong type.
     """
 
@@ -113,6 +127,7 @@ class GEM5DStrategy(ParallelStrategy):
     def __init__(
         self,
         sparse_group_size: int | None = None,
+        sparse_replication: SparseReplication = "auto",
         dense_replicate_size: int = 1,
         dense_shard_size: int | None = None,
         tensor_parallel_size: int = 1,
@@ -165,6 +180,7 @@ class GEM5DStrategy(ParallelStrategy):
             "dense_shard_size": dense_shard_size,
             "tensor_parallel_size": tensor_parallel_size,
         }
+        self.sparse_replication = check_replication(sparse_replication)
         self.table_constraints = {
             name: c if isinstance(c, TableConstraint) else TableConstraint(**c)
             for name, c in (table_constraints or {}).items()
@@ -293,6 +309,7 @@ class GEM5DStrategy(ParallelStrategy):
         from lightning.fabric.utilities.apply_func import move_data_to_device
 
         assert self.layout is not None, "setup_environment must run first"
+        check_trainer(self.sparse_replication, trainer)
         device = self.root_device
         optimizer = self._embedding_optimizer
         if self._embedding_lr is None and sparse.embedding_module_paths(module):
@@ -313,6 +330,7 @@ class GEM5DStrategy(ParallelStrategy):
             reshard_after_forward=self.reshard_after_forward,
             sequence_parallel=self.sequence_parallel,
             train_pipeline=self.train_pipeline,
+            sparse_replication=self.sparse_replication,
             move=lambda batch: move_data_to_device(batch, device),
             before_dense=None if budget is None else lambda m: self._apply_activation_checkpointing(m, trainer),
         )

@@ -19,6 +19,7 @@ from torch import nn
 
 from . import dense, sparse
 from .mesh import MeshLayout
+from .replication import SparseReplication
 
 __all__ = ["ParallelModel", "parallelize_model"]
 
@@ -45,7 +46,7 @@ class ParallelModel:
         self.replicated_grads()
 
     def after_step(self) -> None:
-        """After an optimizer step: average the embedding replicas (2D)."""
+        """After an optimizer step: average the embedding replicas (2D: ``DMPCollection.sync`` or ``ReplicaSync``)."""
         if self.sparse.replica_sync is not None:
             self.sparse.replica_sync()
 
@@ -73,6 +74,7 @@ def parallelize_model(
     reshard_after_forward: bool = True,
     sequence_parallel: bool = False,
     train_pipeline: bool = False,
+    sparse_replication: SparseReplication = "auto",
     move: Callable[[Any], Any] | None = None,
     before_dense: Callable[[nn.Module], None] | None = None,
 ) -> ParallelModel:
@@ -89,6 +91,7 @@ def parallelize_model(
         sequence_parallel: under tensor parallelism, run the components that can shard their tokens on
             token shards (see ``dense.py``); no effect when ``layout.tensor_parallel == 1``.
         train_pipeline: start each batch's embedding input all-to-all one batch ahead (needs ``move``).
+        sparse_replication: how the embedding replicas are kept equal (``replication.py``).
         move: moves a batch to ``device`` (the train pipeline's prefetch).
         before_dense: called with the model once it is on the device with its tables sharded, before
             tensor parallelism and FSDP2 (where activation checkpointing is applied).
@@ -107,7 +110,14 @@ def parallelize_model(
             existing.prefetcher.install()
         return existing
     sharded = sparse.shard_embeddings(
-        module, layout, sparse_mesh, device, embedding_optimizer, table_constraints, local_world_size
+        module,
+        layout,
+        sparse_mesh,
+        device,
+        embedding_optimizer,
+        table_constraints,
+        local_world_size,
+        replication=sparse_replication,
     )
     module.to(device)
     prefetcher = None

@@ -7,11 +7,11 @@ Plain functions over a model and the sparse view of the mesh (see ``mesh.py`` fo
   placed data-parallel would be trained by the dense optimizer, which the strategy does not give it);
 * :func:`plan_sharding` - torchrec's planner for one sharding group, the same plan on every rank,
   re-addressed to this rank's group;
-* :func:`shard_embeddings` - shards every torchrec embedding module of a model in place with
-  ``DistributedModelParallel`` over a ``ShardingEnv2D`` (torchrec's 2D environment), on every device,
-  with :class:`ReplicaSync` keeping the replicas equal: the layout and the weight + optimizer-state
-  average of torchrec's ``DMPCollection`` (default strategy), which itself runs on CUDA only. Its
-  ``FULLY_SHARDED`` mode (replicas sharded too, gathered per step) is not offered.
+* :func:`shard_embeddings` - shards every torchrec embedding module of a model in place and says how the
+  replicas are kept equal (``replication.py`` picks the way): on CUDA with torchrec's ``DMPCollection``
+  (its ``sync()`` after each step, or its ``FULLY_SHARDED`` strategy on request); on any device with
+  ``DistributedModelParallel`` over a ``ShardingEnv2D`` (torchrec's 2D environment) and :class:`ReplicaSync`,
+  the same layout and the same weight + optimizer-state average as ``DMPCollection.sync``.
 
 Gradient convention: every rank's loss is its batch mean. torchrec divides the embedding gradients
 arriving through its all-to-all by the sharding group size (``comm_ops`` gradient division, on by
@@ -27,7 +27,7 @@ import dataclasses
 import inspect
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .mesh import MeshLayout
+from .replication import SparseReplication, choose_replication, gather_tables_after_inference, shard_with_collection
 
 log = logging.getLogger(__name__)
 
@@ -186,13 +187,16 @@ def plan_sharding(
     constraints: Mapping[str, TableConstraint] | None = None,
     node_group_size: int | None = None,
     local_world_size: int | None = None,
+    *,
+    group_local: bool = False,
 ) -> Any:
     """torchrec's sharding plan for one sharding group, addressed to the global ranks of ``rank``'s group
     (and their devices: ``local_world_size`` processes of one device each per host).
 
     The planner runs on rank 0 for a world of ``sparse_group_size`` ranks and is broadcast (every group
     gets the same plan, so replicas hold identical shards); its rank ``j`` is then rank
-    ``group * sparse_group_size + j``.
+    ``group * sparse_group_size + j``. ``group_local=True`` leaves it on ranks ``0 .. sparse_group_size - 1``
+    (``DMPCollection`` re-addresses the plan itself: shifting it here too would move it twice).
 
     Raises:
         ValueError: a constraint names a table the model does not have.
@@ -219,7 +223,9 @@ def plan_sharding(
     plan = planner.collective_plan(module, sharders, dist.group.WORLD) if dist.is_initialized() else None
     if plan is None:
         plan = planner.plan(module, sharders)
-    _readdress_plan(plan, offset=(rank // size) * size, device_type=device.type, local_world_size=local_world_size)
+    if not group_local:
+        offset = (rank // size) * size
+        _readdress_plan(plan, offset=offset, device_type=device.type, local_world_size=local_world_size)
     return plan
 
 
@@ -262,9 +268,14 @@ class SparseShardingResult:
 
     plan: Any
     paths: list[str]
-    replica_sync: ReplicaSync | None
+    replica_sync: Callable[[], None] | None
+    """Run after each optimizer step (collective over the replica groups); None without replicas to sync."""
     features: dict[str, frozenset[str]] = dataclasses.field(default_factory=dict)
     """The feature names (KJT keys) each sharded module looks up."""
+    replication: str = "replica_sync"
+    """``"collection"``, ``"fully_sharded"`` (torchrec's ``DMPCollection``) or ``"replica_sync"``."""
+    collection: Any = None
+    """The ``DMPCollection`` that sharded the modules (wrapping the model; not a submodule of it), or None."""
 
 
 def shard_embeddings(
@@ -275,6 +286,7 @@ def shard_embeddings(
     optimizer: EmbeddingOptimizerConfig,
     constraints: Mapping[str, TableConstraint] | None = None,
     local_world_size: int | None = None,
+    replication: SparseReplication = "auto",
 ) -> SparseShardingResult:
     """Shard every torchrec embedding module of ``module`` in place (2D: sharded in a group, replicated across).
 
@@ -288,10 +300,14 @@ def shard_embeddings(
         device: this rank's device.
         optimizer: the fused embedding optimizer.
         constraints: per-table planner constraints (table name -> :class:`TableConstraint`).
+        local_world_size: processes (one device each) per host.
+        replication: how replicas are kept equal (see ``replication.py``): ``"auto"``, ``"collection"``,
+            ``"fully_sharded"`` or ``"replica_sync"``.
+
+    Raises:
+        ValueError: torchrec's gradient division is off; ``replication`` names a way that cannot run here.
     """
     from torchrec.distributed.comm_ops import get_gradient_division
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.types import ShardingEnv2D
 
     if not get_gradient_division():
         raise ValueError(
@@ -302,10 +318,86 @@ def shard_embeddings(
     if not paths:
         return SparseShardingResult(plan=None, paths=[], replica_sync=None)
     optimizer.check_device(device)
+    choice = choose_replication(
+        replication,
+        device_type=device.type,
+        layout=layout,
+        optimizer=optimizer.name,
+        local_world_size=local_world_size,
+    )
+    by_collection = choice.mode != "replica_sync"
     sharders = make_sharders(device.type, optimizer)
     rank = dist.get_rank()
     node_group_size = math.gcd(layout.sparse_group_size, local_world_size or layout.sparse_group_size)
-    plan = plan_sharding(module, layout, rank, device, sharders, constraints, node_group_size, local_world_size)
+    plan = plan_sharding(
+        module,
+        layout,
+        rank,
+        device,
+        sharders,
+        constraints,
+        node_group_size,
+        local_world_size,
+        group_local=by_collection,
+    )
+    # The sharded modules get fresh tables (EmbeddingBagCollection's are re-initialised): keep the model's.
+    initial = {path: module.get_submodule(path).state_dict() for path in paths}
+    features = {
+        path: frozenset(f for c in _configs(module.get_submodule(path)) for f in c.feature_names) for path in paths
+    }
+    collection = None
+    if by_collection:
+        collection = shard_with_collection(
+            module,
+            layout,
+            plan,
+            device,
+            sharders,
+            node_group_size=node_group_size,
+            fully_sharded=choice.mode == "fully_sharded",
+        )
+    else:
+        _shard_with_env(module, layout, sparse_mesh, device, plan, sharders, node_group_size)
+    for path, state in initial.items():
+        copy_full_into_shards(module.get_submodule(path), state)
+    replica_group = sparse_mesh.get_group("sparse_replicate")
+    sync: Callable[[], None] | None = None
+    if layout.sparse_replicas > 1:
+        if choice.mode == "collection":
+            sync = collection.sync
+        elif choice.mode == "fully_sharded":  # the tables are averaged in the forward; their optimizer states here
+            sync = ReplicaSync(module, replica_group, weights=False)
+        else:
+            sync = ReplicaSync(module, replica_group)
+    if choice.mode == "fully_sharded":
+        hooked = gather_tables_after_inference(module)
+        assert hooked, "fully sharded tables without a fully sharded kernel"
+    if rank == 0:
+        log.info("gem5d embedding replicas: %s (%s)", choice.mode, choice.reason)
+        log.info("gem5d embedding plan (%s): %s", layout.describe(), describe_plan(plan, layout.sparse_group_size))
+    return SparseShardingResult(
+        plan=plan,
+        paths=paths,
+        replica_sync=sync,
+        features=features,
+        replication=choice.mode,
+        collection=collection,
+    )
+
+
+def _shard_with_env(
+    module: nn.Module,
+    layout: MeshLayout,
+    sparse_mesh: Any,
+    device: torch.device,
+    plan: Any,
+    sharders: list[Any],
+    node_group_size: int,
+) -> None:
+    """Shard in place with ``DistributedModelParallel`` over a ``ShardingEnv2D`` of the sparse mesh (any device)."""
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv2D
+
     env_kwargs: dict[str, Any] = {"node_group_size": node_group_size, "use_inter_host_allreduce": True}
     accepted = inspect.signature(ShardingEnv2D).parameters
     if "use_inter_host_allreduce" not in accepted and layout.sparse_replicas > 1 and layout.sparse_group_size > 1:
@@ -320,20 +412,9 @@ def shard_embeddings(
         device_mesh=sparse_mesh,
         **{k: v for k, v in env_kwargs.items() if k in accepted},  # contiguous sharding groups (mesh.py)
     )
-    # The sharded modules get fresh tables (EmbeddingBagCollection's are re-initialised): keep the model's.
-    initial = {path: module.get_submodule(path).state_dict() for path in paths}
-    features = {
-        path: frozenset(f for c in _configs(module.get_submodule(path)) for f in c.feature_names) for path in paths
-    }
     DistributedModelParallel(
         module, env=env, device=device, plan=plan, sharders=sharders, init_data_parallel=False, init_parameters=True
     )
-    for path, state in initial.items():
-        copy_full_into_shards(module.get_submodule(path), state)
-    sync = ReplicaSync(module, sparse_mesh.get_group("sparse_replicate")) if layout.sparse_replicas > 1 else None
-    if rank == 0:
-        log.info("gem5d embedding plan (%s): %s", layout.describe(), describe_plan(plan, layout.sparse_group_size))
-    return SparseShardingResult(plan=plan, paths=paths, replica_sync=sync, features=features)
 
 
 def local_shards(value: Any) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
@@ -384,13 +465,14 @@ def sparse_parameter_ids(module: nn.Module) -> set[int]:
     return {id(p) for _, sub in _sharded_modules(module) for p in sub.parameters()}
 
 
-def local_state_tensors(module: nn.Module) -> list[torch.Tensor]:
-    """This rank's part of every table and of its fused optimizer state: views of the kernels' storage,
-    updated in place by the backward."""
+def local_state_tensors(module: nn.Module, *, weights: bool = True) -> list[torch.Tensor]:
+    """This rank's part of every table (``weights=False``: left out) and of its fused optimizer state: views of
+    the kernels' storage, updated in place by the backward."""
     tensors: list[torch.Tensor] = []
     for _, sharded in _sharded_modules(module):
-        for value in sharded.state_dict().values():
-            tensors.extend(shard for shard, _ in local_shards(value))
+        if weights:
+            for value in sharded.state_dict().values():
+                tensors.extend(shard for shard, _ in local_shards(value))
         optimizer = getattr(sharded, "fused_optimizer", None)
         if optimizer is not None:
             for state in optimizer.state_dict()["state"].values():
@@ -405,13 +487,14 @@ class ReplicaSync:
 
     The all-reduce torchrec's ``DMPCollection.sync`` runs, here over the local shards of the sharded
     modules' state dicts and of their fused optimizers' states (views of the embedding kernels' storage),
-    so it also runs on CPU/gloo where ``DMPCollection`` is not available.
+    so it also runs on CPU/gloo where ``DMPCollection`` is not available. ``weights=False``: the optimizer
+    states only (under ``DMPCollection``'s fully sharded strategy, which averages the tables itself).
     """
 
-    def __init__(self, module: nn.Module, replica_group: dist.ProcessGroup) -> None:
+    def __init__(self, module: nn.Module, replica_group: dist.ProcessGroup, *, weights: bool = True) -> None:
         self.group = replica_group
         self.size = dist.get_world_size(replica_group)
-        self.tensors = local_state_tensors(module)
+        self.tensors = local_state_tensors(module, weights=weights)
 
     @torch.no_grad()
     def __call__(self) -> None:

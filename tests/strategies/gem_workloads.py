@@ -156,6 +156,7 @@ def fit_gem(
         "weights": full_weights(model),
         "checkpointed": sorted(checkpointed_modules(model)),
         "prefetched": getattr(trainer.strategy.prefetcher, "hits", None),
+        "replication": trainer.strategy.parallel.sparse.replication,
         "tested": tested,
         **rows,
     }

@@ -94,6 +94,11 @@ BAD_LAYOUTS = {
         ({"sparse_group_size": 3}, "`sparse_group_size` (3) must be <= the world size (2)"),
         ({"dense_replicate_size": 2, "dense_shard_size": 2}, "= 4 must equal the world size (2)"),
         ({"table_constraints": {"no_such_table": {"sharding_types": ["row_wise"]}}}, "tables ['no_such_table']"),
+        (
+            {"sparse_replication": "collection"},
+            "`sparse_replication='collection'` cannot be used: torchrec's DMPCollection runs on CUDA only and this "
+            "rank's device is cpu",
+        ),
     ),
     4: (({"tensor_parallel_size": 4}, "`tensor_parallel_size` (4) must divide the heads of encoder.layers.0 (2)"),),
 }
@@ -128,6 +133,8 @@ def test_every_layout_trains_like_one_process(world_size: int) -> None:
         assert bool(result["checkpointed"]) == ("activation_memory_budget" in layout), result["checkpointed"]
         # with the pipeline, every forward of both embedding modules used the input_dist started ahead
         assert result["prefetched"] == (2 * STEPS if layout.get("train_pipeline") else None), result["prefetched"]
+        # "auto" on CPU: DistributedModelParallel over a 2D environment, replicas averaged by ReplicaSync
+        assert result["replication"] == "replica_sync", result["replication"]
         _check_token_shards(result, layout)
     for (kwargs, message), error in zip(bad, errors, strict=True):
         assert message in error, (kwargs, error)
@@ -359,3 +366,85 @@ def _dense_only(rank: int, world_size: int) -> list[float]:
 def test_a_model_without_embedding_tables_trains_under_fsdp2() -> None:
     losses = run_ranks(_dense_only, 2)
     assert len(losses[0]) == 3 and all(np.isfinite(losses[0] + losses[1]))
+
+
+def _dmpcollection_groups_and_plans(rank: int, world_size: int) -> list[dict[str, Any]]:
+    """For each sparse group size: DMPCollection's sharding and replica groups and its re-addressing of the
+    group-local plan, next to gem5d's mesh groups and re-addressed plan.
+
+    DMPCollection cannot be built on CPU (it asserts a CUDA device); its group construction and plan
+    re-addressing are methods over rank arithmetic and the process groups, called here on a stand-in
+    instance that has the one attribute they read (``_device``).
+    """
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    from gem_workloads import make_model, make_source
+    from lightning_gem.strategies.mesh import build_device_mesh, resolve_layout
+    from lightning_gem.strategies.sparse import EmbeddingOptimizerConfig, make_sharders, plan_sharding
+    from torchrec.distributed.model_parallel import DMPCollection
+
+    from lightning_gem.data import GEMDataModule
+    from lightning_gem.testing.distributed import forget_torchrec_node_groups
+
+    dist.init_process_group("gloo")
+    device = torch.device("cpu")
+    stand_in = SimpleNamespace(_device=device)
+    model = make_model(GEMDataModule(source=make_source(), batch_size=4).schema)
+    sharders = make_sharders("cpu", EmbeddingOptimizerConfig(name="sgd"))
+    out = []
+    for group_size in (1, 2, world_size):
+        forget_torchrec_node_groups()
+        layout = resolve_layout(world_size, sparse_group_size=group_size)
+        sparse = build_device_mesh(layout, "cpu")[2]
+        theirs, sharding_pg, replica_pg = DMPCollection._create_process_groups(
+            stand_in, global_rank=rank, world_size=world_size, local_size=group_size, use_inter_host_allreduce=True
+        )
+        local = plan_sharding(model, layout, rank, device, sharders, group_local=True)
+        ours = plan_sharding(model, layout, rank, device, sharders)
+        DMPCollection._remap_sharding_plan(
+            stand_in,
+            plan=local,
+            rank=rank,
+            step=world_size // group_size,
+            sharding_group_size=group_size,
+            use_inter_host_allreduce=True,
+        )
+
+        def addresses(plan: Any) -> dict[str, tuple[list[int], list[int]]]:
+            return {
+                f"{path}.{table}": (s.ranks, [shard.placement.rank() for shard in s.sharding_spec.shards])
+                for path, module_plan in plan.plan.items()
+                for table, s in module_plan.items()
+            }
+
+        out.append(
+            {
+                "group_size": group_size,
+                "mesh": (theirs.mesh.tolist(), sparse.mesh.tolist()),
+                "sharding": (dist.get_process_group_ranks(sharding_pg), sparse["sparse_shard"].mesh.tolist()),
+                "replica": (dist.get_process_group_ranks(replica_pg), sparse["sparse_replicate"].mesh.tolist()),
+                "plan": (addresses(local), addresses(ours)),
+            }
+        )
+    return out
+
+
+def test_dmpcollection_builds_our_groups_and_readdresses_the_plan_as_we_do() -> None:
+    """``DMPCollection(use_inter_host_allreduce=True)``: sharding groups ``rank // S`` and replica groups
+    ``{j, j + S, ...}``, those of ``mesh.py``; given the group-local plan it moves every shard to the ranks
+    gem5d's own re-addressing gives (so the plan handed to it must not be re-addressed before)."""
+    world_size = 4
+    per_rank = run_ranks(_dmpcollection_groups_and_plans, world_size)
+    for rank, cases in enumerate(per_rank):
+        for case in cases:
+            theirs, ours = case["mesh"]
+            assert theirs == ours == [list(range(g, g + case["group_size"])) for g in range(0, 4, case["group_size"])]
+            for axis in ("sharding", "replica"):
+                theirs, ours = case[axis]
+                assert theirs == ours, (rank, axis, case)
+            theirs, ours = case["plan"]
+            assert theirs == ours, (rank, case["group_size"])
+            group = rank // case["group_size"] * case["group_size"]
+            assert all(min(ranks) >= group for ranks, _ in ours.values()), ours  # re-addressed into this group

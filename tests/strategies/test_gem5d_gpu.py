@@ -1,7 +1,13 @@
-"""gem5d on one CUDA GPU (NCCL, world size 1): the same code path as the gloo tests. Skipped without a GPU.
+"""gem5d on CUDA GPUs (NCCL). Skipped without a GPU (the two-rank test without two).
 
-The GEM example at a size where activations matter: it trains, and under an activation budget of half
-the unconstrained peak the measured peak stays within the budget + 10% at most 1.25x the step time.
+The GEM example at a size where activations matter, on one GPU: it trains (with torchrec's
+``DMPCollection`` sharding the tables, chosen by ``sparse_replication="auto"`` or by name), and under an
+activation budget of half the unconstrained peak the measured peak stays within the budget + 10% at most
+1.25x the step time. On two GPUs with every table replicated on both (``sparse_group_size=1``): the replicas
+stay equal under each way of keeping them so (``DMPCollection.sync``, ``DMPCollection``'s fully sharded
+strategy, gem5d's ``ReplicaSync``), and ``DMPCollection.sync`` trains like ``ReplicaSync``.
+
+Run: ``python -m pytest -m gpu -s tests/strategies/test_gem5d_gpu.py``.
 """
 
 from __future__ import annotations
@@ -23,10 +29,13 @@ def _require_cuda() -> None:
         pytest.skip("needs a CUDA GPU")
 
 
-def _fit_on_gpu(rank: int, world_size: int, budget: float | None, steps: int) -> dict[str, Any]:
+def _fit_on_gpu(
+    rank: int, world_size: int, budget: float | None, steps: int, replication: str = "auto"
+) -> dict[str, Any]:
     import lightning as L
     from lightning_gem.components import GEMRanker
     from lightning_gem.strategies import GEM5DStrategy
+    from lightning_gem.strategies.sparse import embedding_module_paths
 
     from lightning_gem.data import GEMDataModule, SyntheticRankingSource
 
@@ -54,7 +63,8 @@ def _fit_on_gpu(rank: int, world_size: int, budget: float | None, steps: int) ->
     data = GEMDataModule(source=source, batch_size=256, seed=0)
     model = GEMRanker(data.schema, embedding_dim=64, model_dim=256, num_layers=4, num_heads=4)
     meter = StepMeter()
-    strategy = GEM5DStrategy(activation_memory_budget=budget)
+    paths = embedding_module_paths(model)
+    strategy = GEM5DStrategy(activation_memory_budget=budget, sparse_replication=replication)
     trainer = L.Trainer(
         accelerator="gpu",
         devices=1,
@@ -79,6 +89,24 @@ def _fit_on_gpu(rank: int, world_size: int, budget: float | None, steps: int) ->
         "chosen": None if plan is None else list(plan.chosen),
         "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
         "tables": sorted(set(tables)),
+        "sharding": _sharded_by(model, paths, strategy.parallel.sparse),
+    }
+
+
+def _sharded_by(model: torch.nn.Module, paths: list[str], sparse: Any) -> dict[str, Any]:
+    """What sharded the embedding modules at ``paths`` of ``model`` and whether they were replaced in place."""
+    from torchrec.distributed.model_parallel import DMPCollection
+    from torchrec.distributed.types import ShardedModule
+
+    collection = sparse.collection
+    return {
+        "replication": sparse.replication,
+        "paths": paths,
+        "by_collection": isinstance(collection, DMPCollection),
+        # the collection wraps the LightningModule itself, whose embedding modules are now torchrec's sharded ones
+        "wraps_the_model": collection is not None and collection.module is model,
+        "in_place": all(isinstance(model.get_submodule(p), ShardedModule) for p in paths),
+        "mesh": collection.device_mesh.mesh.tolist() if collection is not None else None,
     }
 
 
@@ -86,9 +114,125 @@ def test_world_size_one_trains_on_a_gpu_with_nccl() -> None:
     _require_cuda()
     out = run_ranks(_fit_on_gpu, 1, None, 30)[0]
     assert out["backend"] == "nccl" and out["tables"] == ["cuda"]
+    assert out["sharding"]["replication"] == "collection", out["sharding"]  # "auto" on CUDA: DMPCollection
     losses = out["losses"]
     assert len(losses) == 30 and all(np.isfinite(losses))
     assert np.mean(losses[-5:]) < np.mean(losses[:5])
+
+
+def test_world_size_one_trains_with_dmpcollection() -> None:
+    """``sparse_replication="collection"``: torchrec's DMPCollection shards the tables of the LightningModule in
+    place (the collection wraps the model; its 1 x 1 mesh is gem5d's) and the GEM example trains."""
+    _require_cuda()
+    out = run_ranks(_fit_on_gpu, 1, None, 30, "collection")[0]
+    sharding = out["sharding"]
+    assert sharding["replication"] == "collection" and sharding["by_collection"], sharding
+    assert sharding["wraps_the_model"] and sharding["in_place"] and sharding["paths"], sharding
+    assert sharding["mesh"] == [[0]], sharding
+    assert out["tables"] == ["cuda"]
+    losses = out["losses"]
+    assert len(losses) == 30 and all(np.isfinite(losses))
+    assert np.mean(losses[-5:]) < np.mean(losses[:5])
+
+
+def _replicas_on_gpus(rank: int, world_size: int, modes: tuple[str, ...], steps: int) -> dict[str, Any]:
+    """Train the tiny GEM example with every table on every rank (``sparse_group_size=1``) once per mode of
+    ``sparse_replication``, validating once before and after training; per mode (rank 0): the losses, the
+    full weights (``full_weights`` raises if the replicas of a table differ), the largest difference between
+    the ranks' tables and fused-optimizer states, and what sharded the tables."""
+    import lightning as L
+    import torch.distributed as dist
+    from gem_workloads import LossRecorder, make_model, make_source
+    from lightning_gem.strategies import GEM5DStrategy
+    from lightning_gem.strategies.sparse import embedding_module_paths, local_state_tensors
+
+    from lightning_gem.data import GEMDataModule
+    from lightning_gem.testing.distributed import forget_torchrec_node_groups, full_weights
+
+    results: dict[str, Any] = {}
+    for mode in modes:
+        forget_torchrec_node_groups()
+        L.seed_everything(0, verbose=False)
+        data = GEMDataModule(source=make_source(), batch_size=4, seed=0)
+        model = make_model(data.schema)
+        paths = embedding_module_paths(model)
+        tables = {k: v for k, v in model.state_dict().items() if k.startswith(tuple(paths))}
+        initial = {k: v.detach().cpu().numpy().copy() for k, v in tables.items()}
+        recorder = LossRecorder()
+        strategy = GEM5DStrategy(sparse_group_size=1, sparse_replication=mode, embedding_optimizer="rowwise_adagrad")
+        trainer = L.Trainer(
+            accelerator="gpu",
+            devices=world_size,
+            strategy=strategy,
+            max_steps=steps,
+            limit_val_batches=1,
+            num_sanity_val_steps=1,  # a forward without backward comes first (fully sharded tables gather after it)
+            inference_mode=False,  # what sparse_replication="fully_sharded" needs; the same for every mode
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[recorder],
+        )
+        trainer.fit(model, datamodule=data)
+        trainer.validate(model, datamodule=data, verbose=False)
+        flat = torch.cat([t.detach().reshape(-1).float() for t in local_state_tensors(model)])
+        gathered = [torch.empty_like(flat) for _ in range(world_size)]
+        dist.all_gather(gathered, flat)
+        weights = full_weights(model)
+        results[mode] = {
+            "losses": recorder.losses,
+            "weights": weights,
+            "state_spread": max(float((g - gathered[0]).abs().max()) for g in gathered),
+            "tables_moved": max(float(np.abs(weights[k] - v).max()) for k, v in initial.items()),
+            "sharding": _sharded_by(model, paths, strategy.parallel.sparse),
+        }
+    return results if rank == 0 else {}
+
+
+def _require_two_gpus() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+
+
+def _check_replicas(out: dict[str, Any], steps: int) -> None:
+    for mode, result in out.items():
+        sharding = result["sharding"]
+        assert sharding["replication"] == mode and sharding["in_place"], (mode, sharding)
+        if mode == "replica_sync":
+            assert not sharding["by_collection"] and sharding["mesh"] is None, sharding
+        else:
+            assert sharding["by_collection"] and sharding["wraps_the_model"], (mode, sharding)
+            assert sharding["mesh"] == [[0], [1]], (mode, sharding)  # sharding groups [0], [1]; replica group [0, 1]
+        assert len(result["losses"]) == steps and all(np.isfinite(result["losses"])), (mode, result["losses"])
+        assert result["state_spread"] == 0.0, (mode, result["state_spread"])  # tables and optimizer states
+        assert result["tables_moved"] > 0.0, mode
+
+
+def test_two_gpus_keep_dmpcollection_replicas_equal() -> None:
+    """Two ranks, each holding every table (two replicas of each): after training the replicas' tables and
+    fused-optimizer (rowwise Adagrad) states are bit-equal under ``DMPCollection.sync`` as under gem5d's
+    ``ReplicaSync``, which averages the same tensors, so both train alike."""
+    _require_two_gpus()
+    steps = 6
+    out = run_ranks(_replicas_on_gpus, 2, ("collection", "replica_sync"), steps, timeout=600)[0]
+    _check_replicas(out, steps)
+    collection, replica_sync = out["collection"], out["replica_sync"]
+    assert collection["losses"][-1] < collection["losses"][0], collection["losses"]
+    np.testing.assert_allclose(collection["losses"], replica_sync["losses"], rtol=1e-4)
+    for name, value in collection["weights"].items():
+        np.testing.assert_allclose(value, replica_sync["weights"][name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_two_gpus_train_fully_sharded_tables() -> None:
+    """``sparse_replication="fully_sharded"`` on two ranks, each holding every table: it trains, evaluation (a
+    forward without backward, before and after training) leaves the replicas gathered and equal, the optimizer
+    states are equal, and the first step reads the same tables as under ``DMPCollection.sync``."""
+    _require_two_gpus()
+    steps = 6
+    out = run_ranks(_replicas_on_gpus, 2, ("fully_sharded", "collection"), steps, timeout=600)[0]
+    _check_replicas(out, steps)
+    np.testing.assert_allclose(out["fully_sharded"]["losses"][0], out["collection"]["losses"][0], rtol=1e-5)
 
 
 def test_activation_budget_of_half_the_peak_on_a_gpu() -> None:

@@ -1,7 +1,9 @@
-"""gem5d without processes: mesh arithmetic, size checks, planner inputs, dense units, registration."""
+"""gem5d without processes: mesh arithmetic, size checks, planner inputs, dense units, registration, the choice
+between torchrec's DMPCollection and the strategy's own replica sync."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,13 @@ from lightning_gem.strategies.mesh import (
     replica_group_ranks,
     resolve_layout,
     sharding_group_ranks,
+)
+from lightning_gem.strategies.replication import (
+    CollectionSupport,
+    ReplicationChoice,
+    check_trainer,
+    choose_replication,
+    collection_support,
 )
 from lightning_gem.strategies.sparse import EmbeddingOptimizerConfig, TableConstraint, embedding_module_paths
 from torch import nn
@@ -222,16 +231,26 @@ def _strategy_from_cli(*args: str) -> GEM5DStrategy:
 
 def test_cli_parses_a_gem5d_config(tmp_path: Path) -> None:
     strategy = _strategy_from_cli(
-        "--trainer.default_root_dir", str(tmp_path), "--trainer.strategy.init_args.sequence_parallel", "true"
+        "--trainer.default_root_dir",
+        str(tmp_path),
+        "--trainer.strategy.init_args.sequence_parallel",
+        "true",
+        "--trainer.strategy.init_args.sparse_replication",
+        "replica_sync",
     )
     assert isinstance(strategy, GEM5DStrategy) and strategy.sequence_parallel is True
+    assert strategy.sparse_replication == "replica_sync"
     assert strategy._sizes["sparse_group_size"] == 1
     assert strategy.table_constraints["item"] == TableConstraint(sharding_types=("row_wise", "table_wise"))
     assert not torch.distributed.is_initialized()  # building the Trainer starts no process group
     # the registered name alone takes every default
     strategy = _strategy_from_cli("--trainer.default_root_dir", str(tmp_path), "--trainer.strategy", "gem5d")
     assert isinstance(strategy, GEM5DStrategy) and strategy._sizes["sparse_group_size"] is None
-    assert strategy.sequence_parallel is False
+    assert strategy.sequence_parallel is False and strategy.sparse_replication == "auto"
+    with pytest.raises(SystemExit):  # the CLI refuses a value outside the Literal
+        _strategy_from_cli(
+            "--trainer.default_root_dir", str(tmp_path), "--trainer.strategy.init_args.sparse_replication", "dmp"
+        )
 
 
 def test_tensor_parallel_groups_train_on_the_union_of_their_batches() -> None:
@@ -359,3 +378,117 @@ def test_tensor_parallelism_refuses_a_relative_attention_bias() -> None:
     encoder = JaggedHistoryEncoder(None, 16, num_layers=1, num_heads=2, max_length=8, relative_attention_bias=True)
     with pytest.raises(ValueError, match="relative attention bias"):
         apply_tensor_parallel(encoder, init_device_mesh("cpu", (1,)))
+
+
+def _support(*without: str) -> CollectionSupport:
+    """A torchrec offering DMPCollection in full but for the features named in ``without``."""
+    offered = {name: name not in without for name in ("collection", "contiguous_groups", "fully_sharded")}
+    return CollectionSupport(version="0.test", **offered)
+
+
+def test_the_installed_torchrec_offers_dmpcollection_in_full() -> None:
+    support = collection_support()
+    assert (support.collection, support.contiguous_groups, support.fully_sharded) == (True, True, True), support
+
+
+def test_auto_keeps_replicas_with_dmpcollection_on_cuda_only() -> None:
+    layout = resolve_layout(4, sparse_group_size=2)
+    choice = choose_replication("auto", device_type="cpu", layout=layout, optimizer="sgd", support=_support())
+    assert choice.mode == "replica_sync" and "CUDA only" in choice.reason and "device is cpu" in choice.reason
+    # the device type is all that is asked of the device: the CUDA branch is plain logic
+    assert choose_replication("auto", device_type="cuda", layout=layout, optimizer="sgd", support=_support()).mode == (
+        "collection"
+    )
+    assert choose_replication("collection", device_type="cuda", layout=layout, optimizer="rowwise_adagrad").mode == (
+        "collection"
+    )
+    assert choose_replication("fully_sharded", device_type="cuda", layout=layout, optimizer="sgd").mode == (
+        "fully_sharded"
+    )
+    for device_type in ("cpu", "cuda"):  # asked for by name, the strategy's own sync runs anywhere
+        choice = choose_replication("replica_sync", device_type=device_type, layout=layout, optimizer="adam")
+        assert choice == ReplicationChoice("replica_sync", "requested")
+
+
+@pytest.mark.parametrize("requested", ["collection", "fully_sharded"])
+def test_dmpcollection_on_cpu_is_refused_by_name(requested: str) -> None:
+    layout = resolve_layout(2)
+    with pytest.raises(
+        ValueError, match=rf"`sparse_replication='{requested}'` cannot be used: .*CUDA only.*device is cpu"
+    ):
+        choose_replication(requested, device_type="cpu", layout=layout, optimizer="sgd")
+
+
+@pytest.mark.parametrize(
+    ("without", "optimizer", "reason"),
+    [
+        (("collection",), "sgd", "torchrec 0.test has no DMPCollection"),
+        (("contiguous_groups",), "sgd", "no contiguous sharding groups"),
+        ((), "adam", "embedding_optimizer='adam'"),
+    ],
+    ids=["no DMPCollection", "strided groups only", "adam"],
+)
+def test_what_keeps_dmpcollection_out(without: tuple[str, ...], optimizer: str, reason: str) -> None:
+    layout = resolve_layout(4, sparse_group_size=2)
+    kwargs = {"device_type": "cuda", "layout": layout, "optimizer": optimizer, "support": _support(*without)}
+    choice = choose_replication("auto", **kwargs)
+    assert choice.mode == "replica_sync" and reason in choice.reason, choice
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        choose_replication("collection", **kwargs)
+
+
+def test_strided_groups_are_ours_when_one_group_or_no_sharding() -> None:
+    """DMPCollection without contiguous groups strides them: ``[j, j + W/S, ...]``, which is ``rank // S`` only for
+    ``S = 1`` and ``S = W``."""
+    strided = _support("contiguous_groups")
+    for group in (1, 4):
+        layout = resolve_layout(4, sparse_group_size=group)
+        assert choose_replication("auto", device_type="cuda", layout=layout, optimizer="sgd", support=strided).mode == (
+            "collection"
+        )
+
+
+def test_fully_sharded_needs_a_torchrec_that_has_it() -> None:
+    layout = resolve_layout(2, sparse_group_size=1)
+    older = _support("fully_sharded")
+    with pytest.raises(ValueError, match="torchrec 0.test has no ShardingStrategy.FULLY_SHARDED"):
+        choose_replication("fully_sharded", device_type="cuda", layout=layout, optimizer="sgd", support=older)
+    assert choose_replication("collection", device_type="cuda", layout=layout, optimizer="sgd", support=older).mode == (
+        "collection"
+    )
+
+
+def test_dmpcollection_must_place_shards_on_this_hosts_devices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DMPCollection puts a re-addressed shard on ``cuda:(rank % torchrec's local size)`` (LOCAL_WORLD_SIZE)."""
+    layout = resolve_layout(16, sparse_group_size=4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    kwargs = {"device_type": "cuda", "layout": layout, "optimizer": "sgd", "support": _support()}
+    choice = choose_replication("auto", local_world_size=4, **kwargs)
+    assert choice.mode == "replica_sync" and "set LOCAL_WORLD_SIZE=4" in choice.reason, choice
+    with pytest.raises(ValueError, match="set LOCAL_WORLD_SIZE=4"):
+        choose_replication("collection", local_world_size=4, **kwargs)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert choose_replication("auto", local_world_size=4, **kwargs).mode == "collection"
+
+
+def test_sparse_replication_is_checked_at_construction() -> None:
+    with pytest.raises(ValueError, match=r"`sparse_replication` must be one of \('auto', 'collection'"):
+        GEM5DStrategy(sparse_replication="dmp")
+    with pytest.raises(ValueError, match="must be one of"):
+        choose_replication("dmp", device_type="cuda", layout=resolve_layout(1), optimizer="sgd")
+    # the device is known at setup only: naming DMPCollection on a CPU-only machine constructs
+    assert GEM5DStrategy().sparse_replication == "auto"
+    assert GEM5DStrategy(sparse_replication="fully_sharded").sparse_replication == "fully_sharded"
+
+
+def test_fully_sharded_tables_refuse_evaluation_in_inference_mode(tmp_path: Path) -> None:
+    import lightning as L
+
+    def trainer(inference_mode: bool) -> L.Trainer:
+        return L.Trainer(accelerator="cpu", logger=False, inference_mode=inference_mode, default_root_dir=tmp_path)
+
+    with pytest.raises(ValueError, match=r"needs `Trainer\(inference_mode=False\)`"):
+        check_trainer("fully_sharded", trainer(True))
+    check_trainer("fully_sharded", trainer(False))
+    for mode in ("auto", "collection", "replica_sync"):
+        check_trainer(mode, trainer(True))
