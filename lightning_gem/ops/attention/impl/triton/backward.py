@@ -53,7 +53,7 @@ from lightning_gem.ops.attention.impl.triton._tuning import (
 __all__ = ["gdpa_backward"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # a per-batch count: no recompile when it changes
 def _bwd_delta_kernel(
     OUT, DO, DELTA,  # [Tq, H, DV] x2, [H, Tq] fp32
     num_rows, stride_ot, stride_oh, stride_dot, stride_doh, stride_delta_h,
@@ -363,7 +363,8 @@ def _dq_program(
         )
 
 
-@triton.jit
+# Per-batch counts: Triton would otherwise compile a new variant whenever one of them turns divisible by 16 or 1.
+@triton.jit(do_not_specialize=["num_segments", "num_kv_segments", "num_key_tiles", "num_query_tiles"])
 def _gdpa_bwd_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ,  # [Tq, H, D], [Tk, H, D], [Tk, H, DV], [Tq, H, DV], [H, Tq] x2, like k v q
     Q_OFFSETS, KV_OFFSETS, KV_INDEX, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,  # [B + 1], [Bkv + 1], [B] x2, [Bkv + 1], [B]

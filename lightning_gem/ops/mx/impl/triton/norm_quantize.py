@@ -23,7 +23,8 @@ from lightning_gem.ops.mx.impl.triton.quantize import _TL_DTYPES, _TUNE_ABOVE, s
 __all__ = ["norm_quantize_triton"]
 
 
-@triton.jit
+# Per-batch sizes (jagged token counts): no new compiled variant when their divisibility by 16 changes.
+@triton.jit(do_not_specialize=["num_rows", "stride_s_r", "stride_s_c", "size_class"])
 def _norm_quantize_kernel(
     X, WEIGHT, BIAS, Y, Q, S, RSTD, MEAN,  # [R, D], [D], [D], [R, D], [R, D] fp8, scales, [R], [R]
     num_rows, dim, eps, stride_s_r, stride_s_c,

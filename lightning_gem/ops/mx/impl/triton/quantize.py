@@ -58,7 +58,10 @@ def _normalize(
     return y.to(OUT_DTYPE).to(tl.float32)
 
 
-@triton.jit
+# Per-batch sizes (jagged token counts) and what derives from them: Triton would otherwise compile a new variant
+# whenever one of them turns divisible by 16 or equals 1.
+@triton.jit(do_not_specialize=["num_rows", "padded_rows", "stride_s_r", "stride_s_c", "stride_st_c", "stride_st_r",
+                               "size_class"])  # fmt: skip
 def _quantize_kernel(
     X, Q, S, QT, ST,  # [R, C] input, [R, C] fp8 + scales, [C, Rp] fp8 + scales
     ROW_EXP, COL_EXP,  # [R] / [C] int32 exponents given in advance (rowwise; 128 marks a NaN row)
