@@ -75,6 +75,11 @@ def run_stack(
     trainer.fit(model, datamodule=data)
     timed = monitor.history[args.warmup :]
     step_s = statistics.median(row["perf/step_time_s"] for row in timed)
+    from lightning_gem.ops.attention.impl.triton._tuning import chosen_tiles
+    from lightning_gem.ops.mx.impl.triton._common import chosen_configs
+
+    # Kernel tunings so far in this process (each times its candidates once): many here mean shapes keep changing.
+    print(f"{stack}: tuned keys so far: {len(chosen_tiles())} attention, {len(chosen_configs())} FP8 quantization")
     return {
         "step_ms": step_s * 1e3,
         "tokens_per_s": tokens_per_step / step_s,

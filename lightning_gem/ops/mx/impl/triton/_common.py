@@ -11,8 +11,13 @@ reduction gives both the maximum and whether the block holds a non-finite value.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import triton
 import triton.language as tl
+
+log = logging.getLogger(__name__)
 
 NONFINITE_BITS = tl.constexpr(0x7F800000)
 
@@ -128,14 +133,67 @@ def run_kernel(kernel: object, grid: object, args: tuple, meta: dict) -> None:
     wrap_triton(kernel)[grid](*args, **meta)
 
 
-def tuned(configs: list[tuple[int, int, int]], valid: object, key: list[str]) -> object:
-    """``triton.autotune`` over ``(TILE_R, TILE_C, num_warps)`` configs, pruned by ``valid(TILE_R, TILE_C, args)``."""
+_CHOSEN: dict[tuple, tuple[int, int, int]] = {}
 
-    def prune(candidates: list, named_args: dict, **kwargs: object) -> list:
-        return [c for c in candidates if valid(c.kwargs["TILE_R"], c.kwargs["TILE_C"], {**named_args, **kwargs})]
 
-    return triton.autotune(
-        configs=[triton.Config({"TILE_R": r, "TILE_C": c}, num_warps=w) for r, c, w in configs],
-        key=key,
-        prune_configs_by={"early_config_prune": prune},
-    )
+def chosen_configs() -> dict[tuple, tuple[int, int, int]]:
+    """The tile choices made so far in this process, ``{key: (TILE_R, TILE_C, num_warps)}`` (one entry per
+    tuning: for logs and benchmarks)."""
+    return dict(_CHOSEN)
+
+
+def _can_time(args: tuple) -> bool:
+    import torch
+
+    if torch.compiler.is_compiling() or torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return False
+    return all(type(a) is torch.Tensor and a.is_cuda for a in args if isinstance(a, torch.Tensor))
+
+
+def launch_tuned(
+    kernel: object,
+    configs: list[tuple[int, int, int]],
+    key: tuple,
+    grid: Callable[[int, int], tuple[int, ...]],
+    args: tuple,
+    meta: dict,
+) -> None:
+    """Launch ``kernel`` with the fastest of ``configs`` (``(TILE_R, TILE_C, num_warps)``, already pruned to the
+    valid ones) for ``key``: timed once per key on this call's own buffers (the kernels only write their outputs,
+    so running one several times is harmless), five runs each between CUDA events after a compiling run.
+
+    The key is explicit (the caller's size class and compile-time flags), so a new batch of another jagged size
+    retunes only when its size class is new. Where timing is impossible (tracing, graph capture, CPU) the first
+    config runs and nothing is remembered.
+    """
+    import torch
+
+    try:
+        choice = _CHOSEN.get(key)
+    except TypeError:  # symbolic sizes in the key (tracing with dynamic shapes): nothing to look up or time
+        choice = configs[0]
+    if choice is None and (len(configs) == 1 or not _can_time(args)):
+        choice = configs[0]
+    elif choice is None:
+        best_ms = float("inf")
+        for config in configs:
+            tile_r, tile_c, warps = config
+            run = {**meta, "TILE_R": tile_r, "TILE_C": tile_c, "num_warps": warps}
+            try:
+                run_kernel(kernel, grid(tile_r, tile_c), args, run)
+                torch.cuda.synchronize()
+            except Exception:  # noqa: BLE001  (out of resources: not a candidate here)
+                continue
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(5):
+                run_kernel(kernel, grid(tile_r, tile_c), args, run)
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+            if ms < best_ms:
+                choice, best_ms = config, ms
+        _CHOSEN[key] = choice
+        log.debug("tuned %s for %s: %s", getattr(kernel, "__name__", kernel), key, choice)
+    tile_r, tile_c, warps = choice
+    run_kernel(kernel, grid(tile_r, tile_c), args, {**meta, "TILE_R": tile_r, "TILE_C": tile_c, "num_warps": warps})

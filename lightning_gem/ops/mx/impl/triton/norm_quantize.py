@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_gem.ops.mx.impl.triton._common import _quantize_rows, _scale_value, interpreted, run_kernel, tuned
+from lightning_gem.ops.mx.impl.triton._common import _quantize_rows, _scale_value, interpreted, launch_tuned
 from lightning_gem.ops.mx.impl.triton.quantize import _TL_DTYPES, _TUNE_ABOVE, scale_buffer
 
 __all__ = ["norm_quantize_triton"]
@@ -104,13 +104,12 @@ def norm_quantize_triton(
     )  # fmt: skip
     if not num_rows:
         return q, scale, rstd, mean, y
-    if num_rows * dim >= _TUNE_ABOVE and not meta["EXACT"]:
-        grid = lambda tiles: (triton.cdiv(num_rows, tiles["TILE_R"]),)
-        run_kernel(_norm_quantize_tuned, grid, args, meta)
-    else:
-        tile_r, _, warps = next(c for c in _CONFIGS if _valid_rows(c[0], c[1], meta))
-        meta = {**meta, "TILE_R": tile_r, "TILE_C": 0, "num_warps": warps}
-        run_kernel(_norm_quantize_kernel, (triton.cdiv(num_rows, tile_r),), args, meta)
+    configs = [c for c in _CONFIGS if _valid_rows(c[0], c[1], meta)]
+    if num_rows * dim < _TUNE_ABOVE or meta["EXACT"]:
+        configs = configs[:1]
+    key = ("norm_quantize", args[-1], x.dtype, block_d, block, meta["LAYER"], write_output, mx, out_dtype)
+    grid = lambda tile_r, _: (triton.cdiv(num_rows, tile_r),)  # noqa: E731
+    launch_tuned(_norm_quantize_kernel, configs, key, grid, args, meta)
     return q, scale, rstd, mean, y
 
 
@@ -120,8 +119,3 @@ _CONFIGS = [(2, 0, 8), (1, 0, 4), (4, 0, 8), (1, 0, 8), (8, 0, 8), (16, 0, 8)]
 
 def _valid_rows(tile_r: int, _: int, meta: dict) -> bool:
     return tile_r * meta["BLOCK_D"] <= 16384 and (tile_r >= 4 or meta["BLOCK_D"] >= 1024 or tile_r * 32 >= 64)
-
-
-_norm_quantize_tuned = tuned(_CONFIGS, _valid_rows, key=["size_class", "BLOCK_D", "BLOCK", "LAYER", "WRITE_Y", "MX"])(
-    _norm_quantize_kernel
-)

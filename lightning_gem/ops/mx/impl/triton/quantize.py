@@ -29,8 +29,7 @@ from lightning_gem.ops.mx.impl.triton._common import (
     _shared_exponent,
     _to_e4m3,
     interpreted,
-    run_kernel,
-    tuned,
+    launch_tuned,
 )
 
 __all__ = ["quantize_triton"]
@@ -255,15 +254,11 @@ def _valid_tiles(tile_r: int, tile_c: int, meta: dict) -> bool:
     return rows or tile_c <= 64  # transposed only: tall, narrow tiles
 
 
-_quantize_tuned = tuned(_CONFIGS, _valid_tiles, key=["size_class", *_KEY_FLAGS])(_quantize_kernel)
-
-
 def _launch(args: tuple, meta: dict, grid_rows: int, num_cols: int) -> None:
-    """Autotuned launch for large inputs; the first valid config for small ones."""
-    if grid_rows * num_cols >= _TUNE_ABOVE and not meta["EXACT"]:
-        grid = lambda tiles: (triton.cdiv(grid_rows, tiles["TILE_R"]), triton.cdiv(num_cols, tiles["TILE_C"]))
-        run_kernel(_quantize_tuned, grid, args, meta)
-        return
-    tile_r, tile_c, warps = next(c for c in _CONFIGS if _valid_tiles(c[0], c[1], meta))
-    grid = (triton.cdiv(grid_rows, tile_r), triton.cdiv(num_cols, tile_c))
-    run_kernel(_quantize_kernel, grid, args, {**meta, "TILE_R": tile_r, "TILE_C": tile_c, "num_warps": warps})
+    """Tuned launch for large inputs (once per size class and flags); the first valid config for small ones."""
+    configs = [c for c in _CONFIGS if _valid_tiles(c[0], c[1], meta)]
+    if grid_rows * num_cols < _TUNE_ABOVE or meta["EXACT"]:
+        configs = configs[:1]
+    key = ("quantize", args[-1], args[0].dtype, *(meta[k] for k in _KEY_FLAGS), meta["OUT_DTYPE"])
+    grid = lambda tile_r, tile_c: (triton.cdiv(grid_rows, tile_r), triton.cdiv(num_cols, tile_c))  # noqa: E731
+    launch_tuned(_quantize_kernel, configs, key, grid, args, meta)
