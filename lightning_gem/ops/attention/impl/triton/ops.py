@@ -15,6 +15,7 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.library import triton_op
 from torch.utils.flop_counter import register_flop_formula
 
+from lightning_gem.ops._eager import plain_eager
 from lightning_gem.ops.attention.impl.triton._common import is_interpreted
 from lightning_gem.ops.attention.impl.triton.backward import gdpa_backward
 from lightning_gem.ops.attention.impl.triton.forward import _gdpa_fwd_kernel, gdpa_forward
@@ -137,7 +138,9 @@ def _gdpa_triton_backward_flop(*args, out_val=None, **kwargs) -> int:  # noqa: A
 
 
 class _GDPAEager(torch.autograd.Function):
-    """The ops' bodies without the custom-op dispatch, for eager calls (see :func:`_eager`)."""
+    """The ops' bodies without the custom-op dispatch, for plain eager calls (``plain_eager``: nothing traces or
+    counts them). The dispatch layers cost host time and nothing else there (about half a millisecond per
+    forward + backward), which makes small attention layers CPU-bound."""
 
     @staticmethod
     def forward(ctx, q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation, *options):  # noqa: ANN001, ANN205
@@ -163,16 +166,6 @@ class _GDPAEager(torch.autograd.Function):
             deterministic=deterministic,
         )  # fmt: skip
         return dq, dk, dv, *(None,) * 12
-
-
-def _eager(*tensors: Tensor | None) -> bool:
-    """Whether a call can skip the custom ops: no compiler, no dispatch mode (``FlopCounterMode``, fake or
-    functional tensors: they must see the ops) and plain tensors. The ops' dispatch layers cost host time and
-    nothing else in eager mode (about half a millisecond per forward + backward), which makes small attention
-    layers CPU-bound."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
-        return False
-    return all(t is None or type(t) is Tensor for t in tensors)
 
 
 def _max_length(offsets: Tensor, num_rows: int) -> int:
@@ -229,7 +222,7 @@ def gdpa_triton(
         max_seq_len_kv = _max_length(kv_offsets, k.shape[0])
     args = (q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size,
             float(scale), max_seq_len_q, max_seq_len_kv, deterministic)  # fmt: skip
-    if _eager(q, k, v, q_offsets, kv_offsets, kv_index, num_targets):
+    if plain_eager((q, k, v, q_offsets, kv_offsets, kv_index, num_targets)):
         return _GDPAEager.apply(*args)
     out, _ = _gdpa_triton_op(*args)
     return out
