@@ -129,6 +129,9 @@ class MovieLens1MSource(RetrievalSource):
     (see :func:`~lightning_gem.data.sources.leave_one_out_windows`): train inputs ``s[:-3]`` with targets
     ``s[1:-2]`` (the last two items are never trained on); val inputs ``s[:-2]``, last target ``s[-2]``;
     test inputs ``s[:-1]``, last target ``s[-1]``; inputs keep the most recent ``max_history_length``.
+    ``train_on_validation_item=True`` follows the HSTU reference recipe instead: train inputs ``s[:-2]``, targets
+    ``s[1:-1]`` (only the test item is never trained on). Validation then scores a trained-on item: keep the
+    last checkpoint rather than select one on validation metrics.
 
     Removing seen items at evaluation: the items a user has seen before the held-out one are the
     sample's own inputs, so the batch's ``history`` KJT is the set to mask (within the
@@ -137,12 +140,18 @@ class MovieLens1MSource(RetrievalSource):
     Args:
         path: folder with ``sequences.txt`` (or ``ratings.dat``) and ``movies.dat``.
         max_history_length: longest input window (most recent events kept).
+        train_on_validation_item: train on each user's validation item too (the reference recipe; see above).
 
     Raises:
         FileNotFoundError: a file is missing (the message says where to download the data).
     """
 
-    def __init__(self, *, path: str = "data/ml-1m", max_history_length: int = 200) -> None:
+    def __init__(
+        self, *, path: str = "data/ml-1m", max_history_length: int = 200, train_on_validation_item: bool = False
+    ) -> None:
+        if not isinstance(train_on_validation_item, bool):
+            raise TypeError(f"`train_on_validation_item` must be a bool, got {train_on_validation_item!r}")
+        self.train_on_validation_item = train_on_validation_item
         self.path = Path(path)
         movies = _data_file(self.path, "movies.dat", "MovieID::Title::Genres lines", ML1M_URL)
         if (self.path / "sequences.txt").is_file() or not (self.path / "ratings.dat").is_file():
@@ -196,7 +205,9 @@ class MovieLens1MSource(RetrievalSource):
         self._user_ids, self._offsets = users, offsets
         built = {}
         for split in ("train", "val", "test"):
-            starts, ends = leave_one_out_windows(offsets, check_split(split), self.schema.max_history_length)
+            starts, ends = leave_one_out_windows(
+                offsets, check_split(split), self.schema.max_history_length, self.train_on_validation_item
+            )
             built[split] = RetrievalArrays(items=items, starts=starts, ends=ends)
         return built
 

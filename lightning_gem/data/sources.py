@@ -313,13 +313,16 @@ class RetrievalSource(_ArraySource):
 
 
 def leave_one_out_windows(
-    sequence_offsets: np.ndarray, split: str, max_history_length: int
+    sequence_offsets: np.ndarray, split: str, max_history_length: int, train_on_validation_item: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """Input windows of the leave-one-out protocol over user sequences stored back to back.
 
     For a user sequence ``s`` of length ``n`` (rows ``[o, o + n)``):
 
-    - ``"train"``: the training sequence is ``s[:-2]``; inputs ``s[:-3]``, targets ``s[1:-2]``;
+    - ``"train"``: the training sequence is ``s[:-2]``; inputs ``s[:-3]``, targets ``s[1:-2]``. With
+      ``train_on_validation_item`` (the HSTU reference recipe, which trains on every item but the test one):
+      the training sequence is ``s[:-1]``, inputs ``s[:-2]``, targets ``s[1:-1]``, so validation then scores
+      an item the model was trained on;
     - ``"val"``: inputs ``s[:-2]``, targets ``s[1:-1]`` (the last target ``s[-2]`` is held out);
     - ``"test"``: inputs ``s[:-1]``, targets ``s[1:]`` (the last target ``s[-1]`` is held out).
 
@@ -330,11 +333,12 @@ def leave_one_out_windows(
         sequence_offsets: ``[U + 1]`` int64 offsets of the users' sequences.
         split: ``"train"``, ``"val"`` or ``"test"``.
         max_history_length: longest input window.
+        train_on_validation_item: train on the validation item too (see ``"train"``).
 
     Returns:
         ``(starts, ends)``, ``[N]`` int64 each, for :class:`RetrievalArrays`.
     """
-    drop = {"train": 3, "val": 2, "test": 1}[check_split(split)]
+    drop = {"train": 2 if train_on_validation_item else 3, "val": 2, "test": 1}[check_split(split)]
     begins, ends = sequence_offsets[:-1].astype(np.int64), sequence_offsets[1:].astype(np.int64) - drop
     keep = ends > begins
     begins, ends = begins[keep], ends[keep]

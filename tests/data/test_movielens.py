@@ -175,3 +175,23 @@ def test_ml1m_reads_original_ratings_dat(tmp_path: Path) -> None:
     assert source.movie_ids[sample.history[:, 0]].tolist() == [10, 20, 30, 40]
     assert source.movie_ids[sample.targets].tolist() == [20, 30, 40, 50]
     assert source.sample_users("test").tolist() == [1]
+
+
+def test_ml1m_train_on_validation_item(tmp_path: Path) -> None:
+    """The reference recipe trains on every item but the test one; the default holds the validation item out too."""
+    (tmp_path / "movies.dat").write_text("".join(f"{m}::M{m}::Drama\n" for m in range(1, 8)))
+    (tmp_path / "sequences.txt").write_text("1 1 2 3 4 5 6 7\n2 3 4 5 6\n")
+    default = MovieLens1MSource(path=str(tmp_path))
+    reference = MovieLens1MSource(path=str(tmp_path), train_on_validation_item=True)
+
+    def split(source: MovieLens1MSource, name: str) -> list[tuple[list[int], list[int]]]:
+        dataset = source.dataset(name)
+        samples = [dataset[i] for i in range(len(dataset))]
+        return [(source.movie_ids[s.history[:, 0]].tolist(), source.movie_ids[s.targets].tolist()) for s in samples]
+
+    assert split(default, "train") == [([1, 2, 3, 4], [2, 3, 4, 5]), ([3], [4])]
+    assert split(reference, "train") == [([1, 2, 3, 4, 5], [2, 3, 4, 5, 6]), ([3, 4], [4, 5])]
+    for name in ("val", "test"):  # evaluation splits do not change
+        assert split(reference, name) == split(default, name)
+    with pytest.raises(TypeError, match="train_on_validation_item"):
+        MovieLens1MSource(path=str(tmp_path), train_on_validation_item="yes")
