@@ -547,15 +547,15 @@ class JaggedHistoryEncoder(nn.Module):
             num_targets: ``[B]`` targets at the end of each sequence (see :class:`HSTULayer`).
             max_seq_len: an upper bound of the sequence lengths, passed to GDPA as a kernel hint.
             check_offsets: validate ``offsets`` and ``max_seq_len`` here, once (a device sync; ``num_targets``
-                adds one more).
+                adds one more); the layers then get the exact longest length read in that sync as their hint.
         """
         jagged.check_floating(features, "features")
         if features.dim() != 2 or features.shape[1] != self.input_dim:
             raise ValueError(f"`features` must be [T, {self.input_dim}], got shape {tuple(features.shape)}")
         check_offsets = check_offsets and not torch.compiler.is_compiling()
-        if check_offsets:  # offsets and the length hint, one device sync
+        if check_offsets:  # offsets and the length hint, one device sync; the longest sequence is the layers' hint
             jagged.check_device(offsets, "offsets", features.device)
-            jagged.validate_offsets_together([(offsets, "offsets", features.shape[0], max_seq_len)])
+            (max_seq_len,) = jagged.validate_offsets_together([(offsets, "offsets", features.shape[0], max_seq_len)])
         x = self.input_proj(features) + self.position(
             recency_positions(offsets, self.max_length, num_targets, num_tokens=features.shape[0])
         )

@@ -148,6 +148,7 @@ class GDPAInteraction(nn.Module):
         *,
         context: Tensor | None = None,
         max_history_len: int | None = None,
+        max_candidates: int | None = None,
         check_offsets: bool = True,
     ) -> Tensor:
         """Interact each candidate with its user's history (and context): ``[C, dim]``.
@@ -159,6 +160,8 @@ class GDPAInteraction(nn.Module):
             history_offsets: ``[B + 1]`` offsets of each user's history.
             context: ``[B, N, dim]`` user-level tokens (required iff ``num_context_tokens > 0``).
             max_history_len: an upper bound of history lengths (GDPA kernel hint).
+            max_candidates: an upper bound of candidates per user (GDPA kernel hint; None: read from the
+                offsets, a device sync).
             check_offsets: validate the offsets (a device sync).
         """
         for name, t in (("candidates", candidates), ("history", history)):
@@ -177,6 +180,7 @@ class GDPAInteraction(nn.Module):
             history_offsets,
             activation=self.activation,
             causal=False,
+            max_seq_len_q=max_candidates,
             max_seq_len_kv=max_history_len,
             impl=self.attention_impl,
             check_offsets=check_offsets,

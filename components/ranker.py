@@ -282,10 +282,12 @@ class GEMRanker(L.LightningModule):
         candidate_offsets = batch.candidate_offsets()
         history_tokens = self._tokens(embeddings, self._history_keys, self.history_bias)
         candidates = self._tokens(embeddings, self._candidate_keys, self.candidate_bias)
-        # One device sync a batch: both offsets and the length hint, read back together; the encoder and
-        # the interaction then skip their own checks. Skipped under torch.compile (data-dependent).
+        # One device sync a batch: both offsets checked and their longest sequences read back together; the
+        # encoder and the interaction then skip their own checks and take those lengths as exact kernel hints
+        # (no sync of their own). Under torch.compile (data-dependent): no check, the schema's bound.
+        max_history, max_candidates = schema.max_history_length, None
         if not torch.compiler.is_compiling():
-            jagged.validate_offsets_together(
+            max_history, max_candidates = jagged.validate_offsets_together(
                 [
                     (history_offsets, "history offsets", history_tokens.shape[0], schema.max_history_length),
                     (candidate_offsets, "candidate offsets", candidates.shape[0], None),
@@ -295,7 +297,7 @@ class GEMRanker(L.LightningModule):
             history_tokens,
             history_offsets,
             time_deltas=batch.history_time_deltas if self.use_time else None,
-            max_seq_len=schema.max_history_length,
+            max_seq_len=max_history,
             check_offsets=False,
         )
         context = [segment_mean(history, history_offsets)]
@@ -319,7 +321,8 @@ class GEMRanker(L.LightningModule):
             history,
             history_offsets,
             context=context_BND,
-            max_history_len=schema.max_history_length,
+            max_history_len=max_history,
+            max_candidates=max_candidates,
             check_offsets=False,
         )
         return self.head(interacted)

@@ -109,35 +109,46 @@ def validate_offsets(
     return offsets
 
 
-def validate_offsets_together(checks: Sequence[tuple[Tensor, str, int | None, int | None]]) -> None:
-    """Validate several offsets tensors of one batch with a single device sync.
+def validate_offsets_together(checks: Sequence[tuple[Tensor, str, int | None, int | None]]) -> list[int]:
+    """Validate several offsets tensors of one batch with a single device sync; return their longest sequences.
 
     Each check is ``(offsets, name, num_values, max_len)``: the :func:`validate_offsets` rules (with
     ``num_values`` if not None) and, if ``max_len`` is not None, no sequence longer than ``max_len`` (a
-    kernel's length hint). A model calls this once per batch, then passes ``check_offsets=False`` on.
+    kernel's length hint). A model calls this once per batch, then passes ``check_offsets=False`` and the
+    returned lengths (exact kernel hints, read in the same sync) on.
+
+    Returns:
+        The longest sequence of each checked offsets tensor, in order (0 for no sequence).
 
     Raises:
         TypeError, ValueError: as :func:`validate_offsets` (naming the offending tensor), or a sequence
             longer than its ``max_len``.
     """
     flags: list[Tensor] = []
+    longest: list[Tensor] = []
     for offsets, name, num_values, max_len in checks:
         validate_offsets(offsets, name, check_values=False)  # dtype, shape, non-empty: no read
         flags.append(offsets[0] != 0)
         steps = offsets_to_lengths(offsets)
+        longest.append(steps.max() if steps.numel() else offsets.new_zeros(()))
         if steps.numel():
             flags.append((steps < 0).any())
             if max_len is not None:
                 flags.append(steps.max() > max_len)
         if num_values is not None:
             flags.append(offsets[-1] != num_values)
-    if not flags or not bool(torch.stack([f.to(flags[0].device) for f in flags]).any()):
-        return
+    if not checks:
+        return []
+    device = checks[0][0].device
+    values = torch.stack([t.to(device=device, dtype=torch.int64) for t in (*flags, *longest)]).tolist()
+    if not any(values[: len(flags)]):
+        return values[len(flags) :]
     for offsets, name, num_values, max_len in checks:  # something is wrong: find it and say what
         validate_offsets(offsets, name, num_values=num_values)
-        longest = max_length(offsets)
-        if max_len is not None and longest > max_len:
-            raise ValueError(f"`{name}` holds a sequence of {longest}, longer than the maximum length {max_len}")
+        found = max_length(offsets)
+        if max_len is not None and found > max_len:
+            raise ValueError(f"`{name}` holds a sequence of {found}, longer than the maximum length {max_len}")
+    return values[len(flags) :]  # a flag was set, so one of the checks above raised: not reached
 
 
 def validate_lengths(lengths: Tensor, name: str = "lengths") -> Tensor:

@@ -216,11 +216,14 @@ def test_random_lengths_include_the_edges() -> None:
 
 def test_validate_offsets_together_reads_the_device_once(monkeypatch: pytest.MonkeyPatch) -> None:
     reads = []
-    real_bool = torch.Tensor.__bool__
-    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.append(1) or real_bool(t))
+    for name in ("__bool__", "__int__", "item", "tolist"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, real=real: reads.append(1) or real(t))
     history, candidates = torch.tensor([0, 3, 3, 7]), torch.tensor([0, 1, 4, 4], dtype=torch.int32)
-    jagged.validate_offsets_together([(history, "history", 7, 4), (candidates, "candidates", 4, None)])
+    longest = jagged.validate_offsets_together([(history, "history", 7, 4), (candidates, "candidates", 4, None)])
     assert len(reads) == 1
+    assert longest == [4, 3]  # the longest sequence of each, read in the same sync
+    assert jagged.validate_offsets_together([(torch.tensor([0]), "empty", 0, None)]) == [0]
 
 
 @pytest.mark.parametrize(

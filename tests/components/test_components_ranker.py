@@ -218,3 +218,33 @@ def test_a_forward_validates_the_batch_once(batches, monkeypatch: pytest.MonkeyP
     too_long = _tiny(dataclasses.replace(schema, max_history_length=4))
     with pytest.raises(ValueError, match="history offsets"):
         too_long(bad)
+
+
+def test_a_training_step_reads_the_device_once(batches, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every host read of device values stalls the launch queue on a GPU: a step of the kernels' path makes one
+    (the batch's offsets check, which also returns the length hints), none in the layers or the interaction."""
+    import traceback
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    ours = tuple(str(root / d) for d in ("components", "lightning_gem", "strategies"))
+    reads: list[str] = []
+    for name in ("__bool__", "__int__", "__index__", "__float__", "item", "tolist"):
+        real = getattr(torch.Tensor, name)
+
+        def read(t, *args, real=real, name=name):  # noqa: ANN001, ANN002, ANN202
+            stack = traceback.extract_stack()[:-1]
+            mine = [i for i, f in enumerate(stack) if f.filename.startswith(ours)]
+            # Reads by Triton's interpreter inside a kernel launch are not the model's (compiled kernels make none).
+            inside_triton = mine and any("triton" in Path(f.filename).parts for f in stack[mine[-1] + 1 :])
+            if mine and not inside_triton:
+                reads.append(f"{name} at {stack[mine[-1]].filename}:{stack[mine[-1]].lineno}")
+            return real(t, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+    schema = batches.ranking_schema()
+    model = _tiny(schema, num_layers=3, attention_impl="triton")
+    batch = batches.make_ranking_batch(schema, history_lengths=[0, 1, 5, 3], candidate_counts=[2, 0, 3, 1])
+    reads.clear()
+    model(batch).float().sum().backward()
+    assert len(reads) == 1, reads

@@ -118,6 +118,9 @@ def gdpa(
                 f"got {k.shape[0]}"
             )
         kv_offsets = q_offsets
+        # One segmentation: either length hint serves both.
+        max_seq_len_q = max_seq_len_kv if max_seq_len_q is None else max_seq_len_q
+        max_seq_len_kv = max_seq_len_q if max_seq_len_kv is None else max_seq_len_kv
     num_segments = _check_offsets(q_offsets, "q_offsets", q, check_offsets)
     num_kv_segments = _check_offsets(kv_offsets, "kv_offsets", k, check_offsets)
     if kv_index is None:
