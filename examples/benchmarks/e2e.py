@@ -44,6 +44,33 @@ from lightning_gem.precision import MXFP8Precision
 STACKS = ("plain", "kit")
 
 
+class ProfileLastSteps(L.Callback):
+    """``torch.profiler`` over the last ``num_steps`` training steps; prints the ops that took the most device
+    and host time (where a slow stack spends its step)."""
+
+    def __init__(self, num_steps: int, last_step: int, label: str) -> None:
+        self.first, self.label, self.profiler = last_step - num_steps, label, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        if trainer.global_step == self.first and self.profiler is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.__enter__()
+
+    def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+        if self.profiler is None:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.profiler.__exit__(None, None, None)
+        averages = self.profiler.key_averages()
+        for key in ("self_device_time_total", "self_cpu_time_total"):
+            print(f"== {self.label}: profile of the last steps, by {key} ==")
+            print(averages.table(sort_by=key, row_limit=20, max_name_column_width=70))
+
+
 def run_stack(
     stack: str, source: SyntheticRankingSource, tokens_per_step: float, args: argparse.Namespace
 ) -> dict[str, float]:
@@ -53,6 +80,9 @@ def run_stack(
     model = gem_ranker(source, args, "auto" if kit else "padded")
     data = GEMDataModule(source=source, batch_size=args.batch_size, seed=args.seed, balance=kit)
     monitor = MFUMonitor(flops_every_n_steps=args.warmup + args.steps + 1, plot=False)  # counts step 0 only
+    callbacks: list[L.Callback] = [monitor]
+    if args.profile_steps:
+        callbacks.append(ProfileLastSteps(args.profile_steps, args.warmup + args.steps, stack))
     cuda = args.device == "cuda"
     trainer = L.Trainer(
         accelerator="gpu" if cuda else "cpu",
@@ -67,7 +97,7 @@ def run_stack(
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[monitor],
+        callbacks=callbacks,
         default_root_dir=args.root,
     )
     if cuda:
@@ -120,6 +150,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--root", type=Path, default=Path("logs/e2e"), help="the Trainer's default_root_dir")
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    parser.add_argument("--profile-steps", type=int, default=0, help="profile this many last steps of each stack")
     args = parser.parse_args()
     if args.tiny:
         args.steps, args.warmup, args.batch_size = min(args.steps, 3), min(args.warmup, 1), min(args.batch_size, 4)

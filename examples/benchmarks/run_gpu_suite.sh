@@ -35,7 +35,8 @@ for s in "${steps[@]}"; do
       --quality-steps 150 --profile --out "$OUT/precision.json" ;;
     balance) step balance 600 $PY examples/benchmarks/balance_ranks.py --num-batches 4 --reps 3 \
       --out "$OUT/balance_ranks.json" ;;
-    e2e) step e2e 600 $PY examples/benchmarks/e2e.py --root "$OUT/e2e" --out "$OUT/e2e.json" ;;
+    e2e) step e2e 600 $PY examples/benchmarks/e2e.py --stacks kit,plain --profile-steps 3 --root "$OUT/e2e" \
+      --out "$OUT/e2e.json" ;;
     scaling)
       if [ "$gpus" -ge 2 ]; then
         step scaling 600 $PY examples/benchmarks/scaling.py --timeout 300 --root "$OUT/scaling" \
