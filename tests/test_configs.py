@@ -58,6 +58,7 @@ ON_CPU = ["--trainer.accelerator=cpu", "--trainer.precision=32-true", "--trainer
         ("ml100k_ctr.yaml", "ml-100k", []),
         ("ml1m_retrieval.yaml", "ml-1m", []),
         ("ml1m_hstu_h200.yaml", "ml-1m", ON_CPU),
+        ("ml1m_hstu_h200_reference.yaml", "ml-1m", ON_CPU),
     ],
 )
 def test_movielens_config_trains(

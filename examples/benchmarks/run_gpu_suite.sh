@@ -4,7 +4,7 @@
 #
 # Usage (from the repository root, on a CUDA machine with torchrec and fbgemm-gpu installed):
 #   OUT=gpu-results ML1M=PATH/TO/ml-1m bash examples/benchmarks/run_gpu_suite.sh [STEP ...]
-# STEP: any of tests attention precision balance e2e scaling ml1m (default: all, in that order).
+# STEP: any of tests attention precision balance e2e scaling ml1m ml1m_reference (default: all, in that order).
 # ML1M: the MovieLens-1M folder from https://grouplens.org/datasets/movielens/1m/ (the ml1m step needs it).
 # PYTHON: the interpreter (default python3). The first process on a fresh machine compiles and tunes the Triton
 # kernels (minutes): the limits allow it.
@@ -14,7 +14,7 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests attention precision balance e2e scaling ml1m)
+[ ${#steps[@]} -eq 0 ] && steps=(tests attention precision balance e2e scaling ml1m ml1m_reference)
 gpus=$($PY -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi -L > "$OUT/gpus.txt" 2>&1
 
@@ -55,6 +55,18 @@ for s in "${steps[@]}"; do
         --trainer.logger.init_args.save_dir "$OUT/ml1m"
       ckpt=$(ls "$OUT"/ml1m/ml1m_hstu_h200/version_*/checkpoints/*.ckpt 2> /dev/null | tail -1)
       [ -n "$ckpt" ] && step ml1m_test 300 $PY -m lightning_gem.cli test --config $config "${data[@]}" \
+        --trainer.logger false --ckpt_path "$ckpt" ;;
+    ml1m_reference)  # the reference recipe (trains on the validation item too): the last checkpoint is tested
+      if [ -z "${ML1M:-}" ]; then
+        echo "ml1m_reference: skipped (set ML1M to the ml-1m folder)" | tee -a "$OUT/summary.txt"
+        continue
+      fi
+      config=examples/configs/ml1m_hstu_h200_reference.yaml
+      data=(--data.init_args.source.init_args.path "$ML1M")
+      step ml1m_reference_fit 900 $PY -m lightning_gem.cli fit --config $config "${data[@]}" \
+        --trainer.logger.init_args.save_dir "$OUT/ml1m"
+      ckpt=$(ls "$OUT"/ml1m/ml1m_hstu_h200_reference/version_*/checkpoints/last.ckpt 2> /dev/null | tail -1)
+      [ -n "$ckpt" ] && step ml1m_reference_test 300 $PY -m lightning_gem.cli test --config $config "${data[@]}" \
         --trainer.logger false --ckpt_path "$ckpt" ;;
     *) echo "unknown step $s" >&2 ;;
   esac
