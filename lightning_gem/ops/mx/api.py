@@ -44,13 +44,13 @@ def resolve_impl(impl: str, x: Tensor) -> str:
     if impl == "auto":
         return "triton" if x.device.type == "cuda" and x.dtype in _FLOAT_DTYPES else "reference"
     if impl == "triton":
+        from lightning_gem.ops._launch import is_interpreted
         from lightning_gem.ops.mx.impl.triton import SUPPORTED_DTYPES
-        from lightning_gem.ops.mx.impl.triton._common import interpreted
         from lightning_gem.ops.mx.impl.triton.quantize import _quantize_kernel
 
         if x.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"impl='triton' takes float16, bfloat16 or float32 inputs, got {x.dtype}")
-        if x.device.type != "cuda" and not interpreted(_quantize_kernel):
+        if x.device.type != "cuda" and not is_interpreted(_quantize_kernel):
             raise ValueError(
                 f"impl='triton' needs CUDA tensors, got {x.device} (on CPU the kernels run only under "
                 "TRITON_INTERPRET=1, set before Triton is imported)"

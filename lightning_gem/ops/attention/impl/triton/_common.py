@@ -12,16 +12,13 @@ masks' rule floors. A negative position (cross-attention with more queries than 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
-
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
-from lightning_gem.ops._eager import plain_eager
+from lightning_gem.ops._launch import is_interpreted, launch
+
+__all__ = ["LOG2E", "dot_precision", "fast_math", "is_interpreted", "launch"]
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E): kernels keep scores in base 2 for softmax
 
@@ -285,45 +282,3 @@ def fast_math(q: torch.Tensor) -> bool:
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot`` input precision: exact fp32 products for fp32 inputs (not TF32), native otherwise."""
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def is_interpreted(kernel: object) -> bool:
-    """Whether ``kernel`` runs in Triton's interpreter (``TRITON_INTERPRET=1`` when it was defined)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(kernel, InterpretedFunction)
-
-
-_COMPILE_ONLY: ContextVar[bool] = ContextVar("gdpa_compile_only", default=False)
-
-
-@contextmanager
-def compile_only() -> Iterator[None]:
-    """Inside, :func:`launch` compiles its kernel (``kernel.warmup``) and launches nothing."""
-    token = _COMPILE_ONLY.set(True)
-    try:
-        yield
-    finally:
-        _COMPILE_ONLY.reset(token)
-
-
-def launch(kernel: Callable, grid: tuple[int, ...], args: Sequence[object], meta: dict[str, object]) -> None:
-    """``wrap_triton(kernel)[grid](*args, **meta)``, except an interpreted kernel on fake tensors.
-
-    Compiled kernels go through ``wrap_triton`` and so into traced graphs. An interpreted kernel is
-    returned unwrapped by ``wrap_triton`` and would read the data of fake tensors: there it is skipped,
-    which is exactly the op's fake impl (outputs allocated, contents unspecified). Under
-    :func:`compile_only` the kernel is compiled for these arguments and not run.
-    """
-    from torch._subclasses.fake_tensor import is_fake
-
-    if _COMPILE_ONLY.get():
-        kernel.warmup(*args, grid=grid, **meta)  # type: ignore[attr-defined]
-        return
-
-    if plain_eager(args):  # nothing traces this call: launch directly (wrap_triton's wrappers cost host time)
-        kernel[grid](*args, **meta)  # type: ignore[index]
-        return
-    if is_interpreted(kernel) and any(isinstance(a, torch.Tensor) and is_fake(a) for a in args):
-        return
-    wrap_triton(kernel)[grid](*args, **meta)

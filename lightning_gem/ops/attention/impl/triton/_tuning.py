@@ -19,6 +19,8 @@ from typing import NamedTuple, TypeVar
 import torch
 import triton
 
+from lightning_gem.ops._tuning import pick_fastest
+
 __all__ = [
     "BackwardTiles",
     "Tiles",
@@ -148,73 +150,13 @@ def backward_candidates(
     return atomic + merged if device.type != "cuda" else merged + atomic
 
 
-def _can_time(tensors: tuple[torch.Tensor, ...]) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-
-    if os.environ.get("LIGHTNING_GEM_GDPA_TUNE", "1") == "0" or torch.compiler.is_compiling():
-        return False
-    if not all(type(t) is torch.Tensor and t.is_cuda and not is_fake(t) for t in tensors):
-        return False
-    return not torch.cuda.is_current_stream_capturing()
-
-
-def _compile_all(candidates: list[T], run: Callable[[T], None]) -> None:
-    """Compile every candidate at once on a thread pool (Triton's asynchronous compile mode: code generation
-    and ``ptxas`` of one kernel overlap those of the others), instead of one after another as each is first run.
-    A candidate that fails to compile is left to fail again, alone, when it is timed."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from lightning_gem.ops.attention.impl.triton._common import compile_only
-
-    try:
-        from triton.runtime._async_compile import AsyncCompileMode
-    except ImportError:  # a Triton without it: candidates compile as they are first run
-        return
-    with ThreadPoolExecutor(max_workers=min(8, len(candidates))) as pool:
-        with AsyncCompileMode(pool, ignore_errors=True), compile_only():
-            for candidate in candidates:
-                try:
-                    run(candidate)
-                except Exception:  # noqa: BLE001  (reported when the candidate is timed)
-                    continue
-
-
 def pick_tiles(key: tuple, candidates: list[T], run: Callable[[T], None], tensors: tuple[torch.Tensor, ...]) -> T:
-    """The tiles for ``key``: the remembered choice, else (when timing is possible) the fastest candidate.
-
-    ``run(tiles)`` launches the kernel with ``tiles`` on the call's own buffers; it is run once to compile,
-    then timed; a candidate that fails to compile (shared memory) is dropped. ``tensors`` are the call's
-    inputs: timing needs real CUDA tensors.
-    """
-    if len(candidates) == 1:
-        return candidates[0]
-    try:
-        chosen = _CHOSEN.get(key)
-    except TypeError:  # symbolic sizes in the key (tracing with dynamic shapes): nothing to look up or time
-        return candidates[0]
-    if chosen is not None:
-        return chosen  # type: ignore[return-value]
-    if not _can_time(tensors):
-        return candidates[0]
-    _compile_all(candidates, run)
-    best, best_ms = candidates[0], float("inf")
-    for tiles in candidates:
-        try:
-            run(tiles)
-            torch.cuda.synchronize()
-        except Exception:  # noqa: BLE001  (triton.runtime.OutOfResources and kin: not a candidate here)
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            run(tiles)
-        end.record()
-        end.synchronize()
-        ms = start.elapsed_time(end) / 5
-        if ms < best_ms:
-            best, best_ms = tiles, ms
-    _CHOSEN[key] = best
-    return best
+    """The tiles for ``key``: the remembered choice, else (when timing is possible) the fastest candidate,
+    compiled all at once first (:func:`lightning_gem.ops._tuning.pick_fastest`; ``run(tiles)`` launches the
+    kernel with ``tiles`` on the call's own buffers, ``tensors`` are the call's inputs).
+    ``LIGHTNING_GEM_GDPA_TUNE=0`` turns timing off."""
+    timing = os.environ.get("LIGHTNING_GEM_GDPA_TUNE", "1") != "0"
+    return pick_fastest(_CHOSEN, key, candidates, run, tensors, timing=timing, compile_first=True)
 
 
 def forget_choices() -> None:

@@ -9,13 +9,15 @@ calls skip the ops' dispatch (host time only) through a private ``autograd.Funct
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.library import triton_op
 from torch.utils.flop_counter import register_flop_formula
 
-from lightning_gem.ops._eager import plain_eager
+from lightning_gem.ops._launch import plain_eager
 from lightning_gem.ops.attention.impl.triton._common import is_interpreted
 from lightning_gem.ops.attention.impl.triton.backward import gdpa_backward
 from lightning_gem.ops.attention.impl.triton.forward import _gdpa_fwd_kernel, gdpa_forward
@@ -26,8 +28,7 @@ __all__ = ["SUPPORTED_DTYPES", "gdpa_triton"]
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-@triton_op("lightning_gem::gdpa_triton", mutates_args=())
-def _gdpa_triton_op(
+def _forward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -54,8 +55,7 @@ def _gdpa_triton_op(
     )  # fmt: skip
 
 
-@triton_op("lightning_gem::gdpa_triton_backward", mutates_args=())
-def _gdpa_triton_backward_op(
+def _backward_kernels(
     grad_out: Tensor,
     q: Tensor,
     k: Tensor,
@@ -84,6 +84,10 @@ def _gdpa_triton_backward_op(
     )  # fmt: skip
 
 
+_gdpa_triton_op = triton_op("lightning_gem::gdpa_triton", mutates_args=())(_forward)
+_gdpa_triton_backward_op = triton_op("lightning_gem::gdpa_triton_backward", mutates_args=())(_backward_kernels)
+
+
 def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
     q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation, *options = inputs
     out, lse = output
@@ -96,12 +100,15 @@ def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
     ctx.options = (activation, *options)
 
 
-def _backward(ctx, grad_out: Tensor, grad_lse: Tensor | None):  # noqa: ANN001, ANN202
-    q, k, v, out, lse, q_offsets, kv_offsets, kv_index, num_targets = ctx.saved_tensors
-    dq, dk, dv = _gdpa_triton_backward_op(
-        grad_out, q, k, v, out, lse, q_offsets, kv_offsets, kv_index, num_targets, *ctx.options
-    )
+def _backward_with(backward: Callable, ctx, grad_out: Tensor) -> tuple:  # noqa: ANN001
+    """``backward(grad_out, q, k, v, out, lse, offsets..., *options)`` from what :func:`_setup_context` saved;
+    ``(dq, dk, dv)`` and no gradient for the other inputs."""
+    dq, dk, dv = backward(grad_out, *ctx.saved_tensors, *ctx.options)
     return dq, dk, dv, *(None,) * 12
+
+
+def _backward(ctx, grad_out: Tensor, grad_lse: Tensor | None):  # noqa: ANN001, ANN202
+    return _backward_with(_gdpa_triton_backward_op, ctx, grad_out)
 
 
 _gdpa_triton_op.register_autograd(_backward, setup_context=_setup_context)
@@ -138,34 +145,20 @@ def _gdpa_triton_backward_flop(*args, out_val=None, **kwargs) -> int:  # noqa: A
 
 
 class _GDPAEager(torch.autograd.Function):
-    """The ops' bodies without the custom-op dispatch, for plain eager calls (``plain_eager``: nothing traces or
-    counts them). The dispatch layers cost host time and nothing else there (about half a millisecond per
-    forward + backward), which makes small attention layers CPU-bound."""
+    """The ops' bodies and autograd formula without the custom-op dispatch, for plain eager calls
+    (``plain_eager``: nothing traces or counts them). The dispatch layers cost host time and nothing else there
+    (about half a millisecond per forward + backward), which makes small attention layers CPU-bound."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation, *options):  # noqa: ANN001, ANN205
-        causal, window, block_size, scale, max_seq_len_q, max_seq_len_kv, deterministic = options
-        out, lse = gdpa_forward(
-            q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation=activation, causal=causal,
-            window=window, block_size=block_size, scale=scale, max_seq_len_q=max_seq_len_q,
-        )  # fmt: skip
-        softmax = activation == "softmax"
-        ctx.save_for_backward(
-            q, k, v, out if softmax else None, lse if softmax else None, q_offsets, kv_offsets, kv_index, num_targets
-        )
-        ctx.options = (activation, *options)
-        return out
+    def forward(ctx, *inputs):  # noqa: ANN001, ANN002, ANN205
+        output = _forward(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out: Tensor):  # noqa: ANN001, ANN205
-        activation, causal, window, block_size, scale, max_seq_len_q, max_seq_len_kv, deterministic = ctx.options
-        dq, dk, dv = gdpa_backward(
-            grad_out, *ctx.saved_tensors, activation=activation, causal=causal, window=window,
-            block_size=block_size, scale=scale, max_seq_len_q=max_seq_len_q, max_seq_len_kv=max_seq_len_kv,
-            deterministic=deterministic,
-        )  # fmt: skip
-        return dq, dk, dv, *(None,) * 12
+    def backward(ctx, grad_out: Tensor, grad_lse: Tensor | None):  # noqa: ANN001, ANN205
+        return _backward_with(_backward_kernels, ctx, grad_out)
 
 
 def _max_length(offsets: Tensor, num_rows: int) -> int:
@@ -222,7 +215,6 @@ def gdpa_triton(
         max_seq_len_kv = _max_length(kv_offsets, k.shape[0])
     args = (q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size,
             float(scale), max_seq_len_q, max_seq_len_kv, deterministic)  # fmt: skip
-    if plain_eager((q, k, v, q_offsets, kv_offsets, kv_index, num_targets)):
-        return _GDPAEager.apply(*args)
-    out, _ = _gdpa_triton_op(*args)
+    eager = plain_eager((q, k, v, q_offsets, kv_offsets, kv_index, num_targets))
+    out, _ = (_GDPAEager.apply if eager else _gdpa_triton_op)(*args)
     return out

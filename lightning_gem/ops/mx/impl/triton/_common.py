@@ -11,13 +11,13 @@ reduction gives both the maximum and whether the block holds a non-finite value.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import triton
 import triton.language as tl
 
-log = logging.getLogger(__name__)
+from lightning_gem.ops._launch import launch
+from lightning_gem.ops._tuning import pick_fastest
 
 NONFINITE_BITS = tl.constexpr(0x7F800000)
 
@@ -110,34 +110,6 @@ def _quantize_rows(
     return tl.reshape(q, (TILE_R, TILE_C)), exponent, nonfinite
 
 
-def interpreted(kernel: object) -> bool:
-    """Whether ``kernel`` was defined under Triton's interpreter (``TRITON_INTERPRET=1``)."""
-    from triton.runtime.autotuner import Autotuner
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(kernel.fn if isinstance(kernel, Autotuner) else kernel, InterpretedFunction)
-
-
-def run_kernel(kernel: object, grid: object, args: tuple, meta: dict) -> None:
-    """Launch through ``wrap_triton`` so traced graphs hold the kernel; skip interpreted kernels on fake tensors.
-
-    ``wrap_triton`` hands interpreted kernels back unwrapped, and those would read fake tensors' data:
-    under the interpreter, tracing allocates the outputs and launches nothing (that is the fake impl).
-    """
-    import torch
-    from torch._subclasses.fake_tensor import is_fake
-    from torch.library import wrap_triton
-
-    from lightning_gem.ops._eager import plain_eager
-
-    if plain_eager(args):  # nothing traces this call: launch directly (wrap_triton's wrappers cost host time)
-        kernel[grid](*args, **meta)  # type: ignore[index]
-        return
-    if interpreted(kernel) and any(isinstance(a, torch.Tensor) and is_fake(a) for a in args):
-        return
-    wrap_triton(kernel)[grid](*args, **meta)
-
-
 _CHOSEN: dict[tuple, tuple[int, int, int]] = {}
 
 
@@ -145,14 +117,6 @@ def chosen_configs() -> dict[tuple, tuple[int, int, int]]:
     """The tile choices made so far in this process, ``{key: (TILE_R, TILE_C, num_warps)}`` (one entry per
     tuning: for logs and benchmarks)."""
     return dict(_CHOSEN)
-
-
-def _can_time(args: tuple) -> bool:
-    import torch
-
-    if torch.compiler.is_compiling() or torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return False
-    return all(type(a) is torch.Tensor and a.is_cuda for a in args if isinstance(a, torch.Tensor))
 
 
 def launch_tuned(
@@ -164,41 +128,15 @@ def launch_tuned(
     meta: dict,
 ) -> None:
     """Launch ``kernel`` with the fastest of ``configs`` (``(TILE_R, TILE_C, num_warps)``, already pruned to the
-    valid ones) for ``key``: timed once per key on this call's own buffers (the kernels only write their outputs,
-    so running one several times is harmless), five runs each between CUDA events after a compiling run.
+    valid ones) for ``key``, chosen by :func:`lightning_gem.ops._tuning.pick_fastest` on this call's own buffers.
 
     The key is explicit (the caller's size class and compile-time flags), so a new batch of another jagged size
     retunes only when its size class is new. Where timing is impossible (tracing, graph capture, CPU) the first
     config runs and nothing is remembered.
     """
-    import torch
 
-    try:
-        choice = _CHOSEN.get(key)
-    except TypeError:  # symbolic sizes in the key (tracing with dynamic shapes): nothing to look up or time
-        choice = configs[0]
-    if choice is None and (len(configs) == 1 or not _can_time(args)):
-        choice = configs[0]
-    elif choice is None:
-        best_ms = float("inf")
-        for config in configs:
-            tile_r, tile_c, warps = config
-            run = {**meta, "TILE_R": tile_r, "TILE_C": tile_c, "num_warps": warps}
-            try:
-                run_kernel(kernel, grid(tile_r, tile_c), args, run)
-                torch.cuda.synchronize()
-            except Exception:  # noqa: BLE001  (out of resources: not a candidate here)
-                continue
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(5):
-                run_kernel(kernel, grid(tile_r, tile_c), args, run)
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
-            if ms < best_ms:
-                choice, best_ms = config, ms
-        _CHOSEN[key] = choice
-        log.debug("tuned %s for %s: %s", getattr(kernel, "__name__", kernel), key, choice)
-    tile_r, tile_c, warps = choice
-    run_kernel(kernel, grid(tile_r, tile_c), args, {**meta, "TILE_R": tile_r, "TILE_C": tile_c, "num_warps": warps})
+    def run(config: tuple[int, int, int]) -> None:
+        tile_r, tile_c, warps = config
+        launch(kernel, grid(tile_r, tile_c), args, {**meta, "TILE_R": tile_r, "TILE_C": tile_c, "num_warps": warps})
+
+    run(pick_fastest(_CHOSEN, key, configs, run, args))

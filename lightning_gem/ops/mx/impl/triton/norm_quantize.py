@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_gem.ops.mx.impl.triton._common import _quantize_rows, _scale_value, interpreted, launch_tuned
+from lightning_gem.ops._launch import is_interpreted
+from lightning_gem.ops.mx.impl.triton._common import _quantize_rows, _scale_value, launch_tuned
 from lightning_gem.ops.mx.impl.triton.quantize import _TL_DTYPES, _TUNE_ABOVE, scale_buffer
 
 __all__ = ["norm_quantize_triton"]
@@ -100,7 +101,7 @@ def norm_quantize_triton(
     )  # fmt: skip
     meta = dict(
         BLOCK_D=block_d, BLOCK=block, LAYER=kind == "layer", WRITE_Y=write_output, MX=mx,
-        RCEIL=rounding == "rceil", OUT_DTYPE=_TL_DTYPES[out_dtype], EXACT=interpreted(_norm_quantize_kernel),
+        RCEIL=rounding == "rceil", OUT_DTYPE=_TL_DTYPES[out_dtype], EXACT=is_interpreted(_norm_quantize_kernel),
     )  # fmt: skip
     if not num_rows:
         return q, scale, rstd, mean, y

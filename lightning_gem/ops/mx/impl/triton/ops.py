@@ -13,7 +13,7 @@ from torch import Tensor
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.library import triton_op
 
-from lightning_gem.ops.mx.impl.triton._common import interpreted
+from lightning_gem.ops._launch import is_interpreted
 from lightning_gem.ops.mx.impl.triton.norm_quantize import _norm_quantize_kernel, norm_quantize_triton
 from lightning_gem.ops.mx.impl.triton.quantize import quantize_triton
 
@@ -77,7 +77,7 @@ def _keep_opaque(mode, op, types, args, kwargs):  # noqa: ANN001, ANN202
     return mode.__torch_dispatch__(op, types, args, kwargs)
 
 
-if interpreted(_norm_quantize_kernel):
+if is_interpreted(_norm_quantize_kernel):
     # Under the interpreter (CPU tests) the kernels cannot be wrapped into a traced graph, so the ops stay
     # opaque nodes that run eagerly instead of decomposing into allocations alone.
     for _op in (mx_quantize_op, mx_norm_quantize_op):

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightning_gem.ops._launch import is_interpreted
 from lightning_gem.ops.mx.impl.triton._common import (
     NONFINITE_BITS,
     _magnitude_bits,
@@ -28,7 +29,6 @@ from lightning_gem.ops.mx.impl.triton._common import (
     _scale_value,
     _shared_exponent,
     _to_e4m3,
-    interpreted,
     launch_tuned,
 )
 
@@ -211,7 +211,7 @@ def quantize_triton(
     meta = dict(
         BLOCK=block if not rowwise else 128, ROWS=rows, COLS=cols, SQUARE=square, GIVEN_EXP=rowwise, MX=mx,
         RCEIL=rounding == "rceil", NORM=_NORM_CODES[kind], OUT_DTYPE=_TL_DTYPES[norm_dtype],
-        EXACT=interpreted(_quantize_kernel),
+        EXACT=is_interpreted(_quantize_kernel),
     )  # fmt: skip
     if grid_rows > 0:  # no rows: nothing to launch
         _launch(args, meta, grid_rows, num_cols)

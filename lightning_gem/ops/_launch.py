@@ -1,0 +1,63 @@
+"""How every op family's Triton kernels are launched: directly in plain eager mode, through
+``torch.library.wrap_triton`` where a compiler or dispatch mode traces the call, and compiled only under
+:func:`compile_only`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+
+__all__ = ["compile_only", "is_interpreted", "launch", "plain_eager"]
+
+_COMPILE_ONLY: ContextVar[bool] = ContextVar("lightning_gem_compile_only", default=False)
+
+
+def plain_eager(args: Sequence[object]) -> bool:
+    """No compiler and no dispatch mode (fake, functional or FLOP-counting tensors) sees this call, and every
+    tensor argument is a plain tensor: a launcher may then call its kernel directly instead of through
+    ``torch.library.wrap_triton``, whose wrappers only cost host time outside tracing."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    return all(type(a) is torch.Tensor for a in args if isinstance(a, torch.Tensor))
+
+
+def is_interpreted(kernel: object) -> bool:
+    """Whether ``kernel`` runs in Triton's interpreter (``TRITON_INTERPRET=1`` when it was defined)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernel, InterpretedFunction)
+
+
+@contextmanager
+def compile_only() -> Iterator[None]:
+    """Inside, :func:`launch` compiles its kernel (``kernel.warmup``) and launches nothing."""
+    token = _COMPILE_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _COMPILE_ONLY.reset(token)
+
+
+def launch(kernel: object, grid: object, args: Sequence[object], meta: dict[str, object]) -> None:
+    """``kernel[grid](*args, **meta)``: directly in plain eager mode, else through ``wrap_triton``.
+
+    Through ``wrap_triton`` compiled kernels go into traced graphs. An interpreted kernel is returned unwrapped
+    by ``wrap_triton`` and would read the data of fake tensors: there it is skipped, which is exactly the op's
+    fake impl (outputs allocated, contents unspecified). Under :func:`compile_only` the kernel is compiled for
+    these arguments and not run.
+    """
+    from torch._subclasses.fake_tensor import is_fake
+    from torch.library import wrap_triton
+
+    if _COMPILE_ONLY.get():
+        kernel.warmup(*args, grid=grid, **meta)  # type: ignore[attr-defined]
+        return
+    if plain_eager(args):  # nothing traces this call (wrap_triton's wrappers would only cost host time)
+        kernel[grid](*args, **meta)  # type: ignore[index]
+        return
+    if is_interpreted(kernel) and any(isinstance(a, torch.Tensor) and is_fake(a) for a in args):
+        return
+    wrap_triton(kernel)[grid](*args, **meta)

@@ -1,0 +1,101 @@
+"""The launch-shape tuner every op family's Triton kernels share: for a key, the fastest of a few candidates,
+timed once on the call's own buffers and remembered in the caller's registry."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable
+from typing import TypeVar
+
+import torch
+
+from lightning_gem.ops._launch import compile_only
+
+__all__ = ["can_time", "pick_fastest"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def can_time(tensors: tuple[object, ...]) -> bool:
+    """Whether candidates can be timed now: real CUDA tensors, no compiler tracing, no graph capture."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if torch.compiler.is_compiling():
+        return False
+    tensors = tuple(t for t in tensors if isinstance(t, torch.Tensor))
+    if not all(type(t) is torch.Tensor and t.is_cuda and not is_fake(t) for t in tensors):
+        return False
+    return not torch.cuda.is_current_stream_capturing()
+
+
+def _compile_all(candidates: list[T], run: Callable[[T], None]) -> None:
+    """Compile every candidate at once on a thread pool (Triton's asynchronous compile mode: code generation
+    and ``ptxas`` of one kernel overlap those of the others), instead of one after another as each is first run.
+    A candidate that fails to compile is left to fail again, alone, when it is timed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:  # a Triton without it: candidates compile as they are first run
+        return
+    with ThreadPoolExecutor(max_workers=min(8, len(candidates))) as pool:
+        with AsyncCompileMode(pool, ignore_errors=True), compile_only():
+            for candidate in candidates:
+                try:
+                    run(candidate)
+                except Exception:  # noqa: BLE001  (reported when the candidate is timed)
+                    continue
+
+
+def pick_fastest(
+    registry: dict[Hashable, T],
+    key: Hashable,
+    candidates: list[T],
+    run: Callable[[T], None],
+    tensors: tuple[object, ...],
+    *,
+    timing: bool = True,
+    compile_first: bool = False,
+) -> T:
+    """The candidate for ``key``: the one remembered in ``registry``, else (when ``timing`` and :func:`can_time`
+    allow) the fastest, remembered; else the first, not remembered.
+
+    ``run(candidate)`` launches the kernel with that candidate on the call's own buffers (kernels that only write
+    their outputs, so running one several times is harmless). Each candidate runs once (compiling it), then five
+    times between CUDA events; one that fails there (shared memory) is dropped. ``compile_first`` compiles them
+    all at once on a thread pool beforehand. A key holding symbolic sizes (tracing with dynamic shapes) can be
+    neither looked up nor timed: the first candidate.
+    """
+    if len(candidates) == 1:
+        return candidates[0]
+    try:
+        chosen = registry.get(key)
+    except TypeError:  # an unhashable SymInt in the key
+        return candidates[0]
+    if chosen is not None:
+        return chosen
+    if not timing or not can_time(tensors):
+        return candidates[0]
+    if compile_first:
+        _compile_all(candidates, run)
+    best, best_ms = candidates[0], float("inf")
+    for candidate in candidates:
+        try:
+            run(candidate)
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001  (triton.runtime.OutOfResources and kin: not a candidate here)
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            run(candidate)
+        end.record()
+        end.synchronize()
+        ms = start.elapsed_time(end)
+        if ms < best_ms:
+            best, best_ms = candidate, ms
+    registry[key] = best
+    log.debug("tuned %s: %s", key, best)
+    return best
