@@ -26,6 +26,20 @@ step() {  # name limit_s command...
   echo "$name: exit $? after $(($(date +%s) - start)) s (limit $limit s)" | tee -a "$OUT/summary.txt"
 }
 
+ml1m_step() {  # name config checkpoint-file-pattern: fit on MovieLens-1M, then test that checkpoint
+  local name=$1 config=$2 pattern=$3 ckpt
+  if [ -z "${ML1M:-}" ]; then
+    echo "$name: skipped (set ML1M to the ml-1m folder)" | tee -a "$OUT/summary.txt"
+    return
+  fi
+  local data=(--data.init_args.source.init_args.path "$ML1M")
+  step "${name}_fit" 900 $PY -m lightning_gem.cli fit --config "$config" "${data[@]}" \
+    --trainer.logger.init_args.save_dir "$OUT/ml1m"
+  ckpt=$(ls "$OUT"/ml1m/$(basename "$config" .yaml)/version_*/checkpoints/$pattern 2> /dev/null | tail -1)
+  [ -n "$ckpt" ] && step "${name}_test" 300 $PY -m lightning_gem.cli test --config "$config" "${data[@]}" \
+    --trainer.logger false --ckpt_path "$ckpt"
+}
+
 for s in "${steps[@]}"; do
   case $s in
     tests) step tests 600 $PY -m pytest -q -p no:cacheprovider -m gpu -s tests ;;
@@ -44,30 +58,9 @@ for s in "${steps[@]}"; do
       else
         echo "scaling: skipped ($gpus GPU)" | tee -a "$OUT/summary.txt"
       fi ;;
-    ml1m)
-      if [ -z "${ML1M:-}" ]; then
-        echo "ml1m: skipped (set ML1M to the ml-1m folder)" | tee -a "$OUT/summary.txt"
-        continue
-      fi
-      config=examples/configs/ml1m_hstu_h200.yaml
-      data=(--data.init_args.source.init_args.path "$ML1M")
-      step ml1m_fit 900 $PY -m lightning_gem.cli fit --config $config "${data[@]}" \
-        --trainer.logger.init_args.save_dir "$OUT/ml1m"
-      ckpt=$(ls "$OUT"/ml1m/ml1m_hstu_h200/version_*/checkpoints/*.ckpt 2> /dev/null | tail -1)
-      [ -n "$ckpt" ] && step ml1m_test 300 $PY -m lightning_gem.cli test --config $config "${data[@]}" \
-        --trainer.logger false --ckpt_path "$ckpt" ;;
-    ml1m_reference)  # the reference recipe (trains on the validation item too): the last checkpoint is tested
-      if [ -z "${ML1M:-}" ]; then
-        echo "ml1m_reference: skipped (set ML1M to the ml-1m folder)" | tee -a "$OUT/summary.txt"
-        continue
-      fi
-      config=examples/configs/ml1m_hstu_h200_reference.yaml
-      data=(--data.init_args.source.init_args.path "$ML1M")
-      step ml1m_reference_fit 900 $PY -m lightning_gem.cli fit --config $config "${data[@]}" \
-        --trainer.logger.init_args.save_dir "$OUT/ml1m"
-      ckpt=$(ls "$OUT"/ml1m/ml1m_hstu_h200_reference/version_*/checkpoints/last.ckpt 2> /dev/null | tail -1)
-      [ -n "$ckpt" ] && step ml1m_reference_test 300 $PY -m lightning_gem.cli test --config $config "${data[@]}" \
-        --trainer.logger false --ckpt_path "$ckpt" ;;
+    ml1m) ml1m_step ml1m examples/configs/ml1m_hstu_h200.yaml "*.ckpt" ;;  # the best-on-validation checkpoint
+    # The reference recipe trains on the validation item too: its last checkpoint is tested.
+    ml1m_reference) ml1m_step ml1m_reference examples/configs/ml1m_hstu_h200_reference.yaml last.ckpt ;;
     *) echo "unknown step $s" >&2 ;;
   esac
 done

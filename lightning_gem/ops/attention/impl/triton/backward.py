@@ -526,8 +526,8 @@ def gdpa_backward(
         launch(_gdpa_bwd_kernel, grid, args, {**meta, **tile_meta(tiles), **dq_meta})
 
     if dkdv_tiles is not None:
-        plan = BackwardTiles(dkdv_tiles, dq_tiles if (deterministic or dq_tiles is not None) else None)
-        if plan.dq is None and deterministic:
+        plan = BackwardTiles(dkdv_tiles, dq_tiles)
+        if dq_tiles is None and deterministic:
             raise ValueError("deterministic=True needs dq_tiles with dkdv_tiles")
     else:
         candidates = backward_candidates(q.dtype, q.device, head_dim, deterministic=deterministic,
