@@ -134,7 +134,7 @@ def validate_offsets_together(checks: Sequence[tuple[Tensor, str, int | None, in
         if steps.numel():
             flags.append((steps < 0).any())
             if max_len is not None:
-                flags.append(steps.max() > max_len)
+                flags.append(longest[-1] > max_len)
         if num_values is not None:
             flags.append(offsets[-1] != num_values)
     if not checks:
