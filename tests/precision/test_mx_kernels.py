@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_gem.ops.mx import norm_quantize, norm_quantize_transposed, quantize
+from lightning_gem.ops.mx import QuantizedTensor, norm_quantize, norm_quantize_transposed, quantize
 from lightning_gem.ops.mx.impl.reference import norm_reference
 from lightning_gem.testing.numerics import assert_within_budget
 
@@ -102,6 +102,106 @@ def test_quantize_under_torch_compile() -> None:
     def run(t: torch.Tensor) -> torch.Tensor:
         rows, cols = quantize(t, "mx", cols=True, impl="triton")
         return rows.dequantize() + cols.dequantize().t()
+
+    torch.compiler.reset()
+    try:
+        compiled = torch.compile(run, fullgraph=True, backend="aot_eager")
+        torch.testing.assert_close(compiled(x), run(x), rtol=0, atol=0)
+    finally:
+        torch.compiler.reset()
+
+
+def _same_bits(a, b) -> bool:  # noqa: ANN001
+    """Bit-identical data and scales (NaN encodings included), same layout."""
+    return (
+        a.layout == b.layout
+        and torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+        and torch.equal(a.scale.contiguous().view(torch.int32), b.scale.contiguous().view(torch.int32))
+    )
+
+
+def _rowwise_edges(dtype: torch.dtype) -> torch.Tensor:
+    """``[131, 160]`` (rows no multiple of 128, columns no multiple of a tile) whose rows and columns have
+    maxima on every edge of the scale rule: exactly 448, 480 (rounds a power up under rceil, saturates under
+    floor), a power of two, subnormal only, all zero, NaN, -Inf."""
+    x = torch.randn(131, 160, device=DEVICE) * torch.logspace(-2, 1.5, 160, device=DEVICE)
+    x[5] = -torch.rand(160, device=DEVICE) * torch.finfo(dtype).tiny  # subnormal only
+    x[0] = 0.0  # an all-zero row
+    x[:, 7] = 0.0  # an all-zero column
+    x[1, 3], x[2, 4], x[4, 9] = 448.0, -480.0, 256.0
+    x[:, 15] = torch.rand(131, device=DEVICE) * 0.125
+    x[50, 15] = -0.125  # a column whose maximum is a power of two
+    x[20, 11], x[30, 13] = float("nan"), float("-inf")  # NaN and -Inf rows and columns
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
+def test_rowwise_edges_match_reference_bit_for_bit(rounding: str, dtype: torch.dtype) -> None:
+    x = _rowwise_edges(dtype)
+    rows_t, cols_t = quantize(x, "rowwise", rounding=rounding, cols=True, impl="triton")
+    rows_r, cols_r = quantize(x, "rowwise", rounding=rounding, cols=True, impl="reference")
+    assert _same_bits(rows_t, rows_r) and _same_bits(cols_t, cols_r)
+    assert cols_t.scale[7, 0] == 2.0**-127 and cols_t.scale[11, 0].isnan() and cols_t.scale[13, 0].isnan()
+    # Each direction alone reads the same maxima.
+    assert _same_bits(quantize(x, "rowwise", rounding=rounding, impl="triton")[0], rows_r)
+    assert _same_bits(quantize(x, "rowwise", rounding=rounding, rows=False, cols=True, impl="triton")[1], cols_r)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_rowwise_norm_prologue_edges_match_reference(kind: str, dtype: torch.dtype) -> None:
+    from lightning_gem.ops.mx.impl.reference import normalize_with_stats, quantize_reference
+    from lightning_gem.ops.mx.impl.triton.quantize import quantize_triton
+
+    x = _rowwise_edges(dtype)
+    # Powers of two keep the norm's products exact, so the edge values reach the quantizer as they are.
+    rstd = torch.exp2(torch.randint(-2, 3, (131,), device=DEVICE).float())
+    rstd[40] = 0.0  # an all-zero row made by the norm
+    mean = torch.randn(131, device=DEVICE) if kind == "layer" else None
+    weight = torch.exp2(torch.randint(-2, 3, (160,), device=DEVICE).float())
+    weight[21] = 0.0  # one more all-zero column, made by the norm
+    bias = torch.zeros(160, device=DEVICE) if kind == "layer" else None
+    y = normalize_with_stats(x, rstd, mean, weight, bias, dtype)
+    norm = (kind, rstd, mean, weight, bias)
+    for rounding in ("rceil", "floor"):
+        (q, s), (qt, st) = quantize_triton(x, "rowwise", rounding, rows=True, cols=True, norm=norm)
+        assert _same_bits(QuantizedTensor(q, s, "rowwise"), quantize_reference(y, "rowwise", rounding))
+        padded = torch.cat([y, y.new_zeros(256 - 131, 160)])
+        assert _same_bits(QuantizedTensor(qt, st, "rowwise"), quantize_reference(padded.t(), "rowwise", rounding))
+        assert st[21, 0] == 2.0**-127
+
+
+@pytest.mark.parametrize("shape", [(1, 16), (37, 160), (131, 272), (300, 48)], ids=str)
+@pytest.mark.parametrize(("rows", "cols"), [(True, False), (False, True), (True, True)])
+def test_line_maxima_match_torch(shape: tuple[int, int], rows: bool, cols: bool) -> None:
+    from lightning_gem.ops.mx.impl.triton.quantize import _TL_DTYPES, _line_maxima
+
+    x = _input(*shape, torch.float16)
+    x[:, 2] = 0.0
+    no_norm = (None, None, None, None)
+    row_amax, col_amax = _line_maxima(x, rows, cols, no_norm, 0, _TL_DTYPES[torch.float16])
+    magnitudes = x.float().abs()
+    for amax, expected, wanted in ((row_amax, magnitudes.amax(1), rows), (col_amax, magnitudes.amax(0), cols)):
+        if not wanted:
+            assert amax is None
+            continue
+        assert amax.dtype == torch.int32
+        torch.testing.assert_close(amax.view(torch.float32), expected, rtol=0, atol=0, equal_nan=True)
+
+
+def test_rowwise_opcheck_and_torch_compile() -> None:
+    import lightning_gem.ops.mx.impl.triton  # noqa: F401  (registers the ops)
+
+    x = torch.randn(37, 160, device=DEVICE)
+    rstd, weight = torch.rand(37, device=DEVICE) + 0.5, torch.randn(160, device=DEVICE)
+    op = torch.ops.lightning_gem.mx_quantize.default
+    torch.library.opcheck(op, (x, "rowwise", "rceil", True, True))
+    torch.library.opcheck(op, (x, "rowwise", "floor", False, True, "rms", rstd, None, weight, None))
+
+    def run(t: torch.Tensor) -> torch.Tensor:
+        rows, cols = quantize(t, "rowwise", cols=True, impl="triton")
+        return rows.dequantize() + cols.dequantize()[:, : t.shape[0]].t()
 
     torch.compiler.reset()
     try:

@@ -52,12 +52,16 @@ def _round_e4m3(v):
 
     Normal range: keep 3 mantissa bits of the fp32 pattern (the carry moves into the exponent as it
     should). Below E4M3's smallest normal ``2^-6`` the grid is uniform (``2^-9`` apart): add and subtract
-    ``1.5 * 2^23`` at that scale, which rounds to nearest-even in fp32 arithmetic. Used under the
-    interpreter, whose fp32 -> e4m3 cast truncates across binades; GPUs convert with ``cvt.rn``.
+    ``1.5 * 2^23`` at that scale, which rounds to nearest-even in fp32 arithmetic; done on ``|v|`` with the
+    sign put back, so what rounds to zero keeps its sign (``-0`` is its own E4M3 code, as ``cvt.rn`` writes
+    it). Used under the interpreter, whose fp32 -> e4m3 cast truncates across binades; GPUs convert with
+    ``cvt.rn``.
     """
     bits = v.to(tl.int32, bitcast=True)
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # -1048576: ~0xFFFFF
-    subnormal = ((v * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+    subnormal = ((tl.abs(v) * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+    sign = bits & -2147483648  # the sign bit, 0x80000000
+    subnormal = (subnormal.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
 
 

@@ -6,9 +6,13 @@ contraction dim), ``B`` elements per scale block.
 ``_quantize_kernel`` reads a ``[TILE_R, TILE_C]`` tile once and writes any of:
 
 - the row layout: ``q [R, C]`` in ``1 x B`` blocks along ``C`` (``mx``, ``1x128``), or one block per tile
-  (``128x128``), or with per-row exponents computed beforehand (``rowwise``);
+  (``128x128``), or with one scale per row (``rowwise``);
 - the transposed layout: ``qt [C, Rp]`` in ``1 x B`` blocks along ``R`` (what a weight-gradient GEMM reads:
   its contraction dim is the tokens), zero-padded to ``Rp``.
+
+A ``rowwise`` line spans more than a tile, so its maximum comes first from ``_line_amax_kernel``: one read of
+``x`` gives the row maxima and the column maxima together, as magnitude bit patterns (see ``_common``), which
+``_quantize_kernel`` turns into each line's exponent and scale as it quantizes.
 
 An optional norm prologue (``NORM``: RMSNorm or LayerNorm with saved ``rstd``/``mean``) normalises the tile
 first, so a norm's output is quantized straight from its input without being written.
@@ -35,7 +39,7 @@ from lightning_gem.ops.mx.impl.triton._common import (
 __all__ = ["quantize_triton"]
 
 _NORM_CODES = {None: 0, "rms": 1, "layer": 2}
-_KEY_FLAGS = ["BLOCK", "ROWS", "COLS", "SQUARE", "GIVEN_EXP", "MX", "NORM"]
+_KEY_FLAGS = ["BLOCK", "ROWS", "COLS", "SQUARE", "GIVEN_AMAX", "MX", "NORM"]
 
 
 @triton.jit
@@ -63,12 +67,12 @@ def _normalize(
                                "size_class"])  # fmt: skip
 def _quantize_kernel(
     X, Q, S, QT, ST,  # [R, C] input, [R, C] fp8 + scales, [C, Rp] fp8 + scales
-    ROW_EXP, COL_EXP,  # [R] / [C] int32 exponents given in advance (rowwise; 128 marks a NaN row)
+    ROW_AMAX, COL_AMAX,  # [R] / [C] int32 magnitude bits of the line maxima, given in advance (rowwise)
     RSTD, MEAN, WEIGHT, BIAS,  # norm prologue: [R], [R], [C], [C]
     num_rows, num_cols, padded_rows,
     stride_s_r, stride_s_c, stride_st_c, stride_st_r,
     size_class,  # autotuning key only: log2 of the element count, coarsened
-    BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, SQUARE: tl.constexpr, GIVEN_EXP: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, SQUARE: tl.constexpr, GIVEN_AMAX: tl.constexpr,
     MX: tl.constexpr, RCEIL: tl.constexpr, NORM: tl.constexpr, OUT_DTYPE: tl.constexpr, EXACT: tl.constexpr,
     TILE_R: tl.constexpr, TILE_C: tl.constexpr,
 ):  # fmt: skip
@@ -90,16 +94,16 @@ def _quantize_kernel(
             tl.store(S + pid_r * stride_s_r + pid_c * stride_s_c, _scale_value(exponent, nonfinite, MX))
         else:
             q = _quantize_lines(
-                x, rows, pid_c, num_rows, num_cols // BLOCK, ROW_EXP, S, stride_s_r, stride_s_c,
-                TILE_R, TILE_C, BLOCK, GIVEN_EXP, MX, RCEIL, EXACT,
+                x, rows, pid_c, num_rows, num_cols // BLOCK, ROW_AMAX, S, stride_s_r, stride_s_c,
+                TILE_R, TILE_C, BLOCK, GIVEN_AMAX, MX, RCEIL, EXACT,
             )  # fmt: skip
         tl.store(Q + rows[:, None] * num_cols + cols[None, :], q, mask=in_bounds)
 
     if COLS:
         xt = tl.trans(x)  # [TILE_C, TILE_R]: the tile's columns become rows of the transposed layout
         qt = _quantize_lines(
-            xt, cols, pid_r, num_cols, padded_rows // BLOCK, COL_EXP, ST, stride_st_c, stride_st_r,
-            TILE_C, TILE_R, BLOCK, GIVEN_EXP, MX, RCEIL, EXACT,
+            xt, cols, pid_r, num_cols, padded_rows // BLOCK, COL_AMAX, ST, stride_st_c, stride_st_r,
+            TILE_C, TILE_R, BLOCK, GIVEN_AMAX, MX, RCEIL, EXACT,
         )  # fmt: skip
         t_mask = (cols < num_cols)[:, None] & (rows < padded_rows)[None, :]
         tl.store(QT + cols[:, None] * padded_rows + rows[None, :], qt, mask=t_mask)
@@ -107,19 +111,24 @@ def _quantize_kernel(
 
 @triton.jit
 def _quantize_lines(
-    x, lines, pid_blocks, num_lines, num_blocks, EXP, S, stride_line, stride_block,
-    TILE_L: tl.constexpr, TILE_B: tl.constexpr, BLOCK: tl.constexpr, GIVEN_EXP: tl.constexpr, MX: tl.constexpr,
+    x, lines, pid_blocks, num_lines, num_blocks, AMAX, S, stride_line, stride_block,
+    TILE_L: tl.constexpr, TILE_B: tl.constexpr, BLOCK: tl.constexpr, GIVEN_AMAX: tl.constexpr, MX: tl.constexpr,
     RCEIL: tl.constexpr, EXACT: tl.constexpr,
 ):  # fmt: skip
     """Quantize a ``[TILE_L, TILE_B]`` tile along its second dim; store its scales; return the FP8 tile.
 
     ``lines`` are the tile's global line indices (rows of the output layout), ``pid_blocks`` the tile's index
-    along the quantized dim. ``GIVEN_EXP``: per-line exponents read from ``EXP`` (rowwise, 128 = NaN line)
-    instead of block maxima; their scales are written by the launcher.
+    along the quantized dim. ``GIVEN_AMAX``: one block per line, whose maximum (magnitude bits) is read from
+    ``AMAX`` instead of taken over the tile; the first tile along the line stores the line's scale.
     """
-    if GIVEN_EXP:
-        exponent = tl.load(EXP + lines, mask=lines < num_lines, other=0)
-        q = _to_e4m3(x, exponent[:, None], (exponent == 128)[:, None], not RCEIL, EXACT)
+    if GIVEN_AMAX:
+        line_mask = lines < num_lines
+        amax_bits = tl.load(AMAX + lines, mask=line_mask, other=0)
+        nonfinite = amax_bits >= NONFINITE_BITS
+        exponent = _shared_exponent(amax_bits, RCEIL)
+        q = _to_e4m3(x, exponent[:, None], nonfinite[:, None], not RCEIL, EXACT)
+        scale_mask = line_mask & (pid_blocks == 0)
+        tl.store(S + lines * stride_line, _scale_value(exponent, nonfinite, MX), mask=scale_mask)
     else:
         q, exponent, nonfinite = _quantize_rows(x, TILE_L, TILE_B, BLOCK, RCEIL, EXACT)
         blocks = pid_blocks * (TILE_B // BLOCK) + tl.arange(0, TILE_B // BLOCK)
@@ -131,19 +140,81 @@ def _quantize_lines(
 
 def scale_buffer(layout: str, num_lines: int, num_blocks: int, device: torch.device) -> Tensor:
     """Scales of ``num_lines`` lines of ``num_blocks`` blocks: uint8 E8M0 row-major for ``mx``; fp32
-    column-major for ``1x128`` (Hopper's GEMM reads them outer-dim-major)."""
+    column-major for ``1x128`` (Hopper's GEMM reads them outer-dim-major); fp32 ``[num_lines, 1]`` for
+    ``rowwise``."""
+    if layout == "rowwise":
+        return torch.empty(num_lines, 1, dtype=torch.float32, device=device)
     if layout == "mx":
         return torch.empty(num_lines, num_blocks, dtype=torch.uint8, device=device)
     return torch.empty(num_blocks, num_lines, dtype=torch.float32, device=device).t()
 
 
-def _rowwise_exponents(x: Tensor, dim: int, rounding: str) -> Tensor:
-    """int32 exponents of ``x``'s rows (``dim=1``) or columns (``dim=0``); 128 marks a NaN/Inf row."""
-    from lightning_gem.ops.mx.impl.reference import shared_exponent
+# Per-batch sizes (jagged token counts): no new compiled variant when their divisibility by 16 changes.
+@triton.jit(do_not_specialize=["num_rows", "size_class"])
+def _line_amax_kernel(
+    X, ROW_AMAX, COL_AMAX,  # [R, C] input; [R] / [C] int32 magnitude bits of the row / column maxima
+    RSTD, MEAN, WEIGHT, BIAS,  # norm prologue: [R], [R], [C], [C]
+    num_rows, num_cols,
+    size_class,  # autotuning key only
+    ROWS: tl.constexpr, COLS: tl.constexpr, NORM: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    TILE_R: tl.constexpr, TILE_C: tl.constexpr,
+):  # fmt: skip
+    """Maxima of ``|x|`` (or of the norm's output) along rows and/or columns, from one read of ``x``.
 
-    amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=dim, dtype=torch.float32)  # NaN and Inf propagate
-    exponent = shared_exponent(amax, rounding)
-    return torch.where(torch.isfinite(amax), exponent, 128).to(torch.int32)
+    A program holds ``TILE_R`` whole rows and walks their ``[TILE_R, TILE_C]`` tiles: a row's maximum stays in
+    registers and is stored once; a column's is combined across programs with an integer atomic max into
+    ``COL_AMAX`` (zero-initialised). Maxima are magnitude bit patterns, so NaN and Inf come out on top and
+    need no separate check. Masked elements load as zero, which no maximum can fall below.
+    """
+    rows = tl.program_id(0).to(tl.int64) * TILE_R + tl.arange(0, TILE_R)
+    row_mask = rows < num_rows
+    row_bits = tl.zeros((TILE_R,), dtype=tl.int32)
+    for start in range(0, num_cols, TILE_C):
+        cols = start + tl.arange(0, TILE_C)
+        col_mask = cols < num_cols
+        in_bounds = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(X + rows[:, None] * num_cols + cols[None, :], mask=in_bounds, other=0.0).to(tl.float32)
+        if NORM != 0:
+            x = _normalize(x, rows, cols, RSTD, MEAN, WEIGHT, BIAS, num_rows, num_cols, NORM, OUT_DTYPE)
+        bits = _magnitude_bits(x)
+        if ROWS:
+            row_bits = tl.maximum(row_bits, tl.max(bits, axis=1))
+        if COLS:
+            tl.atomic_max(COL_AMAX + cols, tl.max(bits, axis=0), mask=col_mask, sem="relaxed")
+    if ROWS:
+        tl.store(ROW_AMAX + rows, row_bits, mask=row_mask)
+
+
+# (TILE_R, TILE_C, num_warps) candidates of _line_amax_kernel: taller tiles take fewer column atomics but make
+# fewer programs (each holds whole rows); the tuner weighs the two per size class.
+_AMAX_CONFIGS = [(32, 128, 4), (16, 256, 4), (64, 128, 8), (32, 256, 8), (128, 64, 8)]
+
+
+def _line_maxima(
+    x: Tensor, rows: bool, cols: bool, norm_args: tuple, norm_code: int, out_dtype: object
+) -> tuple[Tensor | None, Tensor | None]:
+    """int32 magnitude bits of the maxima of ``x``'s rows ``[R]`` and/or columns ``[C]`` (of the norm's output
+    when ``norm_code`` is set), or None where not requested: what ``rowwise`` scales are made from.
+
+    The kernel may run several times while it is tuned: the maxima it stores and atomically raises stay the same.
+    """
+    num_rows, num_cols = x.shape
+    row_amax = torch.empty(num_rows, dtype=torch.int32, device=x.device) if rows else None
+    col_amax = torch.zeros(num_cols, dtype=torch.int32, device=x.device) if cols else None
+    placeholder = x.new_empty(0, dtype=torch.int32)
+    size_class = max(num_rows * num_cols, 1).bit_length() // 2
+    args = (
+        x, row_amax if rows else placeholder, col_amax if cols else placeholder, *norm_args,
+        num_rows, num_cols, size_class,
+    )  # fmt: skip
+    meta = dict(ROWS=rows, COLS=cols, NORM=norm_code, OUT_DTYPE=out_dtype)
+    configs = _AMAX_CONFIGS
+    if num_rows * num_cols < _TUNE_ABOVE or is_interpreted(_line_amax_kernel):
+        configs = configs[:1]
+    key = ("line_amax", size_class, x.dtype, rows, cols, norm_code, out_dtype)
+    grid = lambda tile_r, tile_c: (triton.cdiv(num_rows, tile_r),)  # noqa: E731
+    launch_tuned(_line_amax_kernel, configs, key, grid, args, meta)
+    return row_amax, col_amax
 
 
 def quantize_triton(
@@ -181,56 +252,38 @@ def quantize_triton(
     device = x.device
 
     q = s = qt = st = None
-    row_exp = col_exp = None
     if rows:
         q = torch.empty(num_rows, num_cols, dtype=torch.float8_e4m3fn, device=device)
         if square:
             s = torch.empty(-(-num_rows // 128), num_cols // 128, dtype=torch.float32, device=device)
-        elif rowwise:
-            row_exp = _rowwise_exponents(x if norm is None else _norm_output(x, norm, norm_dtype), 1, rounding)
         else:
             s = scale_buffer(layout, num_rows, num_cols // block, device)
     if cols:
         qt = torch.empty(num_cols, padded_rows, dtype=torch.float8_e4m3fn, device=device)
-        if rowwise:
-            col_exp = _rowwise_exponents(x if norm is None else _norm_output(x, norm, norm_dtype), 0, rounding)
-        else:
-            st = scale_buffer(layout, num_cols, padded_rows // block, device)
+        st = scale_buffer(layout, num_cols, padded_rows // block, device)
 
     placeholder = x.new_empty(0)
     kind, rstd, mean, weight, bias = norm if norm is not None else (None, None, None, None, None)
+    norm_args, norm_code, out_dtype = (rstd, mean, weight, bias), _NORM_CODES[kind], _TL_DTYPES[norm_dtype]
+    row_amax = col_amax = None
+    if rowwise and num_rows > 0:  # the zero-padded rows of the transposed layout change no column maximum
+        row_amax, col_amax = _line_maxima(x, rows, cols, norm_args, norm_code, out_dtype)
     grid_rows = padded_rows if cols else num_rows
     args = (
-        x, q if rows else placeholder, s if s is not None else placeholder,
-        qt if cols else placeholder, st if st is not None else placeholder,
-        row_exp, col_exp, rstd, mean, weight, bias,
+        x, q if rows else placeholder, s if rows else placeholder,
+        qt if cols else placeholder, st if cols else placeholder,
+        row_amax, col_amax, *norm_args,
         num_rows, num_cols, padded_rows,
-        *(s.stride() if s is not None else (0, 0)), *(st.stride() if st is not None else (0, 0)),
+        *(s.stride() if rows else (0, 0)), *(st.stride() if cols else (0, 0)),
         max(grid_rows * num_cols, 1).bit_length() // 2,
     )  # fmt: skip
     meta = dict(
-        BLOCK=block if not rowwise else 128, ROWS=rows, COLS=cols, SQUARE=square, GIVEN_EXP=rowwise, MX=mx,
-        RCEIL=rounding == "rceil", NORM=_NORM_CODES[kind], OUT_DTYPE=_TL_DTYPES[norm_dtype],
-        EXACT=is_interpreted(_quantize_kernel),
+        BLOCK=block if not rowwise else 128, ROWS=rows, COLS=cols, SQUARE=square, GIVEN_AMAX=rowwise, MX=mx,
+        RCEIL=rounding == "rceil", NORM=norm_code, OUT_DTYPE=out_dtype, EXACT=is_interpreted(_quantize_kernel),
     )  # fmt: skip
     if grid_rows > 0:  # no rows: nothing to launch
         _launch(args, meta, grid_rows, num_cols)
-    if rowwise:
-        from lightning_gem.ops.mx.impl.reference import pow2
-
-        if rows:
-            s = torch.where(row_exp == 128, float("nan"), pow2(row_exp))[:, None]
-        if cols:
-            st = torch.where(col_exp == 128, float("nan"), pow2(col_exp))[:, None]
     return ((q, s) if rows else None), ((qt, st) if cols else None)
-
-
-def _norm_output(x: Tensor, norm: tuple, dtype: torch.dtype) -> Tensor:
-    """The norm's output in ``dtype`` (rowwise scales need its row/column maxima before the cast)."""
-    from lightning_gem.ops.mx.impl.reference import normalize_with_stats
-
-    kind, rstd, mean, weight, bias = norm
-    return normalize_with_stats(x, rstd, mean if kind == "layer" else None, weight, bias, dtype)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -247,7 +300,7 @@ def _valid_tiles(tile_r: int, tile_c: int, meta: dict) -> bool:
     block, rows, cols = meta["BLOCK"], meta["ROWS"], meta["COLS"]
     if meta["SQUARE"]:
         return (tile_r, tile_c) == (128, 128)
-    if not meta["GIVEN_EXP"] and ((rows and tile_c % block) or (cols and tile_r % block)):
+    if not meta["GIVEN_AMAX"] and ((rows and tile_c % block) or (cols and tile_r % block)):
         return False
     if not cols:
         return tile_r <= 64  # rows only: short, wide tiles
