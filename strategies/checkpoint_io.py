@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .dense import split_mixed_param_groups
+
 __all__ = ["LayoutMismatchError", "consolidate", "is_distributed_checkpoint", "load", "save"]
 
 META_FILENAME = "meta.pt"
@@ -37,18 +39,26 @@ def is_distributed_checkpoint(path: str | Path) -> bool:
     return path.is_dir() and (path / META_FILENAME).is_file()
 
 
+# Both run with the optimizer's mixed parameter groups split (dense.split_mixed_param_groups): DCP first steps an
+# optimizer that has no state yet with zero gradients, and the multi-tensor kernels refuse groups mixing FSDP2's
+# DTensors with the replicated plain parameters. The flattened state dicts are keyed by parameter name, so they
+# are the same with the groups split or not.
+
+
 def _dense_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     options = StateDictOptions(flatten_optimizer_state_dict=True)
-    return get_optimizer_state_dict(module, optimizer, options=options)
+    with split_mixed_param_groups(optimizer):
+        return get_optimizer_state_dict(module, optimizer, options=options)
 
 
 def _set_dense_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     options = StateDictOptions(flatten_optimizer_state_dict=True)
-    set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=options)
+    with split_mixed_param_groups(optimizer):
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=state, options=options)
 
 
 def save(

@@ -334,25 +334,25 @@ def split_mixed_param_groups(optimizer: torch.optim.Optimizer) -> Iterator[None]
     PyTorch's multi-tensor (``foreach``, the CUDA default) and fused optimizer kernels refuse a list mixing
     DTensors and plain tensors. Splitting only for the step keeps them (no per-parameter fallback) and leaves
     the groups as the user built them everywhere else (LR schedulers and checkpoints index the groups;
-    optimizer state is keyed by parameter, so it is the same either way).
+    optimizer state is keyed by parameter, so it is the same either way). Options written into the split groups
+    inside the block (a loaded checkpoint's learning rate) are copied back to the groups they came from.
     """
     from torch.distributed.tensor import DTensor
 
     optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer: the optimizer it wraps
     groups = optimizer.param_groups
-    split: list[dict[str, Any]] = []
+    parts: list[list[dict[str, Any]]] = []  # per group: the groups it is while split
     for group in groups:
         sharded = [p for p in group["params"] if isinstance(p, DTensor)]
         plain = [p for p in group["params"] if not isinstance(p, DTensor)]
-        if sharded and plain:
-            split += [{**group, "params": sharded}, {**group, "params": plain}]
-        else:
-            split.append(group)
-    if len(split) == len(groups):
+        parts.append([{**group, "params": sharded}, {**group, "params": plain}] if sharded and plain else [group])
+    if len(parts) == sum(len(p) for p in parts):
         yield
         return
-    optimizer.param_groups = split
+    optimizer.param_groups = [part for group_parts in parts for part in group_parts]
     try:
         yield
     finally:
         optimizer.param_groups = groups
+        for group, (first, *_) in zip(groups, parts, strict=True):
+            group.update({k: v for k, v in first.items() if k != "params"})

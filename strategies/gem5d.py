@@ -42,7 +42,7 @@ from typing_extensions import override
 from . import checkpoint_io, dense, sparse
 from .mesh import MeshLayout, build_device_mesh, check_size, resolve_layout
 from .parallelize import ParallelModel, parallelize_model
-from .replication import SparseReplication, check_replication, check_trainer
+from .replication import SparseReplication, check_replication, evaluate_without_inference_mode
 from .sparse import EmbeddingOptimizerConfig, EmbeddingOptimizerName, TableConstraint
 
 if TYPE_CHECKING:
@@ -81,11 +81,12 @@ class GEM5DStrategy(ParallelStrategy):
             (:mod:`lightning_gem.strategies.replication`): ``"collection"``: torchrec's ``DMPCollection`` shards the
             tables and its ``sync()`` averages tables and optimizer states over each replica group after every
             step (CUDA only); ``"fully_sharded"``: ``DMPCollection``'s ``FULLY_SHARDED`` strategy, each replica
-            holding ``1 / replicas`` of its tables between forward and backward (CUDA only, with
-            ``Trainer(inference_mode=False)``); ``"replica_sync"``: ``DistributedModelParallel`` over a 2D sharding
-            environment and gem5d's own average of tables and optimizer states (any device); ``"auto"``:
-            ``"collection"`` where it can run (CUDA, an optimizer other than ``adam``, ...), else ``"replica_sync"``,
-            the reason logged. Same rank layout and same plan in every mode.
+            holding ``1 / replicas`` of its tables between forward and backward (CUDA only);
+            ``"replica_sync"``: ``DistributedModelParallel`` over a 2D sharding environment and gem5d's own average
+            of tables and optimizer states (any device); ``"auto"``: ``"collection"`` where it can run (CUDA, an
+            optimizer other than ``adam``, ...), else ``"replica_sync"``, the reason logged. Same rank layout and
+            same plan in every mode. Evaluation runs under ``torch.no_grad``, not inference mode (as Lightning's
+            FSDP strategy: FSDP2 and fully sharded tables need it).
         dense_replicate_size: HSDP replicas of the dense parameters.
         dense_shard_size: ranks each dense parameter is sharded over; ``None``:
             ``W / (dense_replicate_size x tensor_parallel_size)``.
@@ -291,7 +292,12 @@ class GEM5DStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
+        # Evaluation under no_grad, as Lightning's FSDP strategy does (FSDP2 and fully sharded tables need it).
+        evaluate_without_inference_mode(trainer)
         self.parallelize(self.model, trainer)
+        # Lightning moves the metrics the module logged to the CPU when a run ends; a later run (validate after
+        # fit) starts from the parallelized model, which nothing else moves back.
+        _metrics_to_device(self.model, self.root_device)
         if self.weights_from is not None:
             self.load_weights(self.weights_from)
         self.barrier()
@@ -309,7 +315,6 @@ class GEM5DStrategy(ParallelStrategy):
         from lightning.fabric.utilities.apply_func import move_data_to_device
 
         assert self.layout is not None, "setup_environment must run first"
-        check_trainer(self.sparse_replication, trainer)
         device = self.root_device
         optimizer = self._embedding_optimizer
         if self._embedding_lr is None and sparse.embedding_module_paths(module):
@@ -528,6 +533,15 @@ class GEM5DStrategy(ParallelStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description="GEM 5D: sparse 2D x dense 3D parallelism")
+
+
+def _metrics_to_device(module: torch.nn.Module, device: torch.device) -> None:
+    """Move every torchmetrics ``Metric`` of ``module`` that is not on ``device`` there."""
+    from torchmetrics import Metric
+
+    for sub in module.modules():
+        if isinstance(sub, Metric) and sub.device != device:
+            sub.to(device)
 
 
 def _unwrap(optimizer: Any) -> Optimizer:

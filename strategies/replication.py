@@ -14,7 +14,7 @@ Modes (``GEM5DStrategy(sparse_replication=...)``, :data:`SparseReplication`):
   update left them (that average plus its own step). ``DMPCollection.sync`` is not called (torchrec's usage
   for this strategy); the fused-optimizer states, which the reduce-scatter does not touch, are averaged by
   ``ReplicaSync`` after each step. A forward without grad (evaluation) gathers the tables back at once, since
-  no backward follows; evaluation needs ``Trainer(inference_mode=False)`` (see :func:`check_trainer`). Every
+  no backward follows (gem5d evaluates under ``torch.no_grad``, see :func:`evaluate_without_inference_mode`). Every
   training forward must be followed by a backward through the tables. A checkpoint written between training
   steps holds one replica's tables (the replicas differ by their last step); after an evaluation they are equal.
 * ``"replica_sync"``: ``DistributedModelParallel`` over a ``ShardingEnv2D`` and ``ReplicaSync``, on any device.
@@ -52,9 +52,9 @@ __all__ = [
     "ReplicationChoice",
     "SparseReplication",
     "check_replication",
-    "check_trainer",
     "choose_replication",
     "collection_support",
+    "evaluate_without_inference_mode",
     "gather_tables_after_inference",
     "shard_with_collection",
 ]
@@ -298,21 +298,24 @@ def _gather_without_backward(kernel: nn.Module, inputs: Any, output: Any) -> Non
         kernel._all_gather_table_weights()
 
 
-def check_trainer(replication: SparseReplication, trainer: Any) -> None:
-    """Refuse a Trainer that evaluates under ``torch.inference_mode`` with ``"fully_sharded"`` tables.
+def evaluate_without_inference_mode(trainer: Any) -> list[str]:
+    """Make ``trainer``'s evaluation loops run under ``torch.no_grad`` instead of ``torch.inference_mode``; the
+    names of the loops that changed.
 
-    A fully sharded kernel allocates its reduce-scatter buffer in its first forward and writes into it in later
-    ones: allocated in inference mode (the sanity check, a validation before training), it would be an
-    inference tensor that training cannot write.
-
-    Raises:
-        ValueError: ``replication == "fully_sharded"`` and an evaluation loop of ``trainer`` uses inference mode.
+    Lightning does the same for its FSDP strategy. Tensors first allocated under inference mode can never be
+    written by autograd-tracked code afterwards: FSDP2's unsharded parameters (gathered in an evaluation's
+    forward, then checked by the next training forward: "Inference tensors do not track version counter") and the
+    shard buffer a fully sharded embedding kernel allocates in its first forward. Gloo runs already evaluate
+    under ``no_grad`` in Lightning, so this matters on NCCL.
     """
-    if replication != "fully_sharded" or trainer is None:
-        return
-    loops = (trainer.validate_loop, trainer.test_loop, trainer.predict_loop, trainer.fit_loop.epoch_loop.val_loop)
-    if any(getattr(loop, "inference_mode", False) for loop in loops):
-        raise ValueError(
-            "`sparse_replication='fully_sharded'` needs `Trainer(inference_mode=False)`: torchrec's fully sharded "
-            "tables allocate their shard buffer in the first forward, which must not run in inference mode"
-        )
+    names = ("validate_loop", "test_loop", "predict_loop")
+    loops = [(name, getattr(trainer, name, None)) for name in names]
+    fit_loop = getattr(trainer, "fit_loop", None)
+    if fit_loop is not None:
+        loops.append(("fit_loop.epoch_loop.val_loop", fit_loop.epoch_loop.val_loop))
+    changed = []
+    for name, loop in loops:
+        if loop is not None and getattr(loop, "inference_mode", False):
+            loop.inference_mode = False
+            changed.append(name)
+    return changed

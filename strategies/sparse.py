@@ -52,6 +52,7 @@ __all__ = [
     "plan_sharding",
     "shard_embeddings",
     "sparse_parameter_ids",
+    "table_names",
 ]
 
 # The planner's default choices. Not table-column-wise: torchrec (1.6) cannot build the state of a rank holding
@@ -174,7 +175,8 @@ def _configs(collection: nn.Module) -> list[Any]:
     return list(collection.embedding_bag_configs())
 
 
-def _table_names(module: nn.Module) -> list[str]:
+def table_names(module: nn.Module) -> list[str]:
+    """The names of every embedding table of ``module``'s torchrec embedding modules."""
     return [c.name for sub in module.modules() if isinstance(sub, _embedding_types()) for c in _configs(sub)]
 
 
@@ -204,7 +206,7 @@ def plan_sharding(
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
     from torchrec.distributed.planner.types import ParameterConstraints
 
-    tables = _table_names(module)
+    tables = table_names(module)
     constraints = dict(constraints or {})
     unknown = sorted(set(constraints) - set(tables))
     if unknown:
@@ -370,8 +372,14 @@ def shard_embeddings(
         else:
             sync = ReplicaSync(module, replica_group)
     if choice.mode == "fully_sharded":
-        hooked = gather_tables_after_inference(module)
-        assert hooked, "fully sharded tables without a fully sharded kernel"
+        if not gather_tables_after_inference(module):
+            kernels = sorted({type(m).__name__ for m in module.modules() if "Embedding" in type(m).__name__})
+            compute = sorted({str(ps.compute_kernel) for mp in plan.plan.values() for ps in mp.values()})
+            raise RuntimeError(
+                f"sparse_replication='fully_sharded': torchrec built no fully sharded embedding kernel on rank {rank} "
+                f"(its embedding modules: {kernels}; compute kernels {compute}; plan: "
+                f"{describe_plan(plan, layout.sparse_group_size)})"
+            )
     if rank == 0:
         log.info("gem5d embedding replicas: %s (%s)", choice.mode, choice.reason)
         log.info("gem5d embedding plan (%s): %s", layout.describe(), describe_plan(plan, layout.sparse_group_size))

@@ -71,6 +71,34 @@ class ProfileLastSteps(L.Callback):
             print(averages.table(sort_by=key, row_limit=20, max_name_column_width=70))
 
 
+class CProfileLastSteps(L.Callback):
+    """Python's ``cProfile`` over the last ``num_steps`` training steps; prints the functions with the most own
+    time and the most cumulative time (what the host does while a host-bound step's GPU waits)."""
+
+    def __init__(self, num_steps: int, last_step: int, label: str) -> None:
+        import cProfile
+
+        self.first, self.label, self.profiler, self.on = last_step - num_steps, label, cProfile.Profile(), False
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        if trainer.global_step == self.first and not self.on:
+            self.on = True
+            self.profiler.enable()
+
+    def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+        if not self.on:
+            return
+        self.profiler.disable()
+        import io
+        import pstats
+
+        for key in ("tottime", "cumulative"):
+            text = io.StringIO()
+            pstats.Stats(self.profiler, stream=text).sort_stats(key).print_stats(30)
+            print(f"== {self.label}: cProfile of the last steps, by {key} ==")
+            print("\n".join(line[:160] for line in text.getvalue().splitlines()[6:]))
+
+
 def run_stack(
     stack: str, source: SyntheticRankingSource, tokens_per_step: float, args: argparse.Namespace
 ) -> dict[str, float]:
@@ -83,6 +111,8 @@ def run_stack(
     callbacks: list[L.Callback] = [monitor]
     if args.profile_steps:
         callbacks.append(ProfileLastSteps(args.profile_steps, args.warmup + args.steps, stack))
+    if args.cprofile_steps:
+        callbacks.append(CProfileLastSteps(args.cprofile_steps, args.warmup + args.steps, stack))
     cuda = args.device == "cuda"
     trainer = L.Trainer(
         accelerator="gpu" if cuda else "cpu",
@@ -151,6 +181,7 @@ def main() -> None:
     parser.add_argument("--root", type=Path, default=Path("logs/e2e"), help="the Trainer's default_root_dir")
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     parser.add_argument("--profile-steps", type=int, default=0, help="profile this many last steps of each stack")
+    parser.add_argument("--cprofile-steps", type=int, default=0, help="cProfile this many last steps of each stack")
     args = parser.parse_args()
     if args.tiny:
         args.steps, args.warmup, args.batch_size = min(args.steps, 3), min(args.warmup, 1), min(args.batch_size, 4)

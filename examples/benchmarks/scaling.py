@@ -37,6 +37,7 @@ import torch
 from gem_example import add_shape_arguments, gem_ranker, synthetic_users, use_tiny_shapes
 from lightning_gem.components import GEMRanker
 from lightning_gem.strategies import GEM5DStrategy
+from lightning_gem.strategies.sparse import TableConstraint, table_names
 
 from lightning_gem.callbacks import MFUMonitor
 from lightning_gem.data import GEMDataModule, SyntheticRankingSource
@@ -70,6 +71,16 @@ class StepClock(L.Callback):
     def median_interval(self, skip: int) -> float:
         ends = self.ends[skip:]
         return statistics.median(b - a for a, b in zip(ends, ends[1:], strict=False)) if len(ends) > 1 else math.nan
+
+
+class StartWeights(L.Callback):
+    """The full weights when training starts (after sharding and any checkpoint load; collective)."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, np.ndarray] = {}
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.weights = full_weights(pl_module)
 
 
 _SOURCES: dict[tuple[bool, int], SyntheticRankingSource] = {}
@@ -119,7 +130,8 @@ def fit(rank: int, world_size: int, job: dict[str, Any], args: argparse.Namespac
     data = GEMDataModule(source=source, batch_size=job["batch"], seed=args.seed, balance=job["balance"])
     model = make_model(source, args, match)
     clock = StepClock(mean_loss=match)
-    callbacks: list[Any] = [clock]
+    start = StartWeights()
+    callbacks: list[Any] = [clock] + ([start] if match else [])
     monitor = None
     if not match:
         baseline = job.get("baseline_samples_per_s")
@@ -132,7 +144,11 @@ def fit(rank: int, world_size: int, job: dict[str, Any], args: argparse.Namespac
             )
         )
     cuda = args.device == "cuda"
-    strategy = GEM5DStrategy(**job["strategy"])
+    options = dict(job["strategy"])
+    if job.get("sharding_type"):  # every table sharded this one way
+        only = TableConstraint(sharding_types=(job["sharding_type"],))
+        options["table_constraints"] = {name: only for name in table_names(model)}
+    strategy = GEM5DStrategy(**options)
     trainer = L.Trainer(
         accelerator="gpu" if cuda else "cpu",
         devices=world_size,
@@ -152,8 +168,12 @@ def fit(rank: int, world_size: int, job: dict[str, Any], args: argparse.Namespac
         torch.cuda.reset_peak_memory_stats()
     trainer.fit(model, datamodule=data, ckpt_path=job.get("ckpt_path"))
     out: dict[str, Any] = {"losses": clock.losses}
+    if strategy.parallel is not None:
+        out["plan"] = strategy.parallel.describe()["plan"]
     if job.get("weights"):
         out["weights"] = full_weights(model)
+    if match:
+        out["start_weights"] = start.weights
     if monitor is not None:
         interval = clock.median_interval(skip=args.warmup)
         summary = monitor.summary(skip_first=args.warmup)
@@ -240,6 +260,16 @@ def weights_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> fl
     return max(float(np.max(np.abs(a[k].astype(np.float64) - b[k]))) if a[k].size else 0.0 for k in a)
 
 
+def start_weights_difference(run: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
+    """Per weight differing from the reference's when training started: the largest absolute difference."""
+    a, b = run.get("start_weights", {}), ref.get("start_weights", {})
+    if not a or not b:
+        return {"missing": math.inf}
+    out = {k: float(np.max(np.abs(a[k].astype(np.float64) - b[k]))) for k in a.keys() & b.keys() if a[k].size}
+    out.update({k: math.inf for k in a.keys() ^ b.keys()})
+    return {k: v for k, v in out.items() if v != 0.0}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
@@ -254,6 +284,12 @@ def main() -> None:
     parser.add_argument("--match-history", type=int, default=64)
     parser.add_argument("--match-items", type=int, default=5000)
     parser.add_argument("--loss-rtol", type=float, default=1e-4, help="correctness: max relative loss difference")
+    parser.add_argument(
+        "--match-sharding",
+        nargs="*",
+        default=["table_wise", "row_wise", "column_wise"],
+        help="correctness at sparse group size N also with every table sharded each of these ways",
+    )
     parser.add_argument("--timeout", type=float, default=420.0, help="seconds a group may take per result")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--root", type=Path, default=None, help="checkpoints and logs; default: a temporary folder")
@@ -295,40 +331,53 @@ def main() -> None:
     save(results, args.out)
     baseline = base.get("samples_per_s_per_gpu")
 
-    rows = []
+    rows, by_sharding = [], {}
     for layout in layouts(n):
         name = layout_name(layout)
-        speed, check = run_group(
+        ways = args.match_sharding if layout == {"sparse_group_size": n, "tensor_parallel_size": 1} else []
+        speed, check, *constrained = run_group(
             n,
             [
                 speed_job(layout, baseline_samples_per_s=baseline, name=name),
                 match_job(layout, name=name + " (fp32)"),
+                *(match_job(layout, sharding_type=way, name=f"{name}, all {way} (fp32)") for way in ways),
             ],
             args,
         )
         check["max_loss_rel_diff"] = max_relative_difference(check.get("losses", []), ref.get("losses", []))
+        check["start_weights_diff"] = start_weights_difference(check, ref)
         rows.append({"layout": name, "strategy": layout, "speed": speed, "match": check})
-        save(results | {"layouts": rows}, args.out)
-    results["layouts"] = rows
+        for way, out in zip(ways, constrained, strict=True):
+            out["max_loss_rel_diff"] = max_relative_difference(out.get("losses", []), ref.get("losses", []))
+            out["start_weights_diff"] = start_weights_difference(out, ref)
+            by_sharding[way] = out
+        save(results | {"layouts": rows, "match_by_sharding": by_sharding}, args.out)
+    results["layouts"], results["match_by_sharding"] = rows, by_sharding
 
     # Overlap and batch shuffling off; checkpoints: save at N mid-way and resume, against the uninterrupted run.
     headline = {"sparse_group_size": n, "tensor_parallel_size": 1}
     half = args.match_steps // 2
     ckpt_root = root / "checkpoints"
     ckpt = str(ckpt_root / f"step={half}.ckpt")
-    off, unshuffled, whole, saved, resumed = run_group(
+    off, unshuffled = run_group(
         n,
         [
             speed_job({**headline, "train_pipeline": False}, baseline_samples_per_s=baseline, name="overlap off"),
             speed_job(headline, balance=False, baseline_samples_per_s=baseline, name="shuffling off"),
+        ],
+        args,
+    )
+    results["overlap_off"], results["shuffling_off"] = off, unshuffled
+    save(results, args.out)
+    whole, saved, resumed = run_group(
+        n,
+        [
             match_job(headline, root=str(root / "whole"), name="uninterrupted"),
             match_job(headline, steps=half, save_every=half, weights=True, root=str(ckpt_root), name="save"),
             match_job(headline, ckpt_path=ckpt, root=str(ckpt_root), name="resume"),
         ],
         args,
     )
-    results["overlap_off"], results["shuffling_off"] = off, unshuffled
-    save(results, args.out)
     # The saved weights on N/2 ranks (default sparse group: all of them).
     [loaded] = run_group(
         n // 2, [match_job({}, ckpt_path=ckpt, root=str(root / "load"), load=True, name=f"weights at {n // 2}")], args
@@ -392,6 +441,14 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
         f"resume at {n} vs uninterrupted: max relative loss difference {ck['resume_max_loss_rel_diff']:.1e}; "
         f"weights loaded at {n // 2} vs saved at {n}: max abs difference {ck['weights_at_half_max_abs_diff']:.1e}"
     )
+    for way, out in results.get("match_by_sharding", {}).items():
+        diff = "failed" if "error" in out else f"{out['max_loss_rel_diff']:.1e}"
+        print(f"sparse {n}, every table {way}: max relative loss difference vs 1 GPU {diff}")
+        print(f"  weights differing from 1 GPU's at the start: {out.get('start_weights_diff')}")
+    for row in results["layouts"]:
+        if row["match"].get("plan"):
+            print(f"embedding plan of {row['layout']}: {row['match']['plan']}")
+        print(f"  weights differing from 1 GPU's at the start: {row['match'].get('start_weights_diff')}")
     bad = [
         r["layout"] for r in results["layouts"] if not r["match"].get("max_loss_rel_diff", math.inf) <= args.loss_rtol
     ]
@@ -401,7 +458,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
 def _plain(value: Any) -> Any:
     """JSON-ready: numpy arrays (weights) dropped to their shapes."""
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items() if k != "weights"}
+        return {k: _plain(v) for k, v in value.items() if k not in ("weights", "start_weights")}
     if isinstance(value, list | tuple):
         return [_plain(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):

@@ -63,7 +63,9 @@ def _sgd_ranker_class() -> type:
 
     class SGDRanker(GEMRanker):
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+            # The multi-tensor kernels (CUDA's default) on CPU too: they refuse lists mixing FSDP2's DTensors with
+            # plain tensors, which the strategy must keep apart (optimizer steps and checkpoint loads).
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, foreach=True)
 
     return SGDRanker
 

@@ -233,7 +233,13 @@ def _save_then_resume(rank: int, world_size: int, root: str) -> dict[str, Any]:
         ckpt_path=f"{root}/step=3.ckpt",
         dense_optimizer="adamw",
     )
-    return {"straight": straight, "resumed": resumed} if rank == 0 else {}
+    # SGD keeps no state, so the checkpoint load initialises it with a zero-gradient step over groups that mix
+    # FSDP2's DTensors and the replicated plain parameters.
+    sgd = {"steps": 4, "global_batch": GLOBAL_BATCH, "dense_optimizer": "sgd"}
+    sgd_straight = fit_gem(world_size, CKPT_LAYOUT, root=f"{root}/sgd", ckpt_every=2, **sgd)
+    sgd_resumed = fit_gem(world_size, CKPT_LAYOUT, ckpt_path=f"{root}/sgd/step=2.ckpt", **sgd)
+    out = {"straight": straight, "resumed": resumed, "sgd_straight": sgd_straight, "sgd_resumed": sgd_resumed}
+    return out if rank == 0 else {}
 
 
 def _load_elsewhere(rank: int, world_size: int, path: str) -> dict[str, Any]:
@@ -260,6 +266,7 @@ def test_checkpoint_resumes_exactly_and_loads_at_another_world_size(tmp_path) ->
     assert (tmp_path / "step=3.ckpt" / "meta.pt").is_file() and (tmp_path / "step=6.ckpt" / "meta.pt").is_file()
     assert len(resumed["losses"]) == 3  # steps 4..6 only: the DataModule resumed mid-epoch
     np.testing.assert_allclose(resumed["losses"], straight["losses"][3:], rtol=1e-6)
+    np.testing.assert_allclose(out["sgd_resumed"]["losses"], out["sgd_straight"]["losses"][2:], rtol=1e-6)
     for name, value in straight["weights"].items():
         np.testing.assert_allclose(resumed["weights"][name], value, atol=1e-6, err_msg=name)
 

@@ -19,9 +19,9 @@ from lightning_gem.strategies.mesh import (
 from lightning_gem.strategies.replication import (
     CollectionSupport,
     ReplicationChoice,
-    check_trainer,
     choose_replication,
     collection_support,
+    evaluate_without_inference_mode,
 )
 from lightning_gem.strategies.sparse import EmbeddingOptimizerConfig, TableConstraint, embedding_module_paths
 from torch import nn
@@ -481,14 +481,14 @@ def test_sparse_replication_is_checked_at_construction() -> None:
     assert GEM5DStrategy(sparse_replication="fully_sharded").sparse_replication == "fully_sharded"
 
 
-def test_fully_sharded_tables_refuse_evaluation_in_inference_mode(tmp_path: Path) -> None:
+def test_gem5d_evaluates_under_no_grad_not_inference_mode(tmp_path: Path) -> None:
+    """FSDP2's gathered parameters and fully sharded tables cannot be first allocated under inference mode: the
+    strategy turns every evaluation loop to ``no_grad`` (what Lightning does for its FSDP strategy)."""
     import lightning as L
 
-    def trainer(inference_mode: bool) -> L.Trainer:
-        return L.Trainer(accelerator="cpu", logger=False, inference_mode=inference_mode, default_root_dir=tmp_path)
-
-    with pytest.raises(ValueError, match=r"needs `Trainer\(inference_mode=False\)`"):
-        check_trainer("fully_sharded", trainer(True))
-    check_trainer("fully_sharded", trainer(False))
-    for mode in ("auto", "collection", "replica_sync"):
-        check_trainer(mode, trainer(True))
+    trainer = L.Trainer(accelerator="cpu", logger=False, default_root_dir=tmp_path)
+    loops = (trainer.validate_loop, trainer.test_loop, trainer.predict_loop, trainer.fit_loop.epoch_loop.val_loop)
+    assert [loop.inference_mode for loop in loops] == [True, True, True, False]  # Lightning's defaults
+    assert evaluate_without_inference_mode(trainer) == ["validate_loop", "test_loop", "predict_loop"]
+    assert not any(loop.inference_mode for loop in loops)
+    assert evaluate_without_inference_mode(trainer) == []  # idempotent
