@@ -135,6 +135,33 @@ def profile_step(tokens: int, shape: tuple[int, int], recipe: str) -> str:
     return f"profile: {recipe} {tokens} x {shape}\n{table}"
 
 
+def host_profile(tokens: int, shape: tuple[int, int], recipe: str, steps: int = 20) -> str:
+    """Python's ``cProfile`` over ``steps`` forward+backward steps of one converted layer, the GPU synchronised
+    once at the end: the host's own time per step (what a small, host-bound layer costs)."""
+    import cProfile
+    import io
+    import pstats
+
+    layer = convert(nn.Sequential(nn.Linear(*shape, device="cuda", dtype=torch.bfloat16)), RECIPES[recipe])
+    x = torch.randn(tokens, shape[0], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(tokens, shape[1], device="cuda", dtype=torch.bfloat16)
+    step = linear_step(layer, x, grad)
+    step()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    host_ms = (time.perf_counter() - start) * 1e3 / steps
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    body = "\n".join(line[:150] for line in text.getvalue().splitlines()[6:])
+    return f"host profile: {recipe} {tokens} x {shape}: {host_ms:.3f} ms of host time per step\n{body}"
+
+
 def bench_kernels(tokens: int, dim: int, device: str) -> list[dict]:
     x = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16)
     weight = torch.randn(dim, device=device)
@@ -279,6 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quality-batch", type=int, default=2048)
     parser.add_argument("--skip-speed", action="store_true", help="only the quality comparison")
     parser.add_argument("--profile", action="store_true", help="print per-kernel GPU time of one FP8 step")
+    parser.add_argument("--host-profile", action="store_true", help="print cProfile of FP8 steps (host time)")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (CPU smoke test)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -298,6 +326,9 @@ def main(argv: list[str] | None = None) -> dict:
     quality_rows = []
     if args.quality_steps:
         quality_rows = quality(args.quality_steps, args.device, args.recipes, args.quality_dim, args.quality_batch)
+    if args.host_profile and args.device == "cuda":
+        for recipe in ("fp8-rowwise", "fp8-blockwise"):
+            print(host_profile(min(args.tokens), SHAPES[0], recipe))
     if args.profile and args.device == "cuda":
         print(profile_step(min(args.tokens), SHAPES[0], "fp8-rowwise"))  # small: where fixed costs show
         for recipe in ("fp8-blockwise", "fp8-rowwise"):
