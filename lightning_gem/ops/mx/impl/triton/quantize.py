@@ -187,7 +187,7 @@ def _line_amax_kernel(
 
 # (TILE_R, TILE_C, num_warps) candidates of _line_amax_kernel: taller tiles take fewer column atomics but make
 # fewer programs (each holds whole rows); the tuner weighs the two per size class.
-_AMAX_CONFIGS = [(32, 128, 4), (16, 256, 4), (64, 128, 8), (32, 256, 8), (128, 64, 8)]
+_AMAX_CONFIGS = [(32, 128, 4), (16, 256, 4), (64, 128, 8), (32, 256, 8), (128, 64, 8), (256, 64, 8), (512, 32, 8)]
 
 
 def _line_maxima(
