@@ -54,6 +54,7 @@ __all__ = [
     "check_replication",
     "choose_replication",
     "collection_support",
+    "embedding_kernels",
     "evaluate_without_inference_mode",
     "gather_tables_after_inference",
     "shard_with_collection",
@@ -281,7 +282,7 @@ def gather_tables_after_inference(module: nn.Module) -> int:
     if not types:
         raise RuntimeError(f"this torchrec has no fully sharded embedding kernels ({', '.join(names)})")
     hooked = 0
-    for sub in module.modules():
+    for sub in embedding_kernels(module):
         if isinstance(sub, types):
             if not hasattr(sub, "_all_gather_table_weights"):
                 raise RuntimeError(
@@ -290,6 +291,20 @@ def gather_tables_after_inference(module: nn.Module) -> int:
             sub.register_forward_hook(_gather_without_backward)
             hooked += 1
     return hooked
+
+
+def embedding_kernels(module: nn.Module) -> list[nn.Module]:
+    """Every module of ``module``, with the embedding kernels of its torchrec sharded modules, which hold their
+    lookups in a plain list (``_lookups``), out of ``module.modules()``."""
+    found: dict[int, nn.Module] = {}
+    for sub in module.modules():
+        found.setdefault(id(sub), sub)
+        for lookup in getattr(sub, "_lookups", None) or []:
+            lookup = getattr(lookup, "module", lookup)  # a lookup wrapped in DistributedDataParallel
+            if isinstance(lookup, nn.Module):
+                for kernel in lookup.modules():
+                    found.setdefault(id(kernel), kernel)
+    return list(found.values())
 
 
 def _gather_without_backward(kernel: nn.Module, inputs: Any, output: Any) -> None:

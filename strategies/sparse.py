@@ -36,7 +36,13 @@ import torch.distributed as dist
 from torch import nn
 
 from .mesh import MeshLayout
-from .replication import SparseReplication, choose_replication, gather_tables_after_inference, shard_with_collection
+from .replication import (
+    SparseReplication,
+    choose_replication,
+    embedding_kernels,
+    gather_tables_after_inference,
+    shard_with_collection,
+)
 
 log = logging.getLogger(__name__)
 
@@ -373,7 +379,7 @@ def shard_embeddings(
             sync = ReplicaSync(module, replica_group)
     if choice.mode == "fully_sharded":
         if not gather_tables_after_inference(module):
-            kernels = sorted({type(m).__name__ for m in module.modules() if "Embedding" in type(m).__name__})
+            kernels = sorted({type(m).__name__ for m in embedding_kernels(module) if "Embedding" in type(m).__name__})
             compute = sorted({str(ps.compute_kernel) for mp in plan.plan.values() for ps in mp.values()})
             raise RuntimeError(
                 f"sparse_replication='fully_sharded': torchrec built no fully sharded embedding kernel on rank {rank} "
