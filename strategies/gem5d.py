@@ -448,6 +448,27 @@ class GEM5DStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    # A fully sharded table that an evaluation's forwards left sharded is gathered when the evaluation ends, before
+    # anything (a checkpoint, the next stage) reads it.
+    @override
+    def on_validation_end(self) -> None:
+        self._gather_sharded_tables()
+
+    @override
+    def on_test_end(self) -> None:
+        self._gather_sharded_tables()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._gather_sharded_tables()
+
+    def _gather_sharded_tables(self) -> None:
+        if self.parallel is not None and self.parallel.sparse.replication == "fully_sharded":
+            from .replication import gather_sharded_tables
+
+            assert self.model is not None
+            gather_sharded_tables(self.model)
+
     @override
     def teardown(self) -> None:
         if self.prefetcher is not None:

@@ -13,9 +13,10 @@ Modes (``GEM5DStrategy(sparse_replication=...)``, :data:`SparseReplication`):
   update starts from the replicas' average, while the forward reads the tables as this replica's own last
   update left them (that average plus its own step). ``DMPCollection.sync`` is not called (torchrec's usage
   for this strategy); the fused-optimizer states, which the reduce-scatter does not touch, are averaged by
-  ``ReplicaSync`` after each step. A forward without grad (evaluation) gathers the tables back at once, since
-  no backward follows (gem5d evaluates under ``torch.no_grad``, see :func:`evaluate_without_inference_mode`). Every
-  training forward must be followed by a backward through the tables. A checkpoint written between training
+  ``ReplicaSync`` after each step. After a forward without grad (evaluation), which no backward follows, the
+  tables are gathered before the next forward and when the evaluation ends (gem5d evaluates under
+  ``torch.no_grad``, see :func:`evaluate_without_inference_mode`). Every training forward must be followed by a
+  backward through the tables. A checkpoint written between training
   steps holds one replica's tables (the replicas differ by their last step); after an evaluation they are equal.
 * ``"replica_sync"``: ``DistributedModelParallel`` over a ``ShardingEnv2D`` and ``ReplicaSync``, on any device.
 * ``"auto"``: ``"collection"`` where :func:`choose_replication` finds nothing against it (CUDA, a torchrec with
@@ -56,7 +57,8 @@ __all__ = [
     "collection_support",
     "embedding_kernels",
     "evaluate_without_inference_mode",
-    "gather_tables_after_inference",
+    "gather_sharded_tables",
+    "gather_tables_before_forward",
     "shard_with_collection",
 ]
 
@@ -267,30 +269,43 @@ def shard_with_collection(
     return collection
 
 
-def gather_tables_after_inference(module: nn.Module) -> int:
-    """Make every fully sharded embedding kernel of ``module`` gather its table right after a forward without
-    grad; the number of kernels hooked.
+def gather_tables_before_forward(module: nn.Module) -> int:
+    """Make every fully sharded embedding kernel of ``module`` gather its table before a forward if a forward
+    without backward (evaluation) left it sharded; the number of kernels hooked.
 
-    torchrec's fully sharded kernels reduce-scatter the table in every forward and gather it in the backward;
-    a forward with no backward after it (evaluation) would leave the table sharded for the next forward and
-    for the state dict.
+    torchrec's fully sharded kernels reduce-scatter the table after every forward and gather it in the backward.
+    A forward with no backward after it leaves the table sharded. Gathering in a hook after that forward would
+    clear the reduce-scatter awaitable that torchrec's output awaitable still holds (on 2 H200s: "'NoneType'
+    object has no attribute 'wait'"), so the gather waits for the next forward, or for
+    :func:`gather_sharded_tables` (the strategy calls it when an evaluation ends, before checkpoints read the
+    tables).
     """
+    hooked = 0
+    for kernel in _fully_sharded_kernels(module):
+        kernel.register_forward_pre_hook(_gather_if_sharded)
+        hooked += 1
+    return hooked
+
+
+def gather_sharded_tables(module: nn.Module) -> None:
+    """All-gather every fully sharded table of ``module`` that a forward without backward left sharded
+    (collective over the replica groups: every rank calls it at the same point)."""
+    for kernel in _fully_sharded_kernels(module):
+        _gather_if_sharded(kernel, ())
+
+
+def _fully_sharded_kernels(module: nn.Module) -> list[nn.Module]:
     from torchrec.distributed import batched_embedding_kernel as kernels
 
     names = ("ShardedBatchedFusedEmbedding", "ShardedBatchedFusedEmbeddingBag")
     types = tuple(getattr(kernels, name) for name in names if hasattr(kernels, name))
     if not types:
         raise RuntimeError(f"this torchrec has no fully sharded embedding kernels ({', '.join(names)})")
-    hooked = 0
-    for sub in embedding_kernels(module):
-        if isinstance(sub, types):
-            if not hasattr(sub, "_all_gather_table_weights"):
-                raise RuntimeError(
-                    f"this torchrec's {type(sub).__name__} has no table gather (_all_gather_table_weights)"
-                )
-            sub.register_forward_hook(_gather_without_backward)
-            hooked += 1
-    return hooked
+    found = [sub for sub in embedding_kernels(module) if isinstance(sub, types)]
+    for sub in found:
+        if not hasattr(sub, "_all_gather_table_weights"):
+            raise RuntimeError(f"this torchrec's {type(sub).__name__} has no table gather (_all_gather_table_weights)")
+    return found
 
 
 def embedding_kernels(module: nn.Module) -> list[nn.Module]:
@@ -307,10 +322,9 @@ def embedding_kernels(module: nn.Module) -> list[nn.Module]:
     return list(found.values())
 
 
-def _gather_without_backward(kernel: nn.Module, inputs: Any, output: Any) -> None:
-    if not torch.is_grad_enabled():
-        # torchrec's own backward pre-hook (no public equivalent); a no-op when the table is not sharded
-        kernel._all_gather_table_weights()
+def _gather_if_sharded(kernel: nn.Module, inputs: Any) -> None:
+    if getattr(kernel, "weights_sharded", False):
+        kernel._all_gather_table_weights()  # torchrec's own backward pre-hook (no public equivalent)
 
 
 def evaluate_without_inference_mode(trainer: Any) -> list[str]:

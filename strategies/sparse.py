@@ -40,7 +40,7 @@ from .replication import (
     SparseReplication,
     choose_replication,
     embedding_kernels,
-    gather_tables_after_inference,
+    gather_tables_before_forward,
     shard_with_collection,
 )
 
@@ -378,7 +378,7 @@ def shard_embeddings(
         else:
             sync = ReplicaSync(module, replica_group)
     if choice.mode == "fully_sharded":
-        if not gather_tables_after_inference(module):
+        if not gather_tables_before_forward(module):
             kernels = sorted({type(m).__name__ for m in embedding_kernels(module) if "Embedding" in type(m).__name__})
             compute = sorted({str(ps.compute_kernel) for mp in plan.plan.values() for ps in mp.values()})
             raise RuntimeError(

@@ -455,3 +455,33 @@ def test_dmpcollection_builds_our_groups_and_readdresses_the_plan_as_we_do() -> 
             assert theirs == ours, (rank, case["group_size"])
             group = rank // case["group_size"] * case["group_size"]
             assert all(min(ranks) >= group for ranks, _ in ours.values()), ours  # re-addressed into this group
+
+
+def _kernels_of_sharded_tables(rank: int, world_size: int) -> list[str]:
+    import torch
+    from lightning_gem.strategies.replication import embedding_kernels
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    torch.distributed.init_process_group("gloo")
+    meta = torch.device("meta")
+    model = torch.nn.ModuleDict(
+        {
+            "pooled": EmbeddingBagCollection([EmbeddingBagConfig(name="p", embedding_dim=8, num_embeddings=10,
+                                                                 feature_names=["f"])], device=meta),
+            "sequence": EmbeddingCollection([EmbeddingConfig(name="s", embedding_dim=8, num_embeddings=10,
+                                                             feature_names=["g"])], device=meta),
+        }
+    )  # fmt: skip
+    sharded = DistributedModelParallel(model, device=torch.device("cpu"))
+    names = {type(m).__name__ for m in embedding_kernels(sharded)}
+    assert not any("Batched" in type(m).__name__ for m in sharded.modules())  # the reason for embedding_kernels
+    return sorted(names)
+
+
+def test_embedding_kernels_reach_into_sharded_modules_lookup_lists() -> None:
+    """torchrec's sharded modules keep their lookups in plain lists, outside ``module.modules()``: the fully
+    sharded tables' hooks are found through them."""
+    names = run_ranks(_kernels_of_sharded_tables, 1)[0]
+    assert {"ShardedEmbeddingBagCollection", "ShardedEmbeddingCollection"} <= set(names)
+    assert sum("Batched" in name for name in names) >= 2, names  # one TBE kernel per collection at least
