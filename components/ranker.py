@@ -194,6 +194,7 @@ class GEMRanker(L.LightningModule):
         self.schema = schema
         self._history_keys = [f.name for f in schema.history_features]
         self._candidate_keys = [f.name for f in schema.candidate_features]
+        self._pooled_keys = [f.name for f in schema.pooled_features]
         dim, emb = hp.model_dim, hp.embedding_dim
         tables = tables_from_features(schema.sequence_features, emb, init_scale=hp.embedding_init_scale)
         self.sequence_embeddings = build_embedding_collection(tables)
@@ -304,7 +305,10 @@ class GEMRanker(L.LightningModule):
         if self.pooled_proj is not None:
             if batch.pooled_features is None:
                 raise ValueError("the schema has pooled features but `batch.pooled_features` is None")
-            context.append(self.pooled_proj(self.pooled_embeddings(batch.pooled_features).values()))
+            # By name: a sharded EmbeddingBagCollection's output lists its keys in sharding order (tables placed
+            # table-wise on different ranks come back grouped by rank), not in the collection's order.
+            pooled = self.pooled_embeddings(batch.pooled_features).to_dict()
+            context.append(self.pooled_proj(torch.cat([pooled[k] for k in self._pooled_keys], dim=1)))
         if self.dense_proj is not None:
             if batch.dense_features is None:
                 raise ValueError(f"the schema has num_dense={schema.num_dense} but `batch.dense_features` is None")

@@ -121,6 +121,12 @@ def test_every_layout_trains_like_one_process(world_size: int) -> None:
         # the encoder's layers on token shards (clipped: its norms' gradients are summed before the norm is taken)
         layouts.append({"embedding_optimizer": "rowwise_adagrad"} | SEQUENCE_PARALLEL)
         layouts.append({"embedding_optimizer": "sgd", "trainer": clip} | SEQUENCE_PARALLEL)
+        # pooled tables table-wise (one on each rank: the collection's output comes back in sharding order), the
+        # sequence tables row-wise
+        ways = {"user_segment": "table_wise", "user_interest_tags": "table_wise", "item": "row_wise"}
+        ways["action_type"] = "row_wise"
+        constraints = {table: {"sharding_types": [way]} for table, way in ways.items()}
+        layouts.append({"embedding_optimizer": "sgd", "sparse_group_size": 2, "table_constraints": constraints})
     else:
         # token shards in 2 tensor-parallel groups, the dense layers sharded over the groups
         layouts.append({"embedding_optimizer": "sgd", "sparse_group_size": 2} | SEQUENCE_PARALLEL)
