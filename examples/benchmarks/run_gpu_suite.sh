@@ -46,15 +46,18 @@ for s in "${steps[@]}"; do
     attention) step attention 600 $PY examples/benchmarks/attention.py --parallel-compile --rep 20 \
       --out "$OUT/attention.md" ;;
     precision) step precision 600 $PY examples/benchmarks/precision.py --tokens 16384 65536 \
-      --quality-steps 150 --profile --out "$OUT/precision.json" ;;
-    balance) step balance 600 $PY examples/benchmarks/balance_ranks.py --num-batches 4 --reps 3 \
-      --out "$OUT/balance_ranks.json" ;;
-    e2e) step e2e 600 $PY examples/benchmarks/e2e.py --stacks kit,plain --profile-steps 3 --root "$OUT/e2e" \
+      --quality-steps 150 --profile --host-profile --out "$OUT/precision.json" ;;
+    balance)  # 64 and 32 users per simulated rank: the smaller shares are the more unequal ones
+      step balance 300 $PY examples/benchmarks/balance_ranks.py --num-batches 4 --reps 3 \
+        --out "$OUT/balance_ranks.json"
+      step balance32 300 $PY examples/benchmarks/balance_ranks.py --num-batches 4 --reps 3 --batch-size 32 \
+        --out "$OUT/balance_ranks_32.json" ;;
+    e2e) step e2e 600 $PY examples/benchmarks/e2e.py --stacks kit,plain --cprofile-steps 3 --root "$OUT/e2e" \
       --out "$OUT/e2e.json" ;;
     scaling)
       if [ "$gpus" -ge 2 ]; then
-        step scaling 600 $PY examples/benchmarks/scaling.py --timeout 300 --root "$OUT/scaling" \
-          --out "$OUT/scaling.json"
+        step scaling 600 $PY examples/benchmarks/scaling.py --steps 20 --warmup 5 --batch-size 32 --timeout 150 \
+          --root "$OUT/scaling" --out "$OUT/scaling.json"
       else
         echo "scaling: skipped ($gpus GPU)" | tee -a "$OUT/summary.txt"
       fi ;;
