@@ -6,10 +6,12 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.loggers import Logger
 from lightning_gem.components import GEMRanker
 from torch.utils.data import DataLoader
 
@@ -18,6 +20,7 @@ from lightning_gem.data.synthetic import SyntheticRankingSource
 
 
 def _trainer(monitor: MFUMonitor, root: Path, **kwargs) -> L.Trainer:  # noqa: ANN003
+    kwargs.setdefault("log_every_n_steps", 1)
     return L.Trainer(
         accelerator="cpu",
         callbacks=[monitor],
@@ -117,3 +120,37 @@ def test_two_gloo_ranks_report_the_compute_imbalance_that_step_times_hide(tmp_pa
     # Forward 0.15 s vs 0.05 s: max/mean = 0.15 / 0.10 = 1.5; the synchronised steps look balanced.
     assert 1.3 < summary["compute_imbalance"] < 1.6, summary
     assert summary["step_time_imbalance"] < 1.15, summary
+
+
+class _Recorder(Logger):
+    """A logger that keeps what it was given: ``(step, metrics)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recorder"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows.append((step, dict(metrics)))
+
+
+def test_every_step_is_measured_and_logged_on_the_loggers_steps(tmp_path) -> None:
+    model, loader = _ranker_and_loader(48)
+    monitor = MFUMonitor(peak_tflops=1.0, plot=False)
+    recorder = _Recorder()
+    trainer = _trainer(monitor, tmp_path, max_steps=6, limit_val_batches=0, log_every_n_steps=2)
+    trainer.loggers = [recorder]
+    trainer.fit(model, loader)
+    assert len(monitor.history) == 6
+    logged = [step for step, metrics in recorder.rows if "perf/mfu" in metrics]
+    assert logged == [1, 3, 5], recorder.rows  # the loggers' steps (every second one), each with the step's values

@@ -40,7 +40,9 @@ class MFUMonitor(L.Callback):
     ``perf/compute_imbalance`` (the forward pass, from the step's start to ``on_before_backward``,
     and its max / mean over ranks), ``perf/samples_per_s_per_device`` (global samples / world size /
     slowest rank's step time), and with a baseline ``perf/scaling_ratio`` and ``perf/e2e_mfu``. Ranks
-    are compared through one all-gather of three scalars per step (1.0 in one process).
+    are compared through one all-gather of three scalars per step (1.0 in one process). Every step is measured
+    and kept in :attr:`history` (the report and ``mfu.json``); the values go to ``self.log`` on the steps the
+    loggers write (``Trainer(log_every_n_steps=...)``).
 
     Why the forward: gradient all-reduces make every rank's *step* wait for the slowest, so step times
     come out nearly equal whatever the load; a data-parallel forward has no collective, so its time is
@@ -133,7 +135,10 @@ class MFUMonitor(L.Callback):
         self._num_batches += 1
         metrics = self._step_metrics(pl_module, seconds, samples, size)
         self.history.append({"step": float(trainer.global_step), **metrics})
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        # Only on the steps the loggers write (as Lightning's ThroughputMonitor): each logged float becomes a device
+        # tensor, several milliseconds of host time a step in a host-bound run.
+        if getattr(trainer._logger_connector, "should_update_logs", True):
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
