@@ -118,14 +118,21 @@ def bench_gemms(x: Tensor, weight: Tensor, grad: Tensor, recipe: str) -> float:
     return bench(gemms, "cuda")
 
 
-def profile_step(tokens: int, shape: tuple[int, int], recipe: str) -> str:
-    """GPU time per kernel over 3 forward+backward steps of one converted layer (``torch.profiler``)."""
+def warm_layer_step(tokens: int, shape: tuple[int, int], recipe: str) -> Callable[[], None]:
+    """A forward+backward step of one converted ``Linear(*shape)`` on random CUDA inputs, run once (compiled,
+    tuned) and synchronised."""
     layer = convert(nn.Sequential(nn.Linear(*shape, device="cuda", dtype=torch.bfloat16)), RECIPES[recipe])
     x = torch.randn(tokens, shape[0], device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(tokens, shape[1], device="cuda", dtype=torch.bfloat16)
     step = linear_step(layer, x, grad)
     step()
     torch.cuda.synchronize()
+    return step
+
+
+def profile_step(tokens: int, shape: tuple[int, int], recipe: str) -> str:
+    """GPU time per kernel over 3 forward+backward steps of one converted layer (``torch.profiler``)."""
+    step = warm_layer_step(tokens, shape, recipe)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(3):
@@ -142,12 +149,7 @@ def host_profile(tokens: int, shape: tuple[int, int], recipe: str, steps: int = 
     import io
     import pstats
 
-    layer = convert(nn.Sequential(nn.Linear(*shape, device="cuda", dtype=torch.bfloat16)), RECIPES[recipe])
-    x = torch.randn(tokens, shape[0], device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    grad = torch.randn(tokens, shape[1], device="cuda", dtype=torch.bfloat16)
-    step = linear_step(layer, x, grad)
-    step()
-    torch.cuda.synchronize()
+    step = warm_layer_step(tokens, shape, recipe)
     profiler = cProfile.Profile()
     start = time.perf_counter()
     profiler.enable()
