@@ -492,3 +492,36 @@ def test_gem5d_evaluates_under_no_grad_not_inference_mode(tmp_path: Path) -> Non
     assert evaluate_without_inference_mode(trainer) == ["validate_loop", "test_loop", "predict_loop"]
     assert not any(loop.inference_mode for loop in loops)
     assert evaluate_without_inference_mode(trainer) == []  # idempotent
+
+
+def test_fully_sharded_tables_gather_before_the_next_forward_and_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A table left sharded by a forward without backward is gathered before the next forward or by
+    ``gather_sharded_tables`` (the strategy's evaluation-end hooks), never right after a forward."""
+    from lightning_gem.strategies.replication import gather_sharded_tables, gather_tables_before_forward
+    from torchrec.distributed import batched_embedding_kernel
+
+    class FullyShardedKernel(nn.Module):  # stands in for torchrec's (CUDA-only) fully sharded kernel
+        def __init__(self) -> None:
+            super().__init__()
+            self.weights_sharded, self.gathers = False, 0
+
+        def _all_gather_table_weights(self) -> None:
+            self.gathers += 1
+            self.weights_sharded = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.weights_sharded = True  # torchrec reduce-scatters the table after every forward
+            return x
+
+    monkeypatch.setattr(batched_embedding_kernel, "ShardedBatchedFusedEmbedding", FullyShardedKernel)
+    kernel = FullyShardedKernel()
+    model = nn.Sequential(nn.Linear(2, 2), kernel)
+    assert gather_tables_before_forward(model) == 1
+    model(torch.randn(1, 2))
+    assert kernel.gathers == 0 and kernel.weights_sharded  # not right after the forward
+    model(torch.randn(1, 2))
+    assert kernel.gathers == 1  # before the next one
+    gather_sharded_tables(model)
+    assert kernel.gathers == 2 and not kernel.weights_sharded
+    gather_sharded_tables(model)
+    assert kernel.gathers == 2  # nothing left sharded: nothing to gather
