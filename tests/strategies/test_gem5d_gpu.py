@@ -167,7 +167,6 @@ def _replicas_on_gpus(rank: int, world_size: int, modes: tuple[str, ...], steps:
             max_steps=steps,
             limit_val_batches=1,
             num_sanity_val_steps=1,  # a forward without backward comes first (fully sharded tables gather after it)
-            inference_mode=False,  # what sparse_replication="fully_sharded" needs; the same for every mode
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
