@@ -16,8 +16,8 @@ Modes (``GEM5DStrategy(sparse_replication=...)``, :data:`SparseReplication`):
   ``ReplicaSync`` after each step. After a forward without grad (evaluation), which no backward follows, the
   tables are gathered before the next forward and when the evaluation ends (gem5d evaluates under
   ``torch.no_grad``, see :func:`evaluate_without_inference_mode`). Every training forward must be followed by a
-  backward through the tables. A checkpoint written between training
-  steps holds one replica's tables (the replicas differ by their last step); after an evaluation they are equal.
+  backward through the tables. A checkpoint written between training steps holds one replica's tables (the
+  replicas differ by their last step); after an evaluation they are equal.
 * ``"replica_sync"``: ``DistributedModelParallel`` over a ``ShardingEnv2D`` and ``ReplicaSync``, on any device.
 * ``"auto"``: ``"collection"`` where :func:`choose_replication` finds nothing against it (CUDA, a torchrec with
   ``DMPCollection``, an optimizer whose state it syncs, the devices torchrec will place shards on), else
@@ -331,11 +331,11 @@ def evaluate_without_inference_mode(trainer: Any) -> list[str]:
     """Make ``trainer``'s evaluation loops run under ``torch.no_grad`` instead of ``torch.inference_mode``; the
     names of the loops that changed.
 
-    Lightning does the same for its FSDP strategy. Tensors first allocated under inference mode can never be
-    written by autograd-tracked code afterwards: FSDP2's unsharded parameters (gathered in an evaluation's
-    forward, then checked by the next training forward: "Inference tensors do not track version counter") and the
-    shard buffer a fully sharded embedding kernel allocates in its first forward. Gloo runs already evaluate
-    under ``no_grad`` in Lightning, so this matters on NCCL.
+    Lightning does the same for its FSDP strategy. FSDP2 reads the version counters of the parameters it gathers
+    for a forward, which inference tensors lack ("Inference tensors do not track version counter" in
+    ``Trainer.validate`` after a checkpoint load, on 2 H200s), and a fully sharded embedding kernel's shard
+    buffer, allocated in its first forward, must stay writable by training. Lightning already evaluates under
+    ``no_grad`` on gloo, so this matters on NCCL.
     """
     names = ("validate_loop", "test_loop", "predict_loop")
     loops = [(name, getattr(trainer, name, None)) for name in names]
