@@ -1,8 +1,8 @@
 """The 5D parallelization of a model, in one function over the meshes, knowing nothing of the Trainer.
 
 :func:`parallelize_model` shards the embeddings (``sparse.py``), moves the rest to the device, lets the
-caller checkpoint activations (``before_dense``), applies tensor parallelism and FSDP2 (``dense.py``),
-in that order, and returns :class:`ParallelModel`: what the training step needs afterwards (the fused
+caller checkpoint activations (``before_dense``), applies tensor parallelism and FSDP2 (``dense.py``; not
+in a world of one process, where the dense parameters stay plain tensors), in that order, and returns :class:`ParallelModel`: what the training step needs afterwards (the fused
 embedding optimizer, the gradient reductions to run before each optimizer step, the replica sync to
 run after it, the prefetcher of the train pipeline).
 """
@@ -137,12 +137,13 @@ def parallelize_model(
     # Gradients of the mean loss over the global batch: the mean over the data-parallel ranks (sparse.py).
     dp_mesh = dense_mesh["dense_replicate", "dense_shard"] if layout.dense_replicate > 1 else dense_mesh["dense_shard"]
     units, replicated = dense.dense_units(module)
-    dense.apply_fsdp(
-        units,
-        dp_mesh,
-        reshard_after_forward=reshard_after_forward,
-        sum_reductions=dist.get_backend() == "gloo",
-    )
+    if layout.world_size > 1:  # one process: FSDP2 would gather and reduce over itself, host time for nothing
+        dense.apply_fsdp(
+            units,
+            dp_mesh,
+            reshard_after_forward=reshard_after_forward,
+            sum_reductions=dist.get_backend() == "gloo",
+        )
     if layout.tensor_parallel == 1:
         dp_group = dist.group.WORLD
     else:

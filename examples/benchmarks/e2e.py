@@ -9,8 +9,8 @@ pooled user features, hundreds of candidates per user.
   pointwise HSTU attention, which SDPA lacks), ``precision="bf16-mixed"``, Lightning's default
   single-device strategy, a plain shuffled sampler;
 - kit: the GDPA Triton kernels (``attention_impl="auto"``), ``MXFP8Precision()`` (its ``auto`` recipe
-  picks what is fast on the device: fp8 on Hopper), ``strategy="gem5d"`` (world size 1: the same code
-  path as many GPUs), Base Batch Shuffling in the DataModule.
+  picks what is fast on the device: fp8 on Hopper), ``strategy="gem5d"`` (world size 1: torchrec's sharded
+  tables and gem5d's train step, without FSDP2 over a single rank), Base Batch Shuffling in the DataModule.
 
 Each stack runs ``--warmup + --steps`` training steps in ``Trainer.fit``; :class:`MFUMonitor` times every
 step (CUDA synchronised, data loading excluded). Reported per stack: median step time over the timed

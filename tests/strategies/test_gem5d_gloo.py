@@ -226,14 +226,14 @@ def test_sequence_parallel_encoder_matches_the_encoder_on_every_token() -> None:
 CKPT_LAYOUT = {"sparse_group_size": 2, "dense_replicate_size": 2, "embedding_optimizer": "rowwise_adagrad"}
 
 
-def _save_then_resume(rank: int, world_size: int, root: str) -> dict[str, Any]:
+def _save_then_resume(rank: int, world_size: int, root: str, layout: dict[str, Any] = CKPT_LAYOUT) -> dict[str, Any]:
     """6 steps saving every 3, then a fresh run resumed from step 3 to step 6 (AdamW dense, stateful tables)."""
     straight = fit_gem(
-        world_size, CKPT_LAYOUT, steps=6, global_batch=GLOBAL_BATCH, root=root, ckpt_every=3, dense_optimizer="adamw"
+        world_size, layout, steps=6, global_batch=GLOBAL_BATCH, root=root, ckpt_every=3, dense_optimizer="adamw"
     )
     resumed = fit_gem(
         world_size,
-        CKPT_LAYOUT,
+        layout,
         steps=6,
         global_batch=GLOBAL_BATCH,
         ckpt_path=f"{root}/step=3.ckpt",
@@ -242,8 +242,8 @@ def _save_then_resume(rank: int, world_size: int, root: str) -> dict[str, Any]:
     # SGD keeps no state, so the checkpoint load initialises it with a zero-gradient step over groups that mix
     # FSDP2's DTensors and the replicated plain parameters.
     sgd = {"steps": 4, "global_batch": GLOBAL_BATCH, "dense_optimizer": "sgd"}
-    sgd_straight = fit_gem(world_size, CKPT_LAYOUT, root=f"{root}/sgd", ckpt_every=2, **sgd)
-    sgd_resumed = fit_gem(world_size, CKPT_LAYOUT, ckpt_path=f"{root}/sgd/step=2.ckpt", **sgd)
+    sgd_straight = fit_gem(world_size, layout, root=f"{root}/sgd", ckpt_every=2, **sgd)
+    sgd_resumed = fit_gem(world_size, layout, ckpt_path=f"{root}/sgd/step=2.ckpt", **sgd)
     out = {"straight": straight, "resumed": resumed, "sgd_straight": sgd_straight, "sgd_resumed": sgd_resumed}
     return out if rank == 0 else {}
 
@@ -293,6 +293,15 @@ def test_checkpoint_resumes_exactly_and_loads_at_another_world_size(tmp_path) ->
     assert sorted(state) == sorted(straight["weights"])
     for name, value in straight["weights"].items():
         np.testing.assert_array_equal(state[name].numpy(), value, err_msg=name)
+
+
+def test_checkpoint_resumes_exactly_in_one_process(tmp_path) -> None:
+    """World size 1 keeps the dense parameters plain (no FSDP2 over one rank): its checkpoints resume too."""
+    out = run_ranks(_save_then_resume, 1, str(tmp_path), {"embedding_optimizer": "rowwise_adagrad"})[0]
+    np.testing.assert_allclose(out["resumed"]["losses"], out["straight"]["losses"][3:], rtol=1e-6)
+    np.testing.assert_allclose(out["sgd_resumed"]["losses"], out["sgd_straight"]["losses"][2:], rtol=1e-6)
+    for name, value in out["straight"]["weights"].items():
+        np.testing.assert_allclose(out["resumed"]["weights"][name], value, atol=1e-6, err_msg=name)
 
 
 def _pipeline_across_epochs(rank: int, world_size: int, steps: int) -> dict[str, Any]:
