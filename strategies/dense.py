@@ -7,7 +7,9 @@ parameters and no torchrec module inside, each called through its own ``forward`
 ``fully_shard`` (and so does each block of an ``nn.ModuleList`` inside it, one all-gather per block);
 containers without a forward (``nn.ModuleDict``/``nn.ModuleList``) are descended into. Parameters
 held directly by a module that also holds torchrec modules (e.g. a bias on the LightningModule) stay
-replicated; :class:`ReplicatedGradients` all-reduces their gradients.
+replicated; :class:`ReplicatedGradients` all-reduces their gradients. With nothing to shard (``dense_shard``
+and ``tensor_parallel`` of 1: one process, or pure data parallelism) no FSDP2 is applied and every dense
+parameter is replicated that way, as DDP would (one all-reduce a step, no per-unit hooks).
 
 Tensor parallelism uses the plan each component declares (``tensor_parallel_plan()``: submodule name
 -> ``"colwise"`` / ``"rowwise"``), applied with DTensor's ``parallelize_module`` before FSDP2.
@@ -282,17 +284,20 @@ class ReplicatedGradients:
 
     @torch.no_grad()
     def __call__(self) -> None:
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
+        if not self.params:
             return
+        # Every rank contributes every parameter (zeros where its batch gave none), so the ranks' buffers agree;
+        # a parameter without a gradient here gets the average like the others (what FSDP2 does too).
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.reshape(-1) for g in grads])
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(flat, group=self.group)
         flat /= self.divide_factor
         offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for param, grad in zip(self.params, grads, strict=True):
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            param.grad = grad
+            offset += grad.numel()
 
 
 @torch.no_grad()

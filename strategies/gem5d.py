@@ -62,7 +62,8 @@ class GEM5DStrategy(ParallelStrategy):
     across groups (on CUDA through torchrec's ``DMPCollection``, elsewhere through ``DistributedModelParallel``
     over a 2D sharding environment; the replicas averaged after each step either way, see ``sparse_replication``);
     they are trained by a fused optimizer inside the backward. The rest of the model
-    trains with the LightningModule's optimizer under FSDP2 (HSDP when ``dense_replicate_size > 1``)
+    trains with the LightningModule's optimizer under FSDP2 (HSDP when ``dense_replicate_size > 1``; plain
+    replicas when nothing is left to shard)
     and optionally tensor parallelism over the plans the components declare, optionally with sequence
     parallelism in the HSTU encoder. Every rank (every tensor-parallel group) trains on its own batch;
     gradients are those of the mean of the ranks' losses, which is the loss of one process on the whole
@@ -87,7 +88,10 @@ class GEM5DStrategy(ParallelStrategy):
             optimizer other than ``adam``, ...), else ``"replica_sync"``, the reason logged. Same rank layout and
             same plan in every mode. Evaluation runs under ``torch.no_grad``, not inference mode (as Lightning's
             FSDP strategy: FSDP2 and fully sharded tables need it).
-        dense_replicate_size: HSDP replicas of the dense parameters.
+        dense_replicate_size: HSDP replicas of the dense parameters. With a dense shard size of 1 and no tensor
+            parallelism (``dense_replicate_size`` = the world size, or one process) nothing is sharded: the dense
+            parameters stay plain tensors and their gradients are averaged in one all-reduce before each step, as
+            DDP does, without FSDP2's per-unit gathers and hooks (the cheaper choice for small dense models).
         dense_shard_size: ranks each dense parameter is sharded over; ``None``:
             ``W / (dense_replicate_size x tensor_parallel_size)``.
         tensor_parallel_size: ranks the tensor-parallel linears are split over (see ``dense.py``). The ranks of

@@ -2,9 +2,10 @@
 
 :func:`parallelize_model` shards the embeddings (``sparse.py``), moves the rest to the device, lets the
 caller checkpoint activations (``before_dense``), applies tensor parallelism and FSDP2 (``dense.py``; not
-in a world of one process, where the dense parameters stay plain tensors), in that order, and returns :class:`ParallelModel`: what the training step needs afterwards (the fused
-embedding optimizer, the gradient reductions to run before each optimizer step, the replica sync to
-run after it, the prefetcher of the train pipeline).
+where there is nothing to shard: one process, or only data parallelism, whose dense parameters stay plain
+tensors averaged in one all-reduce), in that order, and returns :class:`ParallelModel`: what the training
+step needs afterwards (the fused embedding optimizer, the gradient reductions to run before each optimizer
+step, the replica sync to run after it, the prefetcher of the train pipeline).
 """
 
 from __future__ import annotations
@@ -137,7 +138,13 @@ def parallelize_model(
     # Gradients of the mean loss over the global batch: the mean over the data-parallel ranks (sparse.py).
     dp_mesh = dense_mesh["dense_replicate", "dense_shard"] if layout.dense_replicate > 1 else dense_mesh["dense_shard"]
     units, replicated = dense.dense_units(module)
-    if layout.world_size > 1:  # one process: FSDP2 would gather and reduce over itself, host time for nothing
+    if layout.dense_shard == 1 and layout.tensor_parallel == 1:
+        # Nothing to shard (pure data parallelism, or one process): the dense parameters stay plain tensors,
+        # replicated, their gradients averaged in one all-reduce before each step (as DDP), without FSDP2's
+        # per-unit gathers and hooks.
+        tables = sparse.sparse_parameter_ids(module)
+        replicated = [(name, p) for name, p in module.named_parameters() if id(p) not in tables and p.requires_grad]
+    else:
         dense.apply_fsdp(
             units,
             dp_mesh,

@@ -60,7 +60,9 @@ def test_scaling_runs_every_configuration_on_two_cpu_ranks(tmp_path: Path) -> No
     results = json.loads(out.read_text())
     assert results["n"] == 2 and "error" not in results["baseline"]
     layouts = {row["layout"] for row in results["layouts"]}
-    assert layouts == {"sparse 1 / FSDP", "sparse 1 / FSDP+TP2", "sparse 2 / FSDP", "sparse 2 / FSDP+TP2"}
+    assert layouts == {
+        "sparse 1 / FSDP", "sparse 1 / FSDP+TP2", "sparse 2 / FSDP", "sparse 2 / FSDP+TP2", "sparse 2 / replicated"
+    }  # fmt: skip
     for row in results["layouts"]:
         assert row["speed"]["samples_per_s_per_gpu"] > 0 and row["speed"]["scaling_ratio"] > 0
         assert row["match"]["max_loss_rel_diff"] <= 1e-4, row["layout"]

@@ -6,7 +6,8 @@ One run measures, each N-GPU configuration in its own group of N processes (one 
   the next, so data loading and the prefetched embedding all-to-all between steps count) at N over the
   same at 1 GPU: the scaling ratio; local MFU of the ``MFUMonitor`` (useful FLOPs of the jagged batch
   over the device's peak) and E2E MFU = local MFU x scaling ratio. For sparse sharding group sizes 1, N/2
-  and N, dense FSDP over the data-parallel ranks and FSDP + tensor parallel (2); overlap
+  and N, dense FSDP over the data-parallel ranks and FSDP + tensor parallel (2), and at N the dense
+  parameters replicated (one gradient all-reduce a step, as DDP); overlap
   (``train_pipeline``) on and off; Base Batch Shuffling (``GEMDataModule(balance=...)``) on and off, each
   with the ranks' compute imbalance (max/mean forward time).
 - correctness: every layout's losses over the first steps against one GPU on the same global batch (fp32,
@@ -252,15 +253,19 @@ def run_group(world_size: int, jobs: list[dict[str, Any]], args: argparse.Namesp
 
 
 def layouts(n: int) -> list[dict[str, Any]]:
-    """Sparse sharding group sizes 1, N/2, N x dense FSDP over the data-parallel ranks and FSDP + TP (2)."""
+    """Sparse sharding group sizes 1, N/2, N x dense FSDP over the data-parallel ranks and FSDP + TP (2); and
+    at group size N the dense parameters replicated (``dense_replicate_size=N``: one all-reduce a step, as DDP)."""
     groups = sorted({1, max(1, n // 2), n})
     dense = [{"tensor_parallel_size": 1}] + ([{"tensor_parallel_size": 2}] if n % 2 == 0 and n >= 2 else [])
-    return [{"sparse_group_size": g, **d} for g in groups for d in dense]
+    rows = [{"sparse_group_size": g, **d} for g in groups for d in dense]
+    return rows + [{"sparse_group_size": n, "tensor_parallel_size": 1, "dense_replicate_size": n}]
 
 
 def layout_name(strategy: dict[str, Any]) -> str:
     tp = strategy.get("tensor_parallel_size", 1)
     dense = "FSDP" if tp == 1 else f"FSDP+TP{tp}"
+    if strategy.get("dense_replicate_size", 1) > 1:
+        dense = "replicated"
     return f"sparse {strategy['sparse_group_size']} / {dense}"
 
 
