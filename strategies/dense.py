@@ -284,13 +284,15 @@ class ReplicatedGradients:
 
     @torch.no_grad()
     def __call__(self) -> None:
-        if not self.params:
+        alone = self.group is None or dist.get_world_size(self.group) == 1
+        if not self.params or (alone and self.divide_factor == 1.0):
             return
-        # Every rank contributes every parameter (zeros where its batch gave none), so the ranks' buffers agree;
-        # a parameter without a gradient here gets the average like the others (what FSDP2 does too).
+        # Every rank contributes every parameter (zeros where its batch gave no gradient), so the ranks' buffers
+        # agree and every replica gets the same average. A parameter that no rank's batch reached ends with a zero
+        # gradient, where DDP would find out with one more collective and leave it None.
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        if self.group is not None and dist.get_world_size(self.group) > 1:
+        if not alone:
             dist.all_reduce(flat, group=self.group)
         flat /= self.divide_factor
         offset = 0
