@@ -16,7 +16,7 @@ from collections.abc import Callable
 import triton
 import triton.language as tl
 
-from lightning_gem.ops._launch import launch
+from lightning_gem.ops._launch import is_interpreted, launch
 from lightning_gem.ops._tuning import pick_fastest
 
 NONFINITE_BITS = tl.constexpr(0x7F800000)
@@ -123,6 +123,15 @@ def chosen_configs() -> dict[tuple, tuple[int, int, int]]:
     return dict(_CHOSEN)
 
 
+TUNE_ABOVE = 1 << 22
+"""Elements: smaller problems (and interpreted kernels) take the first valid config, with no tuning runs."""
+
+
+def size_class(elements: int) -> int:
+    """A problem's size in its tuning key (and kernel argument): log2 of its element count, coarsened."""
+    return max(elements, 1).bit_length() // 2
+
+
 def launch_tuned(
     kernel: object,
     configs: list[tuple[int, int, int]],
@@ -130,14 +139,18 @@ def launch_tuned(
     grid: Callable[[int, int], tuple[int, ...]],
     args: tuple,
     meta: dict,
+    elements: int,
 ) -> None:
     """Launch ``kernel`` with the fastest of ``configs`` (``(TILE_R, TILE_C, num_warps)``, already pruned to the
     valid ones) for ``key``, chosen by :func:`lightning_gem.ops._tuning.pick_fastest` on this call's own buffers.
 
-    The key is explicit (the caller's size class and compile-time flags), so a new batch of another jagged size
-    retunes only when its size class is new. Where timing is impossible (tracing, graph capture, CPU) the first
-    config runs and nothing is remembered.
+    The key is explicit (the caller's :func:`size_class` and compile-time flags), so a new batch of another jagged
+    size retunes only when its size class is new. Problems of fewer than :data:`TUNE_ABOVE` ``elements``, and
+    interpreted kernels, take the first config. Where timing is impossible (tracing, graph capture, CPU) the
+    first config runs and nothing is remembered.
     """
+    if elements < TUNE_ABOVE or is_interpreted(kernel):
+        configs = configs[:1]
 
     def run(config: tuple[int, int, int]) -> None:
         tile_r, tile_c, warps = config

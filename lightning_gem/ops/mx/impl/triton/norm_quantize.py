@@ -18,8 +18,8 @@ import triton.language as tl
 from torch import Tensor
 
 from lightning_gem.ops._launch import is_interpreted
-from lightning_gem.ops.mx.impl.triton._common import _quantize_rows, _scale_value, launch_tuned
-from lightning_gem.ops.mx.impl.triton.quantize import _TL_DTYPES, _TUNE_ABOVE, scale_buffer
+from lightning_gem.ops.mx.impl.triton._common import _quantize_rows, _scale_value, launch_tuned, size_class
+from lightning_gem.ops.mx.impl.triton.quantize import _TL_DTYPES, scale_buffer
 
 __all__ = ["norm_quantize_triton"]
 
@@ -88,16 +88,13 @@ def norm_quantize_triton(
     mx = layout == "mx"
     block = {"mx": 32, "1x128": 128, "rowwise": block_d}[layout]
     q = torch.empty(num_rows, dim, dtype=torch.float8_e4m3fn, device=device)
-    if layout == "rowwise":
-        scale = torch.empty(num_rows, 1, dtype=torch.float32, device=device)
-    else:
-        scale = scale_buffer(layout, num_rows, dim // block, device)
+    scale = scale_buffer(layout, num_rows, dim // block, device)
     rstd = torch.empty(num_rows, dtype=torch.float32, device=device)
     mean = torch.empty(num_rows, dtype=torch.float32, device=device) if kind == "layer" else None
     y = torch.empty_like(x, dtype=out_dtype) if write_output else None
     args = (
         x, weight, bias, y, q, scale, rstd, mean, num_rows, dim, float(eps), *scale.stride(),
-        max(num_rows * dim, 1).bit_length() // 2,
+        size_class(num_rows * dim),
     )  # fmt: skip
     meta = dict(
         BLOCK_D=block_d, BLOCK=block, LAYER=kind == "layer", WRITE_Y=write_output, MX=mx,
@@ -106,11 +103,9 @@ def norm_quantize_triton(
     if not num_rows:
         return q, scale, rstd, mean, y
     configs = [c for c in _CONFIGS if _valid_rows(c[0], c[1], meta)]
-    if num_rows * dim < _TUNE_ABOVE or meta["EXACT"]:
-        configs = configs[:1]
     key = ("norm_quantize", args[-1], x.dtype, block_d, block, meta["LAYER"], write_output, mx, out_dtype)
     grid = lambda tile_r, _: (triton.cdiv(num_rows, tile_r),)  # noqa: E731
-    launch_tuned(_norm_quantize_kernel, configs, key, grid, args, meta)
+    launch_tuned(_norm_quantize_kernel, configs, key, grid, args, meta, num_rows * dim)
     return q, scale, rstd, mean, y
 
 

@@ -34,6 +34,7 @@ from lightning_gem.ops.mx.impl.triton._common import (
     _shared_exponent,
     _to_e4m3,
     launch_tuned,
+    size_class,
 )
 
 __all__ = ["quantize_triton"]
@@ -202,18 +203,15 @@ def _line_maxima(
     row_amax = torch.empty(num_rows, dtype=torch.int32, device=x.device) if rows else None
     col_amax = torch.zeros(num_cols, dtype=torch.int32, device=x.device) if cols else None
     placeholder = x.new_empty(0, dtype=torch.int32)
-    size_class = max(num_rows * num_cols, 1).bit_length() // 2
+    elements = num_rows * num_cols
     args = (
         x, row_amax if rows else placeholder, col_amax if cols else placeholder, *norm_args,
-        num_rows, num_cols, size_class,
+        num_rows, num_cols, size_class(elements),
     )  # fmt: skip
     meta = dict(ROWS=rows, COLS=cols, NORM=norm_code, OUT_DTYPE=out_dtype)
-    configs = _AMAX_CONFIGS
-    if num_rows * num_cols < _TUNE_ABOVE or is_interpreted(_line_amax_kernel):
-        configs = configs[:1]
-    key = ("line_amax", size_class, x.dtype, rows, cols, norm_code, out_dtype)
+    key = ("line_amax", size_class(elements), x.dtype, rows, cols, norm_code, out_dtype)
     grid = lambda tile_r, tile_c: (triton.cdiv(num_rows, tile_r),)  # noqa: E731
-    launch_tuned(_line_amax_kernel, configs, key, grid, args, meta)
+    launch_tuned(_line_amax_kernel, _AMAX_CONFIGS, key, grid, args, meta, elements)
     return row_amax, col_amax
 
 
@@ -275,7 +273,7 @@ def quantize_triton(
         row_amax, col_amax, *norm_args,
         num_rows, num_cols, padded_rows,
         *(s.stride() if rows else (0, 0)), *(st.stride() if cols else (0, 0)),
-        max(grid_rows * num_cols, 1).bit_length() // 2,
+        size_class(grid_rows * num_cols),
     )  # fmt: skip
     meta = dict(
         BLOCK=block if not rowwise else 128, ROWS=rows, COLS=cols, SQUARE=square, GIVEN_AMAX=rowwise, MX=mx,
@@ -293,7 +291,6 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 _CONFIGS = [
     (32, 128, 4), (64, 128, 8), (32, 256, 8), (128, 128, 8), (128, 128, 16), (128, 64, 4), (128, 32, 4), (32, 64, 4),
 ]  # fmt: skip
-_TUNE_ABOVE = 1 << 22  # elements; smaller problems take the first valid config (no tuning runs)
 
 
 def _valid_tiles(tile_r: int, tile_c: int, meta: dict) -> bool:
@@ -310,8 +307,6 @@ def _valid_tiles(tile_r: int, tile_c: int, meta: dict) -> bool:
 def _launch(args: tuple, meta: dict, grid_rows: int, num_cols: int) -> None:
     """Tuned launch for large inputs (once per size class and flags); the first valid config for small ones."""
     configs = [c for c in _CONFIGS if _valid_tiles(c[0], c[1], meta)]
-    if grid_rows * num_cols < _TUNE_ABOVE or meta["EXACT"]:
-        configs = configs[:1]
     key = ("quantize", args[-1], args[0].dtype, *(meta[k] for k in _KEY_FLAGS), meta["OUT_DTYPE"])
     grid = lambda tile_r, tile_c: (triton.cdiv(grid_rows, tile_r), triton.cdiv(num_cols, tile_c))  # noqa: E731
-    launch_tuned(_quantize_kernel, configs, key, grid, args, meta)
+    launch_tuned(_quantize_kernel, configs, key, grid, args, meta, grid_rows * num_cols)
