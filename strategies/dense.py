@@ -278,7 +278,7 @@ class ReplicatedGradients:
     """
 
     def __init__(self, params: list[torch.Tensor], group: dist.ProcessGroup | None, divide_factor: float) -> None:
-        self.params = params
+        self.params = [p for p in params if p.requires_grad]  # frozen ones get no gradient, zero or not
         self.group = group
         self.divide_factor = divide_factor
 

@@ -137,14 +137,14 @@ def parallelize_model(
         )
     # Gradients of the mean loss over the global batch: the mean over the data-parallel ranks (sparse.py).
     dp_mesh = dense_mesh["dense_replicate", "dense_shard"] if layout.dense_replicate > 1 else dense_mesh["dense_shard"]
-    units, replicated = dense.dense_units(module)
     if layout.dense_shard == 1 and layout.tensor_parallel == 1:
         # Nothing to shard (pure data parallelism, or one process): the dense parameters stay plain tensors,
         # replicated, their gradients averaged in one all-reduce before each step (as DDP), without FSDP2's
         # per-unit gathers and hooks.
         tables = sparse.sparse_parameter_ids(module)
-        replicated = [(name, p) for name, p in module.named_parameters() if id(p) not in tables and p.requires_grad]
+        replicated = [(name, p) for name, p in module.named_parameters() if id(p) not in tables]
     else:
+        units, replicated = dense.dense_units(module)
         dense.apply_fsdp(
             units,
             dp_mesh,

@@ -166,7 +166,7 @@ def _replicas_on_gpus(rank: int, world_size: int, modes: tuple[str, ...], steps:
             strategy=strategy,
             max_steps=steps,
             limit_val_batches=1,
-            num_sanity_val_steps=1,  # a forward without backward comes first (fully sharded tables gather after it)
+            num_sanity_val_steps=1,  # a forward without backward first (fully sharded tables gathered after it ends)
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,

@@ -525,3 +525,17 @@ def test_fully_sharded_tables_gather_before_the_next_forward_and_on_request(monk
     assert kernel.gathers == 2 and not kernel.weights_sharded
     gather_sharded_tables(model)
     assert kernel.gathers == 2  # nothing left sharded: nothing to gather
+
+
+def test_replicated_gradients_average_every_trainable_parameter_and_leave_frozen_ones_alone() -> None:
+    """Every trainable parameter enters the all-reduce (zeros where this rank's batch gave none, so all ranks'
+    buffers agree); a frozen one gets no gradient."""
+    from lightning_gem.strategies.dense import ReplicatedGradients
+
+    used, unused = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))
+    frozen = nn.Parameter(torch.ones(2), requires_grad=False)
+    used.grad = torch.full((3,), 4.0)
+    ReplicatedGradients([used, unused, frozen], group=None, divide_factor=2.0)()
+    assert torch.equal(used.grad, torch.full((3,), 2.0))
+    assert torch.equal(unused.grad, torch.zeros(2))
+    assert frozen.grad is None
