@@ -283,11 +283,14 @@ class GEMRanker(L.LightningModule):
         candidate_offsets = batch.candidate_offsets()
         history_tokens = self._tokens(embeddings, self._history_keys, self.history_bias)
         candidates = self._tokens(embeddings, self._candidate_keys, self.candidate_bias)
-        # One device sync a batch: both offsets checked and their longest sequences read back together; the
-        # encoder and the interaction then skip their own checks and take those lengths as exact kernel hints
-        # (no sync of their own). Under torch.compile (data-dependent): no check, the schema's bound.
+        # The encoder and the interaction skip their own offset checks and take the longest sequences as exact
+        # kernel hints. A collated batch knows them on the host (offsets built from its lengths: valid); otherwise
+        # one device sync a batch checks both offsets and reads their longest sequences back together. Under
+        # torch.compile (data-dependent): no check, the schema's bound.
         max_history, max_candidates = schema.max_history_length, None
-        if not torch.compiler.is_compiling():
+        if batch.longest_history is not None and batch.most_candidates is not None:
+            max_history, max_candidates = batch.longest_history, batch.most_candidates
+        elif not torch.compiler.is_compiling():
             max_history, max_candidates = jagged.validate_offsets_together(
                 [
                     (history_offsets, "history offsets", history_tokens.shape[0], schema.max_history_length),

@@ -326,10 +326,11 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float, norm_type: 
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     device = norms[0].device
     total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]), norm_type)
-    scale = float(max_norm) / (float(total) + 1e-6)
-    if scale < 1.0:
-        for group in groups.values():
-            torch._foreach_mul_(group, scale)
+    # min(1, max_norm / total) as a device tensor, not read back: no device sync (as torch's own clipping).
+    scale = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
+    for group in groups.values():
+        local = [g.to_local() if isinstance(g, DTensor) else g for g in group]  # a shard scaled is the DTensor scaled
+        torch._foreach_mul_(local, scale.to(local[0].device))
     return total
 
 

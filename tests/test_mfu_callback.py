@@ -161,3 +161,28 @@ def test_every_step_is_measured_and_logged_on_the_loggers_steps(tmp_path) -> Non
     assert len(monitor.history) == 6
     logged = [step for step, metrics in recorder.rows if "perf/mfu" in metrics]
     assert logged == [1, 3, 5], recorder.rows  # the loggers' steps (every second one), each with the step's values
+
+
+@pytest.mark.gpu
+def test_cuda_steps_are_timed_by_events_without_a_sync_per_step(tmp_path) -> None:  # noqa: ANN001
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    model, loader = _ranker_and_loader(48)
+    monitor = MFUMonitor(plot=False)
+    trainer = L.Trainer(
+        accelerator="gpu",
+        devices=1,
+        callbacks=[monitor],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        max_steps=6,
+        limit_val_batches=0,
+    )
+    trainer.fit(model, loader)
+    assert len(monitor.history) == 6
+    for row in monitor.history:
+        assert 0 < row["perf/compute_time_s"] < row["perf/step_time_s"] < 10.0, row
+        assert row["perf/mfu"] > 0 and row["perf/step_time_imbalance"] == 1.0

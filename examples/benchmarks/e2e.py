@@ -12,12 +12,13 @@ pooled user features, hundreds of candidates per user.
   picks what is fast on the device: fp8 on Hopper), ``strategy="gem5d"`` (world size 1: torchrec's sharded
   tables and gem5d's train step, without FSDP2 over a single rank), Base Batch Shuffling in the DataModule.
 
-Each stack runs ``--warmup + --steps`` training steps in ``Trainer.fit``; :class:`MFUMonitor` times every
-step (CUDA synchronised, data loading excluded). Reported per stack: median step time over the timed
-steps, tokens/s (history + candidate tokens), local MFU of *useful* FLOPs, and peak memory. Useful FLOPs
-are counted apart, by ``torch``'s FLOP counter over the timed batches through a model with the jagged
-attention ops (whose registered formulas count only allowed query-key pairs), so the plain stack's
-padding is not counted as work and the timed steps carry no counter. The speed-up is the plain median
+Each stack runs ``--warmup + --steps`` training steps in ``Trainer.fit``; a step's time is the interval
+between the ends of consecutive steps on the device's timeline (CUDA events: no device sync is added, data
+loading counts). Reported per stack: median step time over the timed steps, tokens/s (history + candidate
+tokens), local MFU of *useful* FLOPs, and peak memory. Useful FLOPs are counted apart, by ``torch``'s FLOP
+counter over the timed batches through a model with the jagged attention ops (whose registered formulas
+count only allowed query-key pairs), so the plain stack's padding is not counted as work and the timed
+steps carry no counter. The speed-up is the plain median
 step time over the kit's.
 
 Usage:
@@ -34,7 +35,16 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from gem_example import add_shape_arguments, gem_ranker, synthetic_users, use_tiny_shapes
+from gem_example import (
+    CProfileLastSteps,
+    ProfileLastSteps,
+    StepClock,
+    SyncPoints,
+    add_shape_arguments,
+    gem_ranker,
+    synthetic_users,
+    use_tiny_shapes,
+)
 
 from lightning_gem.callbacks import MFUMonitor
 from lightning_gem.data import GEMDataModule, SyntheticRankingSource
@@ -42,61 +52,6 @@ from lightning_gem.flops import model_flops, peak_tflops
 from lightning_gem.precision import MXFP8Precision
 
 STACKS = ("plain", "kit")
-
-
-class ProfileLastSteps(L.Callback):
-    """``torch.profiler`` over the last ``num_steps`` training steps; prints the ops that took the most device
-    and host time (where a slow stack spends its step)."""
-
-    def __init__(self, num_steps: int, last_step: int, label: str) -> None:
-        self.first, self.label, self.profiler = last_step - num_steps, label, None
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
-        if trainer.global_step == self.first and self.profiler is None:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if torch.cuda.is_available():
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.profiler = torch.profiler.profile(activities=activities)
-            self.profiler.__enter__()
-
-    def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
-        if self.profiler is None:
-            return
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.profiler.__exit__(None, None, None)
-        averages = self.profiler.key_averages()
-        for key in ("self_device_time_total", "self_cpu_time_total"):
-            print(f"== {self.label}: profile of the last steps, by {key} ==")
-            print(averages.table(sort_by=key, row_limit=20, max_name_column_width=70))
-
-
-class CProfileLastSteps(L.Callback):
-    """Python's ``cProfile`` over the last ``num_steps`` training steps; prints the functions with the most own
-    time and the most cumulative time (what the host does while a host-bound step's GPU waits)."""
-
-    def __init__(self, num_steps: int, last_step: int, label: str) -> None:
-        import cProfile
-
-        self.first, self.label, self.profiler, self.on = last_step - num_steps, label, cProfile.Profile(), False
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
-        if trainer.global_step == self.first and not self.on:
-            self.on = True
-            self.profiler.enable()
-
-    def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
-        if not self.on:
-            return
-        self.profiler.disable()
-        import io
-        import pstats
-
-        for key in ("tottime", "cumulative"):
-            text = io.StringIO()
-            pstats.Stats(self.profiler, stream=text).sort_stats(key).print_stats(30)
-            print(f"== {self.label}: cProfile of the last steps, by {key} ==")
-            print("\n".join(line[:160] for line in text.getvalue().splitlines()[6:]))
 
 
 def run_stack(
@@ -108,11 +63,14 @@ def run_stack(
     model = gem_ranker(source, args, "auto" if kit else "padded")
     data = GEMDataModule(source=source, batch_size=args.batch_size, seed=args.seed, balance=kit)
     monitor = MFUMonitor(flops_every_n_steps=args.warmup + args.steps + 1, plot=False)  # counts step 0 only
-    callbacks: list[L.Callback] = [monitor]
+    clock = StepClock()
+    callbacks: list[L.Callback] = [monitor, clock]
     if args.profile_steps:
         callbacks.append(ProfileLastSteps(args.profile_steps, args.warmup + args.steps, stack))
     if args.cprofile_steps:
         callbacks.append(CProfileLastSteps(args.cprofile_steps, args.warmup + args.steps, stack))
+    if args.sync_debug:
+        callbacks.append(SyncPoints(args.warmup, stack))
     cuda = args.device == "cuda"
     trainer = L.Trainer(
         accelerator="gpu" if cuda else "cpu",
@@ -133,8 +91,7 @@ def run_stack(
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     trainer.fit(model, datamodule=data)
-    timed = monitor.history[args.warmup :]
-    step_s = statistics.median(row["perf/step_time_s"] for row in timed)
+    step_s = clock.median_interval(skip=args.warmup)
     from lightning_gem.ops.attention.impl.triton._tuning import chosen_tiles
     from lightning_gem.ops.mx.impl.triton._common import chosen_configs
 
@@ -182,6 +139,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     parser.add_argument("--profile-steps", type=int, default=0, help="profile this many last steps of each stack")
     parser.add_argument("--cprofile-steps", type=int, default=0, help="cProfile this many last steps of each stack")
+    parser.add_argument("--sync-debug", action="store_true", help="list the device syncs of the first timed step")
     args = parser.parse_args()
     if args.tiny:
         args.steps, args.warmup, args.batch_size = min(args.steps, 3), min(args.warmup, 1), min(args.batch_size, 4)

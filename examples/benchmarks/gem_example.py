@@ -9,12 +9,31 @@ several features per event and pooled user features, hundreds of candidates per 
 from __future__ import annotations
 
 import argparse
+import collections
+import math
+import statistics
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
 
+import lightning as L
+import torch
 from lightning_gem.components import GEMRanker
 
 from lightning_gem.data import SyntheticRankingSource
 
-__all__ = ["add_shape_arguments", "gem_ranker", "synthetic_users", "use_tiny_shapes"]
+__all__ = [
+    "CProfileLastSteps",
+    "ProfileLastSteps",
+    "StepClock",
+    "SyncPoints",
+    "add_shape_arguments",
+    "gem_ranker",
+    "synthetic_users",
+    "use_tiny_shapes",
+]
 
 
 def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,3 +81,154 @@ def gem_ranker(source: SyntheticRankingSource, args: argparse.Namespace, attenti
         attention_impl=attention_impl,
         lr=1e-4,
     )
+
+
+class ProfileLastSteps(L.Callback):
+    """``torch.profiler`` over the last ``num_steps`` training steps; prints the ops that took the most device
+    and host time (where a slow stack spends its step)."""
+
+    def __init__(self, num_steps: int, last_step: int, label: str, path: Path | None = None) -> None:
+        self.first, self.label, self.profiler, self.path = last_step - num_steps, label, None, path
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        if trainer.global_step == self.first and self.profiler is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.__enter__()
+
+    def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+        if self.profiler is None:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.profiler.__exit__(None, None, None)
+        averages = self.profiler.key_averages()
+        text = []
+        for key in ("self_device_time_total", "self_cpu_time_total"):
+            text.append(f"== {self.label}: profile of the last steps, by {key} ==")
+            text.append(averages.table(sort_by=key, row_limit=25, max_name_column_width=70))
+        _emit("\n".join(text), self.path)
+
+
+class CProfileLastSteps(L.Callback):
+    """Python's ``cProfile`` over the last ``num_steps`` training steps; prints the functions with the most own
+    time and the most cumulative time (what the host does while a host-bound step's GPU waits)."""
+
+    def __init__(self, num_steps: int, last_step: int, label: str, path: Path | None = None) -> None:
+        import cProfile
+
+        self.first, self.label, self.profiler, self.on = last_step - num_steps, label, cProfile.Profile(), False
+        self.path = path
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        if trainer.global_step == self.first and not self.on:
+            self.on = True
+            self.profiler.enable()
+
+    def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+        if not self.on:
+            return
+        self.profiler.disable()
+        import io
+        import pstats
+
+        lines = []
+        for key in ("tottime", "cumulative"):
+            text = io.StringIO()
+            pstats.Stats(self.profiler, stream=text).sort_stats(key).print_stats(40)
+            lines.append(f"== {self.label}: cProfile of the last steps, by {key} ==")
+            lines.extend(line[:200] for line in text.getvalue().splitlines()[6:])
+        _emit("\n".join(lines), self.path)
+
+
+class StepClock(L.Callback):
+    """The end of every training step on the device's timeline and its loss (the ranks' mean when ``mean_loss``).
+
+    On CUDA each end is an event recorded on the current stream and each loss stays a device tensor until training
+    ends: the clock adds no device sync per step, so the host runs ahead of the device as it would in a run
+    without it, and the interval between two ends is the step's real cost (data loading and the prefetched
+    work between steps included). Elsewhere: wall-clock times.
+    """
+
+    def __init__(self, mean_loss: bool = False) -> None:
+        self.mean_loss = mean_loss
+        self.ends: list[float] = []  # seconds from the first step's end, filled when training ends
+        self.losses: list[float] = []
+        self._marks: list[Any] = []
+        self._losses: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        loss = outputs["loss"].detach().float().clone()
+        if self.mean_loss and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(loss)
+            loss /= torch.distributed.get_world_size()
+        self._losses.append(loss)
+        if loss.is_cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append(event)
+        else:
+            self._marks.append(time.perf_counter())
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._marks and isinstance(self._marks[0], torch.cuda.Event):
+            self._marks[-1].synchronize()
+            self.ends = [self._marks[0].elapsed_time(mark) / 1e3 for mark in self._marks]
+        else:
+            self.ends = [mark - self._marks[0] for mark in self._marks] if self._marks else []
+        self.losses = [float(loss) for loss in self._losses]
+
+    def median_interval(self, skip: int) -> float:
+        """Median seconds between consecutive step ends, after the first ``skip`` steps."""
+        ends = self.ends[skip:]
+        return statistics.median(b - a for a, b in zip(ends, ends[1:], strict=False)) if len(ends) > 1 else math.nan
+
+
+class SyncPoints(L.Callback):
+    """Where one CUDA training step makes the host wait for the device: ``torch.cuda.set_sync_debug_mode("warn")``
+    over step ``step``, each synchronising call counted by its place (the innermost frames outside torch)."""
+
+    def __init__(self, step: int, label: str, path: Path | None = None) -> None:
+        self.step, self.label, self.path = step, label, path
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._caught: Any = None
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step != self.step or not torch.cuda.is_available() or self._caught is not None:
+            return
+        self._caught = warnings.catch_warnings()
+        self._caught.__enter__()
+        warnings.simplefilter("always")
+        warnings.showwarning = self._count
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._caught is None or trainer.global_step != self.step + 1:
+            return
+        torch.cuda.set_sync_debug_mode(0)
+        self._caught.__exit__(None, None, None)
+        lines = [f"== {self.label}: {sum(self.counts.values())} device syncs in training step {self.step} =="]
+        lines += [f"{n:>5}  {where}" for where, n in self.counts.most_common()]
+        _emit("\n".join(lines), self.path)
+
+    def _count(
+        self, message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None
+    ) -> None:
+        if "synchroniz" not in str(message):
+            return
+        frames = [
+            f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename and "warnings" not in f.filename
+        ]
+        self.counts["; ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-3:])] += 1
+
+
+def _emit(text: str, path: Path | None) -> None:
+    """Print ``text``, or append it to ``path`` when given (a long profile stays out of the console)."""
+    if path is None:
+        print(text)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(text + "\n")

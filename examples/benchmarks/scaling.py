@@ -26,7 +26,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -35,7 +34,16 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-from gem_example import add_shape_arguments, gem_ranker, synthetic_users, use_tiny_shapes
+from gem_example import (
+    CProfileLastSteps,
+    ProfileLastSteps,
+    StepClock,
+    SyncPoints,
+    add_shape_arguments,
+    gem_ranker,
+    synthetic_users,
+    use_tiny_shapes,
+)
 from lightning_gem.components import GEMRanker
 from lightning_gem.strategies import GEM5DStrategy
 from lightning_gem.strategies.sparse import TableConstraint, table_names
@@ -51,27 +59,6 @@ class SGDRanker(GEMRanker):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
-
-
-class StepClock(L.Callback):
-    """End time of every training step (device synchronised) and its loss: the rank mean when ``mean_loss``."""
-
-    def __init__(self, mean_loss: bool) -> None:
-        self.mean_loss = mean_loss
-        self.ends: list[float] = []
-        self.losses: list[float] = []
-
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        loss = outputs["loss"].detach().float().clone()
-        if self.mean_loss and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(loss)
-            loss /= torch.distributed.get_world_size()
-        self.losses.append(float(loss))  # synchronises the device
-        self.ends.append(time.perf_counter())
-
-    def median_interval(self, skip: int) -> float:
-        ends = self.ends[skip:]
-        return statistics.median(b - a for a, b in zip(ends, ends[1:], strict=False)) if len(ends) > 1 else math.nan
 
 
 def sharding_constraints(spec: str, tables: list[str]) -> dict[str, TableConstraint]:
@@ -155,6 +142,14 @@ def fit(rank: int, world_size: int, job: dict[str, Any], args: argparse.Namespac
         baseline = job.get("baseline_samples_per_s")
         monitor = MFUMonitor(flops_every_n_steps=steps + 1, plot=False, baseline_samples_per_s=baseline)
         callbacks.append(monitor)
+        if rank == 0 and args.profile_dir is not None:
+            stem = str(args.profile_dir / job["name"].replace(" ", "").replace("/", "_").replace(",", "_"))
+            if args.cprofile_steps:
+                callbacks.append(CProfileLastSteps(args.cprofile_steps, steps, job["name"], Path(stem + ".cprof.txt")))
+            if args.profile_steps:
+                callbacks.append(ProfileLastSteps(args.profile_steps, steps, job["name"], Path(stem + ".prof.txt")))
+            if args.sync_debug:
+                callbacks.append(SyncPoints(args.warmup, job["name"], Path(stem + ".syncs.txt")))
     if job.get("save_every"):
         callbacks.append(
             L.pytorch.callbacks.ModelCheckpoint(
@@ -262,11 +257,16 @@ def layouts(n: int) -> list[dict[str, Any]]:
 
 
 def layout_name(strategy: dict[str, Any]) -> str:
+    return "sparse {} / {}".format(*layout_key(strategy).split("/"))
+
+
+def layout_key(strategy: dict[str, Any]) -> str:
+    """``"4/FSDP"``, ``"2/FSDP+TP2"``, ``"4/replicated"``: sparse group size / dense layout (``--layouts``)."""
     tp = strategy.get("tensor_parallel_size", 1)
     dense = "FSDP" if tp == 1 else f"FSDP+TP{tp}"
     if strategy.get("dense_replicate_size", 1) > 1:
         dense = "replicated"
-    return f"sparse {strategy['sparse_group_size']} / {dense}"
+    return f"{strategy['sparse_group_size']}/{dense}"
 
 
 def max_relative_difference(a: list[float], b: list[float]) -> float:
@@ -316,6 +316,20 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--root", type=Path, default=None, help="checkpoints and logs; default: a temporary folder")
     parser.add_argument("--out", type=Path, default=None, help="also write every measurement as JSON here")
+    parser.add_argument(
+        "--layouts", nargs="*", default=None, help="only these (sparse group/dense: 4/FSDP 2/FSDP+TP2 4/replicated)"
+    )
+    parser.add_argument(
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=("offs", "checkpoint"),
+        help="skip the overlap/shuffling-off runs or the checkpoint runs (a run split over several invocations)",
+    )
+    parser.add_argument("--profile-dir", type=Path, default=None, help="rank 0's profiles of the speed runs go here")
+    parser.add_argument("--cprofile-steps", type=int, default=0, help="cProfile this many last steps of each speed run")
+    parser.add_argument("--profile-steps", type=int, default=0, help="torch.profiler over this many last steps")
+    parser.add_argument("--sync-debug", action="store_true", help="list the device syncs of the first timed step")
     args = parser.parse_args()
     if args.tiny:
         args.steps, args.warmup, args.batch_size, args.match_steps = 3, 1, 4, 4
@@ -354,7 +368,10 @@ def main() -> None:
     baseline = base.get("samples_per_s_per_gpu")
 
     rows, by_sharding = [], {}
-    for layout in layouts(n):
+    chosen = [layout for layout in layouts(n) if args.layouts is None or layout_key(layout) in args.layouts]
+    if args.layouts is not None and len(chosen) != len(args.layouts):
+        parser.error(f"--layouts {args.layouts}: at N = {n} the layouts are {[layout_key(x) for x in layouts(n)]}")
+    for layout in chosen:
         name = layout_name(layout)
         ways = args.match_sharding if layout == {"sparse_group_size": n, "tensor_parallel_size": 1} else []
         speed, check, *constrained = run_group(
@@ -378,19 +395,33 @@ def main() -> None:
 
     # Overlap and batch shuffling off; checkpoints: save at N mid-way and resume, against the uninterrupted run.
     headline = {"sparse_group_size": n, "tensor_parallel_size": 1}
+    if "offs" not in args.skip:
+        off, unshuffled = run_group(
+            n,
+            [
+                speed_job({**headline, "train_pipeline": False}, baseline_samples_per_s=baseline, name="overlap off"),
+                speed_job(headline, balance=False, baseline_samples_per_s=baseline, name="shuffling off"),
+            ],
+            args,
+        )
+        results["overlap_off"], results["shuffling_off"] = off, unshuffled
+        save(results, args.out)
+    if "checkpoint" not in args.skip:
+        results["checkpoint"] = checkpoint_runs(n, headline, root, match_job, args)
+    results["overlap_on_prefetched"] = next(
+        (r["speed"].get("prefetched") or 0 for r in rows if r["strategy"] == headline), None
+    )  # forwards served by a prefetched all-to-all
+    report(results, args)
+    save(results, args.out)
+
+
+def checkpoint_runs(
+    n: int, headline: dict[str, Any], root: Path, match_job: Any, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Save at N mid-way and resume against the uninterrupted run; the saved weights loaded at N/2."""
     half = args.match_steps // 2
     ckpt_root = root / "checkpoints"
     ckpt = str(ckpt_root / f"step={half}.ckpt")
-    off, unshuffled = run_group(
-        n,
-        [
-            speed_job({**headline, "train_pipeline": False}, baseline_samples_per_s=baseline, name="overlap off"),
-            speed_job(headline, balance=False, baseline_samples_per_s=baseline, name="shuffling off"),
-        ],
-        args,
-    )
-    results["overlap_off"], results["shuffling_off"] = off, unshuffled
-    save(results, args.out)
     whole, saved, resumed = run_group(
         n,
         [
@@ -404,17 +435,13 @@ def main() -> None:
     [loaded] = run_group(
         n // 2, [match_job({}, ckpt_path=ckpt, root=str(root / "load"), load=True, name=f"weights at {n // 2}")], args
     )
-    results["checkpoint"] = {
+    return {
         "resume_max_loss_rel_diff": max_relative_difference(resumed.get("losses", []), whole.get("losses", [])[half:]),
         "weights_at_half_max_abs_diff": weights_difference(loaded.get("weights", {}), saved.get("weights", {}))
         if "weights" in loaded and "weights" in saved
         else math.inf,
         "errors": [r["error"] for r in (whole, saved, resumed, loaded) if "error" in r],
     }
-    on = next(r["speed"] for r in rows if r["strategy"] == headline)
-    results["overlap_on_prefetched"] = on.get("prefetched") or 0  # forwards served by a prefetched all-to-all
-    report(results, args)
-    save(results, args.out)
 
 
 def save(results: dict[str, Any], path: Path | None) -> None:
@@ -452,17 +479,20 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
 
     for row in results["layouts"]:
         line(row["layout"] + " (overlap, BBS)", row["speed"], row["match"])
-    line(f"sparse {n} / FSDP, no overlap", results["overlap_off"])
-    line(f"sparse {n} / FSDP, no BBS", results["shuffling_off"])
-    on = next(r["speed"] for r in results["layouts"] if r["strategy"]["sparse_group_size"] == n)
-    off = results["overlap_off"]
-    if "error" not in on and "error" not in off:
-        print(f"overlap saves {off['step_ms'] - on['step_ms']:.2f} ms/step ({off['step_ms'] / on['step_ms']:.3f}x)")
-    ck = results["checkpoint"]
-    print(
-        f"resume at {n} vs uninterrupted: max relative loss difference {ck['resume_max_loss_rel_diff']:.1e}; "
-        f"weights loaded at {n // 2} vs saved at {n}: max abs difference {ck['weights_at_half_max_abs_diff']:.1e}"
-    )
+    if "overlap_off" in results:
+        line(f"sparse {n} / FSDP, no overlap", results["overlap_off"])
+        line(f"sparse {n} / FSDP, no BBS", results["shuffling_off"])
+        headline = {"sparse_group_size": n, "tensor_parallel_size": 1}
+        on = next((r["speed"] for r in results["layouts"] if r["strategy"] == headline), {"error": "not run"})
+        off = results["overlap_off"]
+        if "error" not in on and "error" not in off:
+            print(f"overlap saves {off['step_ms'] - on['step_ms']:.2f} ms/step ({off['step_ms'] / on['step_ms']:.3f}x)")
+    if "checkpoint" in results:
+        ck = results["checkpoint"]
+        print(
+            f"resume at {n} vs uninterrupted: max relative loss difference {ck['resume_max_loss_rel_diff']:.1e}; "
+            f"weights loaded at {n // 2} vs saved at {n}: max abs difference {ck['weights_at_half_max_abs_diff']:.1e}"
+        )
     for way, out in results.get("match_by_sharding", {}).items():
         diff = "failed" if "error" in out else f"{out['max_loss_rel_diff']:.1e}"
         print(f"sparse {n}, tables sharded {way}: max relative loss difference vs 1 GPU {diff}")

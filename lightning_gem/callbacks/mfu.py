@@ -34,15 +34,17 @@ class MFUMonitor(L.Callback):
     in between take the last measured FLOPs scaled by their batch's size (``batch.num_tokens`` when the
     batch has it, else its samples): exact for linear layers, an approximation for attention.
 
-    Logged (``on_step``): ``perf/model_flops``, ``perf/step_time_s`` (CUDA synchronised, data loading
-    excluded), ``perf/tflops`` (achieved, this rank), ``perf/mfu`` (when a peak is known),
+    Logged (``on_step``): ``perf/model_flops``, ``perf/step_time_s`` (data loading excluded; on CUDA timed by
+    events on the current stream, so the callback adds no device sync per step), ``perf/tflops`` (achieved,
+    this rank), ``perf/mfu`` (when a peak is known),
     ``perf/step_time_imbalance`` (max / mean step time over ranks), ``perf/compute_time_s`` and
     ``perf/compute_imbalance`` (the forward pass, from the step's start to ``on_before_backward``,
     and its max / mean over ranks), ``perf/samples_per_s_per_device`` (global samples / world size /
     slowest rank's step time), and with a baseline ``perf/scaling_ratio`` and ``perf/e2e_mfu``. Ranks
-    are compared through one all-gather of three scalars per step (1.0 in one process). Every step is measured
-    and kept in :attr:`history` (the report and ``mfu.json``); the values go to ``self.log`` on the steps the
-    loggers write (``Trainer(log_every_n_steps=...)``).
+    are compared through one all-gather of three scalars per step (1.0 in one process), made for the steps since
+    the last on the steps the loggers write (``Trainer(log_every_n_steps=...)``), at least every 64 steps, and at
+    the end of training; that is also when a CUDA run waits for its events. Every step is measured and kept in
+    :attr:`history` (the report and ``mfu.json``); the values go to ``self.log`` on the loggers' steps.
 
     Why the forward: gradient all-reduces make every rank's *step* wait for the slowest, so step times
     come out nearly equal whatever the load; a data-parallel forward has no collective, so its time is
@@ -88,8 +90,8 @@ class MFUMonitor(L.Callback):
         self.plot = plot
         self.history: list[dict[str, float]] = []
         self._counter: FlopCounterMode | None = None
-        self._started: float | None = None
-        self._forward_seconds: float | None = None
+        self._step: _StepTimes | None = None  # the step in progress
+        self._pending: list[_StepTimes] = []  # steps done, not yet in the history
         self._last_flops = 0
         self._last_size = 0.0  # batch size (tokens or samples) of the step whose FLOPs were counted
         self._num_batches = 0
@@ -97,7 +99,7 @@ class MFUMonitor(L.Callback):
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.history = []
+        self.history, self._pending = [], []
         self._num_batches = 0
         self._peak = self.peak_tflops if self.peak_tflops is not None else device_peak_tflops(pl_module.device)
 
@@ -105,40 +107,47 @@ class MFUMonitor(L.Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        _synchronize(pl_module.device)
         if self._num_batches % self.flops_every_n_steps == 0:
             self._counter = FlopCounterMode(display=False)
             self._counter.__enter__()
-        self._forward_seconds = None
-        self._started = time.perf_counter()
+        self._step = _StepTimes(pl_module.device)
 
     @override
     def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
-        if self._started is not None and self._forward_seconds is None:
-            _synchronize(pl_module.device)
-            self._forward_seconds = time.perf_counter() - self._started
+        if self._step is not None and self._step.forward_end is None:
+            self._step.forward_end = self._step.mark()
 
     @override
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._started is None:
+        if self._step is None:
             return
-        _synchronize(pl_module.device)
-        seconds = time.perf_counter() - self._started
-        self._started = None
-        samples = float(batch.shape[0] if isinstance(batch, torch.Tensor) else getattr(batch, "batch_size", 0) or 0)
-        size = float(getattr(batch, "num_tokens", samples) or 0)
+        step, self._step = self._step, None
+        step.end = step.mark()
+        samples = batch.shape[0] if isinstance(batch, torch.Tensor) else getattr(batch, "batch_size", 0)
+        step.samples = float(samples or 0)
+        size = float(getattr(batch, "num_tokens", step.samples) or 0)
         if self._counter is not None:
             self._stop_counter()
             self._last_size = size
+        step.flops = self._last_flops * size / self._last_size if self._last_size > 0 else float(self._last_flops)
+        step.global_step = float(trainer.global_step)
         self._num_batches += 1
-        metrics = self._step_metrics(pl_module, seconds, samples, size)
-        self.history.append({"step": float(trainer.global_step), **metrics})
-        # Only on the steps the loggers write (as Lightning's ThroughputMonitor): each logged float becomes a device
-        # tensor, several milliseconds of host time a step in a host-bound run.
-        if getattr(trainer._logger_connector, "should_update_logs", True):
-            pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        self._pending.append(step)
+        # Resolved (one device sync, one all-gather for the steps since the last) on the steps the loggers write,
+        # as Lightning's ThroughputMonitor logs, and at least every `_MAX_PENDING` steps: each logged float becomes
+        # a device tensor, several milliseconds of host time a step in a host-bound run.
+        logs = getattr(trainer._logger_connector, "should_update_logs", True)
+        if logs or len(self._pending) >= _MAX_PENDING:
+            self._resolve(pl_module)
+            if logs:
+                metrics = {k: v for k, v in self.history[-1].items() if k != "step"}
+                pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._resolve(pl_module)  # every rank: the all-gather is a collective
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
@@ -161,23 +170,31 @@ class MFUMonitor(L.Callback):
         counter.__exit__(None, None, None)
         self._last_flops = int(counter.get_total_flops())
 
-    def _step_metrics(
-        self, pl_module: L.LightningModule, seconds: float, samples: float, size: float
-    ) -> dict[str, float]:
-        flops = self._last_flops * size / self._last_size if self._last_size > 0 else float(self._last_flops)
-        forward = seconds if self._forward_seconds is None else self._forward_seconds  # manual optimization: no hook
-        local = torch.tensor([seconds, samples, forward], dtype=torch.float64, device=pl_module.device)
-        gathered = pl_module.all_gather(local).reshape(-1, 3).cpu()
-        times, world = gathered[:, 0], gathered.shape[0]
+    def _resolve(self, pl_module: L.LightningModule) -> None:
+        """Turn the pending steps' timings into :attr:`history` rows: every rank's (step time, samples, forward
+        time) of those steps in one all-gather. Ranks resolve on the same steps (the loggers' and the run's end)."""
+        steps, self._pending = self._pending, []
+        if not steps:
+            return
+        local = torch.tensor([s.times() for s in steps], dtype=torch.float64, device=pl_module.device)
+        gathered = pl_module.all_gather(local).reshape(-1, len(steps), 3).cpu()  # [world, steps, 3]
+        for index, step in enumerate(steps):
+            self.history.append({"step": step.global_step, **self._step_metrics(step, gathered[:, index])})
+
+    def _step_metrics(self, step: _StepTimes, ranks: torch.Tensor) -> dict[str, float]:
+        """``ranks``: ``[world, 3]`` step time, samples, forward time of every rank for this step."""
+        seconds, _, forward = step.times()
+        times, world = ranks[:, 0], ranks.shape[0]
         slowest = float(times.max())
+        flops = step.flops
         metrics = {
             "perf/model_flops": flops,
             "perf/step_time_s": seconds,
             "perf/tflops": flops / seconds / 1e12 if seconds > 0 else math.nan,
             "perf/step_time_imbalance": _max_over_mean(times),
             "perf/compute_time_s": forward,
-            "perf/compute_imbalance": _max_over_mean(gathered[:, 2]),
-            "perf/samples_per_s_per_device": float(gathered[:, 1].sum()) / world / slowest if slowest > 0 else 0.0,
+            "perf/compute_imbalance": _max_over_mean(ranks[:, 2]),
+            "perf/samples_per_s_per_device": float(ranks[:, 1].sum()) / world / slowest if slowest > 0 else 0.0,
         }
         if self._peak is not None:
             metrics["perf/mfu"] = metrics["perf/tflops"] / self._peak
@@ -254,6 +271,37 @@ def _baseline_from_summary(path: Path) -> float:
     return float(summary["samples_per_s_per_device"])
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+_MAX_PENDING = 64  # steps kept unresolved at most (when the loggers write less often)
+
+
+class _StepTimes:
+    """One training step's start, end of forward and end: CUDA events on the current stream, read once the step
+    has run (no device sync per step, so the host keeps running ahead of the device as it would without the
+    callback), or elsewhere wall-clock times (CPU work is done when the call returns)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.start = self.mark()
+        self.forward_end: Any = None
+        self.end: Any = None
+        self.samples = self.flops = self.global_step = 0.0
+        self._times: tuple[float, float, float] | None = None
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def times(self) -> tuple[float, float, float]:
+        """``(step seconds, samples, forward seconds)``; waits for a CUDA step to finish."""
+        if self._times is None:
+            forward_end = self.end if self.forward_end is None else self.forward_end  # manual optimization: no hook
+            if self.cuda:
+                self.end.synchronize()
+                step, forward = (self.start.elapsed_time(e) / 1e3 for e in (self.end, forward_end))
+            else:
+                step, forward = self.end - self.start, forward_end - self.start
+            self._times = (step, self.samples, forward)
+        return self._times

@@ -52,6 +52,9 @@ class RankingBatch(_PipelineableDataclass):
         dense_features: ``[B, num_dense]`` float, or ``None``.
         history_time_deltas: ``[T_h]`` float seconds between each event and the request, or ``None``.
         labels: ``[C, num_tasks]`` float in {0, 1} (task order from the schema).
+        longest_history, most_candidates: the longest history and the most candidates of a user, known on the
+            host (the collate sets them): a model takes them as kernel hints and the offsets as valid without
+            reading them back from the device (no device sync). ``None``: not known.
     """
 
     sequence_features: KeyedJaggedTensor
@@ -63,6 +66,8 @@ class RankingBatch(_PipelineableDataclass):
     pooled_features: KeyedJaggedTensor | None = None
     dense_features: Tensor | None = None
     history_time_deltas: Tensor | None = None
+    longest_history: int | None = None
+    most_candidates: int | None = None
 
     @property
     def batch_size(self) -> int:

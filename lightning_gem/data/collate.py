@@ -163,6 +163,8 @@ def collate_ranking(samples: Sequence[RankingSample], schema: RankingSchema) -> 
         pooled_features=pooled_features,
         dense_features=dense_features,
         history_time_deltas=time_deltas,
+        longest_history=int(history_lengths.max()),
+        most_candidates=int(candidate_lengths.max()),
     )
 
 

@@ -248,3 +248,10 @@ def test_a_training_step_reads_the_device_once(batches, monkeypatch: pytest.Monk
     reads.clear()
     model(batch).float().sum().backward()
     assert len(reads) == 1, reads
+    # A collated batch carries its longest sequences as host ints: no read at all, the same logits.
+    hinted = dataclasses.replace(batch, longest_history=5, most_candidates=3)
+    reads.clear()
+    logits = model(hinted)
+    logits.float().sum().backward()
+    assert reads == []
+    torch.testing.assert_close(logits, model(batch))

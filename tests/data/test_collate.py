@@ -57,6 +57,7 @@ def test_ranking_layout_is_key_major(check_ranking_batch) -> None:  # noqa: ANN0
     assert batch.history_time_deltas.tolist() == [2.0, 1.0, 1.0]
     assert batch.dense_features.shape == (3, 2)
     assert batch.num_tokens == 3 + 4
+    assert (batch.longest_history, batch.most_candidates) == (2, 2)  # host ints: kernel hints without a sync
 
 
 def test_ranking_batch_feeds_torchrec_modules() -> None:
