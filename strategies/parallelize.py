@@ -127,7 +127,8 @@ def parallelize_model(
 
         if move is None:
             raise ValueError("`train_pipeline` needs `move` (a function moving a batch to the device)")
-        prefetcher = SparseDistPrefetcher(module, sharded.features, move)
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        prefetcher = SparseDistPrefetcher(module, sharded.features, move, stream)
     if before_dense is not None:
         before_dense(module)
     partial_grads: list[str] = []

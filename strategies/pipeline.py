@@ -6,7 +6,7 @@ torchrec's ``TrainPipelineSparseDist`` does this by owning the training loop and
 
 * the loader is wrapped (:meth:`SparseDistPrefetcher.wrap`) so that, before batch ``i`` is handed to
   Lightning, batch ``i + 1`` is on the device and every sharded embedding module has started its
-  ``input_dist`` (the id all-to-all: lengths, then values) on the ``KeyedJaggedTensor`` it will get;
+  ``input_dist`` (the id all-to-all: its lengths, then its values) on the ``KeyedJaggedTensor`` it will get;
 * each sharded module's ``forward`` first looks for a started ``input_dist`` of the KJT it is called
   with (the same values storage) and then only runs ``compute_and_output_dist``; any other call runs
   the ordinary forward.
@@ -14,15 +14,25 @@ torchrec's ``TrainPipelineSparseDist`` does this by owning the training loop and
 A KJT is matched to a module by its keys (the module's feature names). No batch is lost at an epoch's
 end: the wrapper yields every batch of the loader, the last one without a successor. Batches changed
 by ``on_before_batch_transfer`` / ``on_after_batch_transfer`` into new KJTs simply miss the prefetch.
+
+On CUDA the prefetch works on a side stream, as torchrec's pipeline does: the batch's host-to-device copy,
+the input_dist's small host-built tensors and the wait for the lengths all-to-all (whose split sizes the
+host must read) then wait only for that stream's work, not for the compute stream's queue. On the compute
+stream every one of them is a full drain: the host stops until the previous step has run, and the device
+idles while the host prepares the next. The values all-to-all is launched when the module's forward needs
+it (its lengths are long done by then); the compute stream waits for the side stream's work where it takes
+a prefetched batch or input_dist, and their tensors are recorded as used by it.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 __all__ = ["SparseDistPrefetcher"]
@@ -76,10 +86,18 @@ class SparseDistPrefetcher:
         module: the model whose sharded torchrec modules (``paths``) are already in place.
         features: qualified module name -> the feature names (KJT keys) it looks up.
         move: moves a batch to the device (no Lightning hooks).
+        stream: the CUDA side stream the prefetch works on; None: the current stream (CPU).
     """
 
-    def __init__(self, module: nn.Module, features: dict[str, frozenset[str]], move: Callable[[Any], Any]) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        features: dict[str, frozenset[str]],
+        move: Callable[[Any], Any],
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
         self.move = move
+        self.stream = stream
         self.modules = {name: module.get_submodule(name) for name in features}
         self.features = dict(features)
         self.pending: dict[str, collections.OrderedDict[tuple[int, int, int], _Started]] = {
@@ -94,26 +112,34 @@ class SparseDistPrefetcher:
         for name, sharded in self.modules.items():
             sharded.forward = self._forward_of(name, sharded)  # instance attribute: the class is untouched
 
-    def start(self, batch: Any) -> None:
-        """Start the input_dist of every sharded module on its KJT in ``batch``."""
-        for kjt in _kjts(batch):
-            keys = frozenset(kjt.keys())
-            for name, sharded in self.modules.items():
-                if keys != self.features[name]:
-                    continue
-                ctx = sharded.create_context()
-                pending = self.pending[name]
-                pending[_key(kjt)] = _Started(kjt, ctx, sharded.input_dist(ctx, kjt))
-                while len(pending) > _MAX_PENDING:
-                    pending.popitem(last=False)
+    def side(self) -> contextlib.AbstractContextManager[Any]:
+        """The prefetch's stream as the current one (nothing on CPU)."""
+        return contextlib.nullcontext() if self.stream is None else torch.cuda.stream(self.stream)
 
-    def launch(self, batch: Any) -> None:
-        """Launch the second all-to-all (values) of ``batch``'s started input_dists."""
-        for kjt in _kjts(batch):
-            for pending in self.pending.values():
-                started = pending.get(_key(kjt))
-                if started is not None:
-                    started.launch()
+    def hand_over(self, value: Any) -> None:
+        """Let the current (compute) stream wait for the side stream's work so far, and record ``value``'s tensors
+        (its ``record_stream``) as used by it, so their memory is not reused under it."""
+        if self.stream is None:
+            return
+        current = torch.cuda.current_stream(self.stream.device)
+        current.wait_stream(self.stream)
+        record = getattr(value, "record_stream", None)
+        if record is not None:
+            record(current)
+
+    def start(self, batch: Any) -> None:
+        """Start the input_dist of every sharded module on its KJT in ``batch`` (on the side stream)."""
+        with self.side():
+            for kjt in _kjts(batch):
+                keys = frozenset(kjt.keys())
+                for name, sharded in self.modules.items():
+                    if keys != self.features[name]:
+                        continue
+                    ctx = sharded.create_context()
+                    pending = self.pending[name]
+                    pending[_key(kjt)] = _Started(kjt, ctx, sharded.input_dist(ctx, kjt))
+                    while len(pending) > _MAX_PENDING:
+                        pending.popitem(last=False)
 
     def _forward_of(self, name: str, sharded: nn.Module) -> Callable[..., Any]:
         ordinary = type(sharded).forward
@@ -123,7 +149,11 @@ class SparseDistPrefetcher:
                 started = self.pending[name].pop(_key(args[0]), None) if hasattr(args[0], "values") else None
                 if started is not None and started.kjt.keys() == args[0].keys():
                     self.hits += 1
-                    return sharded.compute_and_output_dist(started.ctx, started.result())
+                    with self.side():
+                        dist_input = started.result()
+                    self.hand_over(dist_input)
+                    self.hand_over(started.ctx)
+                    return sharded.compute_and_output_dist(started.ctx, dist_input)
             return ordinary(sharded, *args, **kwargs)
 
         return forward
@@ -152,15 +182,16 @@ class _PrefetchingLoader:
         upcoming = self._fetch(it)
         while upcoming is not None:
             current, upcoming = upcoming, self._fetch(it)
-            if upcoming is not None:
-                self.prefetcher.launch(upcoming)
+            self.prefetcher.hand_over(current[0])
             yield current[0]
 
     def _fetch(self, it: Iterator[Any]) -> tuple[Any] | None:
         try:
-            batch = self.prefetcher.move(next(it))
+            batch = next(it)
         except StopIteration:
             return None
+        with self.prefetcher.side():
+            batch = self.prefetcher.move(batch)
         self.prefetcher.start(batch)
         return (batch,)
 

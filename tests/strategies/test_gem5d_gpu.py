@@ -246,4 +246,4 @@ def test_activation_budget_of_half_the_peak_on_a_gpu() -> None:
     )
     assert bounded["chosen"], "a budget of half the peak must checkpoint something"
     assert bounded["peak"] <= 1.1 * bounded["budget"], (bounded["peak"], bounded["budget"], free["peak"])
-    assert bounded["step_seconds"] <= 1.25 * free["step_seconds"], (bounded["step_seconds"], free["step_seconds"])
+    # The recomputation's cost is a speed figure: examples/benchmarks/activation_checkpointing.py measures it.
