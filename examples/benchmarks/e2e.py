@@ -9,8 +9,9 @@ pooled user features, hundreds of candidates per user.
   pointwise HSTU attention, which SDPA lacks), ``precision="bf16-mixed"``, Lightning's default
   single-device strategy, a plain shuffled sampler;
 - kit: the GDPA Triton kernels (``attention_impl="auto"``), ``MXFP8Precision()`` (its ``auto`` recipe
-  picks what is fast on the device: fp8 on Hopper), ``strategy="gem5d"`` (world size 1: torchrec's sharded
-  tables and gem5d's train step, without FSDP2 over a single rank), Base Batch Shuffling in the DataModule.
+  picks what is fast on the device: fp8 on Hopper), ``GEM5DStrategy(train_pipeline=True)`` (world size 1:
+  torchrec's sharded tables and gem5d's train step, without FSDP2 over a single rank; the next batch copied
+  and its embedding input path prepared on a side stream), Base Batch Shuffling in the DataModule.
 
 Each stack runs ``--warmup + --steps`` training steps in ``Trainer.fit``; a step's time is the interval
 between the ends of consecutive steps on the device's timeline (CUDA events: no device sync is added, data
@@ -45,6 +46,7 @@ from gem_example import (
     synthetic_users,
     use_tiny_shapes,
 )
+from lightning_gem.strategies import GEM5DStrategy
 
 from lightning_gem.callbacks import MFUMonitor
 from lightning_gem.data import GEMDataModule, SyntheticRankingSource
@@ -75,7 +77,7 @@ def run_stack(
     trainer = L.Trainer(
         accelerator="gpu" if cuda else "cpu",
         devices=1,
-        strategy="gem5d" if kit else "auto",
+        strategy=GEM5DStrategy(train_pipeline=True) if kit else "auto",
         precision=None if kit else ("bf16-mixed" if cuda else "32-true"),
         plugins=[MXFP8Precision()] if kit else None,
         max_steps=args.warmup + args.steps,

@@ -4,10 +4,10 @@ One run measures, each N-GPU configuration in its own group of N processes (one 
 
 - speed: per-GPU throughput (samples per second per GPU, timed from the end of one step to the end of
   the next, so data loading and the prefetched embedding all-to-all between steps count) at N over the
-  same at 1 GPU: the scaling ratio; local MFU of the ``MFUMonitor`` (useful FLOPs of the jagged batch
-  over the device's peak) and E2E MFU = local MFU x scaling ratio. For sparse sharding group sizes 1, N/2
-  and N, dense FSDP over the data-parallel ranks and FSDP + tensor parallel (2), and at N the dense
-  parameters replicated (one gradient all-reduce a step, as DDP); overlap
+  same at 1 GPU: the scaling ratio; local MFU (the ``MFUMonitor``'s FLOPs of the jagged batch over the
+  median step interval, against the device's peak) and E2E MFU = local MFU x scaling ratio. For sparse
+  sharding group sizes 1, N/2 and N, dense FSDP over the data-parallel ranks and FSDP + tensor parallel
+  (2), and at N the dense parameters replicated (one gradient all-reduce a step, as DDP); overlap
   (``train_pipeline``) on and off; Base Batch Shuffling (``GEMDataModule(balance=...)``) on and off, each
   with the ranks' compute imbalance (max/mean forward time).
 - correctness: every layout's losses over the first steps against one GPU on the same global batch (fp32,
@@ -190,10 +190,14 @@ def fit(rank: int, world_size: int, job: dict[str, Any], args: argparse.Namespac
         interval = clock.median_interval(skip=args.warmup)
         summary = monitor.summary(skip_first=args.warmup)
         samples_per_gpu = job["batch"]  # a tensor-parallel group trains on its ranks' batches merged
+        # Local MFU over the median step interval (the same clock as the throughput), from the monitor's FLOPs
+        # of the step: the monitor's own per-step span leaves out what runs between steps (the prefetch).
+        flops, peak = summary.get("model_flops", math.nan), summary.get("peak_tflops", math.nan)
         out.update(
             step_ms=interval * 1e3,
             samples_per_s_per_gpu=samples_per_gpu / interval,
-            mfu=summary.get("mfu", math.nan),
+            model_flops=flops,
+            mfu=flops / interval / (peak * 1e12),
             compute_imbalance=summary.get("compute_imbalance", math.nan),
             step_time_imbalance=summary.get("step_time_imbalance", math.nan),
             peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else math.nan,
