@@ -22,8 +22,8 @@ from lightning_gem.testing.distributed import run_ranks
 
 def _trainer(monitor: MFUMonitor, root: Path, **kwargs) -> L.Trainer:  # noqa: ANN003
     kwargs.setdefault("log_every_n_steps", 1)
+    kwargs.setdefault("accelerator", "cpu")
     return L.Trainer(
-        accelerator="cpu",
         callbacks=[monitor],
         logger=False,
         enable_checkpointing=False,
@@ -169,19 +169,7 @@ def test_cuda_steps_are_timed_by_events_without_a_sync_per_step(tmp_path) -> Non
         pytest.skip("needs a CUDA GPU")
     model, loader = _ranker_and_loader(48)
     monitor = MFUMonitor(plot=False)
-    trainer = L.Trainer(
-        accelerator="gpu",
-        devices=1,
-        callbacks=[monitor],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        max_steps=6,
-        limit_val_batches=0,
-    )
-    trainer.fit(model, loader)
+    _trainer(monitor, tmp_path, accelerator="gpu", devices=1, max_steps=6, limit_val_batches=0).fit(model, loader)
     assert len(monitor.history) == 6
     for row in monitor.history:
         assert 0 < row["perf/compute_time_s"] < row["perf/step_time_s"] < 10.0, row

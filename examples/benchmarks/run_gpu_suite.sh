@@ -56,8 +56,14 @@ for s in "${steps[@]}"; do
       --out "$OUT/e2e.json" ;;
     scaling)
       if [ "$gpus" -ge 2 ]; then
-        step scaling 600 $PY examples/benchmarks/scaling.py --steps 20 --warmup 5 --batch-size 32 --timeout 150 \
-          --root "$OUT/scaling" --out "$OUT/scaling.json"
+        step scaling 900 $PY examples/benchmarks/scaling.py --steps 20 --warmup 5 --batch-size 64 --timeout 240 \
+          --headline replicated --sync-debug --profile-dir "$OUT/scaling_profiles" --root "$OUT/scaling" \
+          --out "$OUT/scaling.json"
+        for b in 128 256; do  # the headline layout at larger per-GPU batches
+          step scaling$b 300 $PY examples/benchmarks/scaling.py --steps 20 --warmup 5 --batch-size $b --timeout 240 \
+            --layouts "$gpus/replicated" --skip offs checkpoint --match-sharding --root "$OUT/scaling$b" \
+            --out "$OUT/scaling$b.json"
+        done
       else
         echo "scaling: skipped ($gpus GPU)" | tee -a "$OUT/summary.txt"
       fi ;;
