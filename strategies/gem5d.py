@@ -43,7 +43,7 @@ from . import checkpoint_io, dense, sparse
 from .mesh import MeshLayout, build_device_mesh, check_size, resolve_layout
 from .parallelize import ParallelModel, parallelize_model
 from .replication import SparseReplication, check_replication, evaluate_without_inference_mode
-from .sparse import EmbeddingOptimizerConfig, EmbeddingOptimizerName, TableConstraint
+from .sparse import EmbeddingOptimizerConfig, EmbeddingOptimizerName, TableConstraint, comm_codecs
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -113,6 +113,10 @@ class GEM5DStrategy(ParallelStrategy):
             ``(0, 1]`` of the measured unconstrained peak; ``None``: no checkpointing.
         train_pipeline: overlap the embedding input all-to-all of the next batch with the current batch's
             compute (torchrec's sparse-dist pipelining inside Lightning's loop; see ``pipeline.py``).
+        embedding_comm_precision: the precision the embedding collectives (the lookups' all-to-alls and
+            reduce-scatters, forward and backward) send, through torchrec's quantized comms: ``"bf16"`` or
+            ``"fp16"`` halve their bytes and those of the permutes around them, rounding the embeddings and
+            their gradients on the way; ``"fp32"``: the tables' own precision.
         weights_from: a gem5d checkpoint whose model weights are loaded at setup, whatever layout or world
             size wrote it (a new run from trained weights; ``fit(ckpt_path=...)`` resumes a run instead).
         process_group_backend: ``"nccl"``/``"gloo"``; ``None``: the device's default.
@@ -122,8 +126,8 @@ class GEM5DStrategy(ParallelStrategy):
         ValueError: at setup, sizes that do not fit the world size (naming the argument),
             ``sequence_parallel`` under tensor parallelism on a model with no component declaring it, or a
             ``sparse_replication`` of ``DMPCollection`` where it cannot run (saying why: not CUDA, ``adam``, ...);
-            at construction, a bad size, optimizer or ``sparse_replication`` (or one the installed torchrec
-            lacks).
+            at construction, a bad size, optimizer, ``embedding_comm_precision`` or ``sparse_replication`` (or
+            one the installed torchrec lacks).
         TypeError: at construction, a size or ``sequence_parallel`` of the wrong type.
     """
 
@@ -145,6 +149,7 @@ class GEM5DStrategy(ParallelStrategy):
         reshard_after_forward: bool = True,
         activation_memory_budget: int | float | None = None,
         train_pipeline: bool = False,
+        embedding_comm_precision: str = "fp32",
         weights_from: str | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -201,6 +206,8 @@ class GEM5DStrategy(ParallelStrategy):
         self.sequence_parallel = sequence_parallel
         self.activation_memory_budget = activation_memory_budget
         self.train_pipeline = bool(train_pipeline)
+        comm_codecs(embedding_comm_precision)  # checked now (an unknown precision raises)
+        self.embedding_comm_precision = embedding_comm_precision
         self.weights_from = weights_from
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -340,6 +347,7 @@ class GEM5DStrategy(ParallelStrategy):
             sequence_parallel=self.sequence_parallel,
             train_pipeline=self.train_pipeline,
             sparse_replication=self.sparse_replication,
+            embedding_comm_precision=self.embedding_comm_precision,
             move=lambda batch: move_data_to_device(batch, device),
             before_dense=None if budget is None else lambda m: self._apply_activation_checkpointing(m, trainer),
         )

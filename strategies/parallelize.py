@@ -76,6 +76,7 @@ def parallelize_model(
     sequence_parallel: bool = False,
     train_pipeline: bool = False,
     sparse_replication: SparseReplication = "auto",
+    embedding_comm_precision: str = "fp32",
     move: Callable[[Any], Any] | None = None,
     before_dense: Callable[[nn.Module], None] | None = None,
 ) -> ParallelModel:
@@ -93,6 +94,7 @@ def parallelize_model(
             token shards (see ``dense.py``); no effect when ``layout.tensor_parallel == 1``.
         train_pipeline: start each batch's embedding input all-to-all one batch ahead (needs ``move``).
         sparse_replication: how the embedding replicas are kept equal (``replication.py``).
+        embedding_comm_precision: the precision of the embedding all-to-alls (``sparse.comm_codecs``).
         move: moves a batch to ``device`` (the train pipeline's prefetch).
         before_dense: called with the model once it is on the device with its tables sharded, before
             tensor parallelism and FSDP2 (where activation checkpointing is applied).
@@ -119,6 +121,7 @@ def parallelize_model(
         table_constraints,
         local_world_size,
         replication=sparse_replication,
+        comm_precision=embedding_comm_precision,
     )
     module.to(device)
     prefetcher = None

@@ -47,10 +47,12 @@ from .replication import (
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "COMM_PRECISIONS",
     "EmbeddingOptimizerConfig",
     "ReplicaSync",
     "SparseShardingResult",
     "TableConstraint",
+    "comm_codecs",
     "embedding_module_paths",
     "fused_optimizer",
     "local_shards",
@@ -152,12 +154,34 @@ def embedding_module_paths(module: nn.Module) -> list[str]:
     return [name for name, sub in module.named_modules() if isinstance(sub, types)]
 
 
-def make_sharders(device_type: str, optimizer: EmbeddingOptimizerConfig) -> list[Any]:
+COMM_PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def comm_codecs(precision: str) -> dict[str, Any] | None:
+    """torchrec's quantized-comms codecs sending the embeddings' all-to-alls and reduce-scatters (forward and
+    backward) in ``precision``: ``"bf16"`` or ``"fp16"`` halve their bytes; ``"fp32"``: None (no codec).
+
+    Raises:
+        ValueError: an unknown precision.
+    """
+    if precision not in COMM_PRECISIONS:
+        raise ValueError(f"`embedding_comm_precision` must be one of {COMM_PRECISIONS}, got {precision!r}")
+    if precision == "fp32":
+        return None
+    from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
+
+    kind = CommType.BF16 if precision == "bf16" else CommType.FP16
+    return get_qcomm_codecs_registry(QCommsConfig(forward_precision=kind, backward_precision=kind))
+
+
+def make_sharders(device_type: str, optimizer: EmbeddingOptimizerConfig, comm_precision: str = "fp32") -> list[Any]:
     """Sharders of both torchrec collections with ``optimizer`` fused into the embedding backward.
 
     They offer every sharding type the collection implements (``EmbeddingCollection``: table-, row- and
     column-wise; ``EmbeddingBagCollection``: also table-row- and table-column-wise) on every device
-    (torchrec lists row-wise for CUDA only, yet it runs over gloo) and never data-parallel.
+    (torchrec lists row-wise for CUDA only, yet it runs over gloo) and never data-parallel. With
+    ``comm_precision`` ``"bf16"`` / ``"fp16"`` their embedding collectives send that precision
+    (:func:`comm_codecs`).
     """
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -172,7 +196,11 @@ def make_sharders(device_type: str, optimizer: EmbeddingOptimizerConfig) -> list
         (EmbeddingBagCollectionSharder,),
         {"sharding_types": _offering(SHARDING_TYPES)},
     )
-    return [ec(fused_params=dict(fused)), ebc(fused_params=dict(fused))]
+    codecs = comm_codecs(comm_precision)
+    return [
+        ec(fused_params=dict(fused), qcomm_codecs_registry=codecs),
+        ebc(fused_params=dict(fused), qcomm_codecs_registry=codecs),
+    ]
 
 
 def _configs(collection: nn.Module) -> list[Any]:
@@ -295,6 +323,7 @@ def shard_embeddings(
     constraints: Mapping[str, TableConstraint] | None = None,
     local_world_size: int | None = None,
     replication: SparseReplication = "auto",
+    comm_precision: str = "fp32",
 ) -> SparseShardingResult:
     """Shard every torchrec embedding module of ``module`` in place (2D: sharded in a group, replicated across).
 
@@ -311,6 +340,7 @@ def shard_embeddings(
         local_world_size: processes (one device each) per host.
         replication: how replicas are kept equal (see ``replication.py``): ``"auto"``, ``"collection"``,
             ``"fully_sharded"`` or ``"replica_sync"``.
+        comm_precision: the precision the embedding collectives send (:func:`comm_codecs`).
 
     Raises:
         ValueError: torchrec's gradient division is off; ``replication`` names a way that cannot run here.
@@ -334,7 +364,7 @@ def shard_embeddings(
         local_world_size=local_world_size,
     )
     by_collection = choice.mode != "replica_sync"
-    sharders = make_sharders(device.type, optimizer)
+    sharders = make_sharders(device.type, optimizer, comm_precision)
     rank = dist.get_rank()
     node_group_size = math.gcd(layout.sparse_group_size, local_world_size or layout.sparse_group_size)
     plan = plan_sharding(

@@ -59,10 +59,12 @@ for s in "${steps[@]}"; do
         step scaling 900 $PY examples/benchmarks/scaling.py --steps 20 --warmup 5 --batch-size 64 --timeout 240 \
           --headline replicated --sync-debug --profile-dir "$OUT/scaling_profiles" --root "$OUT/scaling" \
           --out "$OUT/scaling.json"
-        for b in 128 256; do  # the headline layout at larger per-GPU batches
-          step scaling$b 300 $PY examples/benchmarks/scaling.py --steps 20 --warmup 5 --batch-size $b --timeout 240 \
-            --layouts "$gpus/replicated" --skip offs checkpoint --match-sharding --root "$OUT/scaling$b" \
-            --out "$OUT/scaling$b.json"
+        for b in 128 256; do  # the headline layout at larger per-GPU batches, with fp32 and bf16 embedding comms
+          for c in fp32 bf16; do
+            step scaling${b}_$c 300 $PY examples/benchmarks/scaling.py --steps 20 --warmup 5 --batch-size $b \
+              --timeout 240 --layouts "$gpus/replicated" --skip offs checkpoint --match-sharding --comm-precision $c \
+              --root "$OUT/scaling${b}_$c" --out "$OUT/scaling${b}_$c.json"
+          done
         done
       else
         echo "scaling: skipped ($gpus GPU)" | tee -a "$OUT/summary.txt"

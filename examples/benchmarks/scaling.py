@@ -310,6 +310,14 @@ def main() -> None:
     parser.add_argument("--match-items", type=int, default=5000)
     parser.add_argument("--loss-rtol", type=float, default=1e-4, help="correctness: max relative loss difference")
     parser.add_argument(
+        "--comm-precision",
+        default="fp32",
+        choices=("fp32", "bf16", "fp16"),
+        help="the speed runs' embedding all-to-all precision (GEM5DStrategy(embedding_comm_precision=...)); "
+        "not fp32: each layout is also checked against 1 GPU with it, under --comms-loss-rtol",
+    )
+    parser.add_argument("--comms-loss-rtol", type=float, default=1e-3, help="the same with 16-bit comms")
+    parser.add_argument(
         "--match-sharding",
         nargs="*",
         default=["table_wise", "row_wise", "column_wise"],
@@ -356,7 +364,8 @@ def main() -> None:
     def speed_job(strategy: dict[str, Any], **kw: Any) -> dict[str, Any]:
         job = dict(match=False, steps=args.warmup + args.steps, batch=args.batch_size, balance=True)
         job["num_users"] = args.batch_size * n * (args.warmup + args.steps + 2)  # the same users in every run
-        return {**job, "strategy": {"train_pipeline": True, **strategy}, "root": str(root / "speed"), **kw}
+        strategy = {"train_pipeline": True, "embedding_comm_precision": args.comm_precision, **strategy}
+        return {**job, "strategy": strategy, "root": str(root / "speed"), **kw}
 
     def match_job(strategy: dict[str, Any], **kw: Any) -> dict[str, Any]:
         job = dict(match=True, steps=args.match_steps, batch=args.match_batch, balance=True, root=str(root / "match"))
@@ -391,17 +400,22 @@ def main() -> None:
     for layout in chosen:
         name = layout_name(layout)
         ways = args.match_sharding if layout == {"sparse_group_size": n, "tensor_parallel_size": 1} else []
-        speed, check, *constrained = run_group(
+        comms = [args.comm_precision] if args.comm_precision != "fp32" else []
+        speed, check, *extra = run_group(
             n,
             [
                 speed_job(layout, baseline_samples_per_s=baseline, name=name),
                 match_job(layout, name=name + " (fp32)"),
                 *(match_job(layout, sharding_type=way, name=f"{name}, {way} (fp32)") for way in ways),
+                *(match_job({**layout, "embedding_comm_precision": p}, name=f"{name}, {p} comms") for p in comms),
             ],
             args,
         )
+        constrained = extra[: len(ways)]
         check["max_loss_rel_diff"] = max_relative_difference(check.get("losses", []), ref.get("losses", []))
         check["start_weights_diff"] = start_weights_difference(check, ref)
+        for out in extra[len(ways) :]:  # the speed runs' embedding comms precision: rounding on the wire
+            check["comms_max_loss_rel_diff"] = max_relative_difference(out.get("losses", []), ref.get("losses", []))
         rows.append({"layout": name, "strategy": layout, "speed": speed, "match": check})
         for way, out in zip(ways, constrained, strict=True):
             out["max_loss_rel_diff"] = max_relative_difference(out.get("losses", []), ref.get("losses", []))
@@ -474,7 +488,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     print(
         f"\ngem5d scaling on {n} x {results['device']}: GEMRanker dim {args.model_dim} x {args.num_layers} layers, "
         f"{args.batch_size} users/GPU, histories clip({args.max_history} u^3), ~{args.mean_candidates:.0f} "
-        f"candidates/user, {'bf16-mixed' if args.device == 'cuda' else 'fp32'}"
+        f"candidates/user, {'bf16-mixed' if args.device == 'cuda' else 'fp32'}, {args.comm_precision} embedding comms"
     )
     for run, name in zip(results.get("baseline_runs", [base]), ("1 GPU", "1 GPU, overlap"), strict=False):
         print(
@@ -526,6 +540,12 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     bad = [
         r["layout"] for r in results["layouts"] if not r["match"].get("max_loss_rel_diff", math.inf) <= args.loss_rtol
     ]
+    for row in results["layouts"]:
+        if "comms_max_loss_rel_diff" in row["match"]:
+            diff = row["match"]["comms_max_loss_rel_diff"]
+            print(f"{row['layout']} with {args.comm_precision} embedding comms: max relative loss diff {diff:.1e}")
+            if not diff <= args.comms_loss_rtol:
+                bad.append(f"{row['layout']} ({args.comm_precision} comms)")
     print("losses match 1 GPU in every layout" if not bad else f"losses differ from 1 GPU: {bad}")
 
 

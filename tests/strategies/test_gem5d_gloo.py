@@ -62,10 +62,16 @@ def _reference(layout: dict[str, Any]) -> dict[str, Any]:
 
 def _check_matches(result: dict[str, Any], reference: dict[str, Any], layout: dict[str, Any]) -> None:
     assert len(result["losses"]) == STEPS, layout
-    np.testing.assert_allclose(result["losses"], reference["losses"], rtol=LOSS_RTOL, err_msg=str(layout))
+    loss_rtol, weight_atol = LOSS_RTOL, WEIGHT_ATOL
+    if layout.get("embedding_comm_precision", "fp32") != "fp32":
+        # Embeddings and their gradients rounded to bf16 on the wire (relative error up to 2^-8 each): the run
+        # differs from fp32 (measured here: losses 2.7e-5 relative, weights 3.9e-5), within bf16's reach.
+        assert result["losses"] != reference["losses"], layout
+        loss_rtol, weight_atol = 5e-4, 5e-4
+    np.testing.assert_allclose(result["losses"], reference["losses"], rtol=loss_rtol, err_msg=str(layout))
     assert result["weights"].keys() == reference["weights"].keys()
     for name, value in result["weights"].items():
-        np.testing.assert_allclose(value, reference["weights"][name], atol=WEIGHT_ATOL, err_msg=f"{name} {layout}")
+        np.testing.assert_allclose(value, reference["weights"][name], atol=weight_atol, err_msg=f"{name} {layout}")
     # the run trained: the loss moved
     assert result["losses"][-1] < result["losses"][0] - 0.05, layout
 
@@ -127,6 +133,11 @@ def test_every_layout_trains_like_one_process(world_size: int) -> None:
         ways["action_type"] = "row_wise"
         constraints = {table: {"sharding_types": [way]} for table, way in ways.items()}
         layouts.append({"embedding_optimizer": "sgd", "sparse_group_size": 2, "table_constraints": constraints})
+        # the embedding all-to-alls and reduce-scatters in bf16 (torchrec's quantized comms), under the pipeline
+        layouts.append(
+            {"embedding_optimizer": "sgd", "embedding_comm_precision": "bf16", "train_pipeline": True}
+            | {"table_constraints": constraints}
+        )
     else:
         # token shards in 2 tensor-parallel groups, the dense layers sharded over the groups
         layouts.append({"embedding_optimizer": "sgd", "sparse_group_size": 2} | SEQUENCE_PARALLEL)

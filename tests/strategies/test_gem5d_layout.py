@@ -121,6 +121,8 @@ def test_bad_types_and_constructor_checks() -> None:
         GEM5DStrategy(embedding_lr=0.0)
     with pytest.raises(ValueError, match="`activation_memory_budget`"):
         GEM5DStrategy(activation_memory_budget=1.5)
+    with pytest.raises(ValueError, match="`embedding_comm_precision` must be one of"):
+        GEM5DStrategy(embedding_comm_precision="int8")
     with pytest.raises(ValueError, match="`sharding_types` must be among"):
         TableConstraint(sharding_types=("grid",))
     with pytest.raises(ValueError, match="at least one sharding type"):
