@@ -16,8 +16,9 @@ end: the wrapper yields every batch of the loader, the last one without a succes
 by ``on_before_batch_transfer`` / ``on_after_batch_transfer`` into new KJTs simply miss the prefetch.
 
 On CUDA the prefetch works on a side stream, as torchrec's pipeline does: the batch's host-to-device copy,
-the input_dist's small host-built tensors and the wait for the lengths all-to-all (whose split sizes the
-host must read) then wait only for that stream's work, not for the compute stream's queue. On the compute
+the input_dist's small host-built tensors, the wait for the lengths all-to-all (whose split sizes the
+host must read) and the per-key lengths of the ids received (which the lookup reads on the host) then wait
+only for that stream's work, not for the compute stream's queue. On the compute
 stream every one of them is a full drain: the host stops until the previous step has run, and the device
 idles while the host prepares the next. The values all-to-all is launched when the module's forward needs
 it (its lengths are long done by then); the compute stream waits for the side stream's work where it takes
@@ -60,6 +61,16 @@ def _kjts(batch: Any) -> list[Any]:
 def _key(kjt: Any) -> tuple[int, int, int]:
     values, lengths = kjt.values(), kjt.lengths()
     return values.data_ptr(), values.numel(), lengths.data_ptr()
+
+
+def _read_key_lengths(dist_input: Any) -> None:
+    """Compute (and cache in each) the per-key lengths and offsets of the received KJTs (a ``KJTList`` or one
+    KJT) now, on the side stream: the sharded lookup reads them on the host, which on the compute stream would
+    wait for its whole queue."""
+    features = getattr(dist_input, "features", None)
+    for kjt in features if features is not None else [dist_input]:
+        if hasattr(kjt, "offset_per_key"):
+            kjt.offset_per_key()
 
 
 class _Started:
@@ -151,6 +162,7 @@ class SparseDistPrefetcher:
                     self.hits += 1
                     with self.side():
                         dist_input = started.result()
+                        _read_key_lengths(dist_input)
                     self.hand_over(dist_input)
                     self.hand_over(started.ctx)
                     return sharded.compute_and_output_dist(started.ctx, dist_input)
