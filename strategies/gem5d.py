@@ -115,8 +115,8 @@ class GEM5DStrategy(ParallelStrategy):
             compute (torchrec's sparse-dist pipelining inside Lightning's loop; see ``pipeline.py``).
         embedding_comm_precision: the precision the embedding collectives (the lookups' all-to-alls and
             reduce-scatters, forward and backward) send, through torchrec's quantized comms: ``"bf16"`` or
-            ``"fp16"`` halve their bytes and those of the permutes around them, rounding the embeddings and
-            their gradients on the way; ``"fp32"``: the tables' own precision.
+            ``"fp16"`` halve their bytes, rounding the embeddings and their gradients on the way; ``"fp32"``:
+            the tables' own precision.
         weights_from: a gem5d checkpoint whose model weights are loaded at setup, whatever layout or world
             size wrote it (a new run from trained weights; ``fit(ckpt_path=...)`` resumes a run instead).
         process_group_backend: ``"nccl"``/``"gloo"``; ``None``: the device's default.
