@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 __all__ = [
     "ReplicatedGradients",
@@ -291,15 +292,14 @@ class ReplicatedGradients:
         # agree and every replica gets the same average. A parameter that no rank's batch reached ends with a zero
         # gradient, where DDP would find out with one more collective and leave it None.
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = _flatten_dense_tensors(grads)
         if not alone:
             dist.all_reduce(flat, group=self.group)
         flat /= self.divide_factor
-        offset = 0
+        # One multi-tensor copy back (not a launch per parameter: a host-bound step pays for each).
+        torch._foreach_copy_(grads, _unflatten_dense_tensors(flat, grads))
         for param, grad in zip(self.params, grads, strict=True):
-            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
             param.grad = grad
-            offset += grad.numel()
 
 
 @torch.no_grad()
