@@ -52,8 +52,11 @@ for s in "${steps[@]}"; do
         --out "$OUT/balance_ranks.json"
       step balance32 300 $PY examples/benchmarks/balance_ranks.py --num-batches 4 --reps 3 --batch-size 32 \
         --out "$OUT/balance_ranks_32.json" ;;
-    e2e) step e2e 600 $PY examples/benchmarks/e2e.py --stacks kit,plain --cprofile-steps 3 --root "$OUT/e2e" \
-      --out "$OUT/e2e.json" ;;
+    e2e) step e2e 600 $PY examples/benchmarks/e2e.py --stacks kit,plain --sync-debug --root "$OUT/e2e" \
+      --out "$OUT/e2e.json"
+      # A wider dense part (the MFU question: how much of a wider step is device work)
+      step e2e_wide 600 $PY examples/benchmarks/e2e.py --stacks kit --model-dim 1024 --num-layers 8 \
+        --batch-size 64 --root "$OUT/e2e_wide" --out "$OUT/e2e_wide.json" ;;
     scaling)
       if [ "$gpus" -ge 2 ]; then
         step scaling 900 $PY examples/benchmarks/scaling.py --steps 20 --warmup 5 --batch-size 64 --timeout 240 \
