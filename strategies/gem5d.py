@@ -348,7 +348,7 @@ class GEM5DStrategy(ParallelStrategy):
             train_pipeline=self.train_pipeline,
             sparse_replication=self.sparse_replication,
             embedding_comm_precision=self.embedding_comm_precision,
-            move=lambda batch: move_data_to_device(batch, device),
+            move=lambda batch: _move_batch(batch, device, move_data_to_device),
             before_dense=None if budget is None else lambda m: self._apply_activation_checkpointing(m, trainer),
         )
 
@@ -579,3 +579,15 @@ def _metrics_to_device(module: torch.nn.Module, device: torch.device) -> None:
 
 def _unwrap(optimizer: Any) -> Optimizer:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _move_batch(batch: Any, device: torch.device, move: Callable[[Any, torch.device], Any]) -> Any:
+    """The train pipeline's copy of a batch to ``device``: a torchrec ``Pipelineable`` batch (the kit's, torchrec's)
+    goes with ``non_blocking=True`` on CUDA, so a pinned batch (``GEMDataModule(pin_memory=True)``) copies
+    asynchronously on the prefetch stream (Lightning's own move is blocking for anything but a tensor); anything
+    else through Lightning's ``move``."""
+    from torchrec.streamable import Pipelineable
+
+    if device.type == "cuda" and isinstance(batch, Pipelineable):
+        return batch.to(device, non_blocking=True)
+    return move(batch, device)

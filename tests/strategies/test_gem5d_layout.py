@@ -541,3 +541,34 @@ def test_replicated_gradients_average_every_trainable_parameter_and_leave_frozen
     assert torch.equal(used.grad, torch.full((3,), 2.0))
     assert torch.equal(unused.grad, torch.zeros(2))
     assert frozen.grad is None
+
+
+def test_the_pipeline_copies_pipelineable_batches_without_blocking_on_cuda() -> None:
+    """A pinned batch copies asynchronously on the prefetch stream only if asked to: Lightning's own move asks
+    for tensors alone, so the train pipeline asks torchrec ``Pipelineable`` batches itself."""
+    from lightning_gem.strategies.gem5d import _move_batch
+    from torchrec.streamable import Pipelineable
+
+    class Batch(Pipelineable):
+        def __init__(self) -> None:
+            self.calls: list[tuple[torch.device, bool]] = []
+
+        def to(self, device: torch.device, non_blocking: bool = False) -> Batch:
+            self.calls.append((device, non_blocking))
+            return self
+
+        def record_stream(self, stream: torch.Stream) -> None:
+            pass
+
+    moved: list[object] = []
+
+    def lightning_move(batch: object, device: torch.device) -> object:
+        moved.append(batch)
+        return batch
+
+    batch = Batch()
+    assert _move_batch(batch, torch.device("cuda", 0), lightning_move) is batch
+    assert batch.calls == [(torch.device("cuda", 0), True)] and moved == []
+    assert _move_batch(batch, torch.device("cpu"), lightning_move) is batch  # CPU: Lightning's move
+    assert _move_batch({"x": 1}, torch.device("cuda", 0), lightning_move) == {"x": 1}  # not Pipelineable
+    assert moved == [batch, {"x": 1}] and len(batch.calls) == 1
