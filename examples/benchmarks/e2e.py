@@ -10,8 +10,8 @@ pooled user features, hundreds of candidates per user.
   single-device strategy, a plain shuffled sampler;
 - kit: the GDPA Triton kernels (``attention_impl="auto"``), ``MXFP8Precision()`` (its ``auto`` recipe
   picks what is fast on the device: fp8 on Hopper), ``GEM5DStrategy(train_pipeline=True)`` (world size 1:
-  torchrec's sharded tables and gem5d's train step, without FSDP2 over a single rank; the next batch copied
-  and its embedding input path prepared on a side stream), Base Batch Shuffling in the DataModule.
+  torchrec's sharded tables and gem5d's train step, without FSDP2 over a single rank; the next batch, pinned,
+  copied and its embedding input path prepared on a side stream), Base Batch Shuffling in the DataModule.
 
 Each stack runs ``--warmup + --steps`` training steps in ``Trainer.fit``; a step's time is the interval
 between the ends of consecutive steps on the device's timeline (CUDA events: no device sync is added, data
@@ -63,7 +63,8 @@ def run_stack(
     L.seed_everything(args.seed, verbose=False)
     kit = stack == "kit"
     model = gem_ranker(source, args, "auto" if kit else "padded")
-    data = GEMDataModule(source=source, batch_size=args.batch_size, seed=args.seed, balance=kit)
+    pinned = kit and args.device == "cuda"  # the kit's pipeline copies pinned batches asynchronously
+    data = GEMDataModule(source=source, batch_size=args.batch_size, seed=args.seed, balance=kit, pin_memory=pinned)
     monitor = MFUMonitor(flops_every_n_steps=args.warmup + args.steps + 1, plot=False)  # counts step 0 only
     clock = StepClock()
     callbacks: list[L.Callback] = [monitor, clock]

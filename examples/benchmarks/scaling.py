@@ -132,7 +132,14 @@ def fit(rank: int, world_size: int, job: dict[str, Any], args: argparse.Namespac
         torch.backends.cuda.matmul.allow_tf32 = False
     steps = job["steps"]
     source = make_source(args, match, num_users=job["num_users"])
-    data = GEMDataModule(source=source, batch_size=job["batch"], seed=args.seed, balance=job["balance"])
+    # Pinned batches on CUDA: the train pipeline's prefetch then copies them asynchronously on its stream.
+    data = GEMDataModule(
+        source=source,
+        batch_size=job["batch"],
+        seed=args.seed,
+        balance=job["balance"],
+        pin_memory=args.device == "cuda",
+    )
     model = make_model(source, args, match)
     clock = StepClock(mean_loss=match)
     start = StartWeights()
