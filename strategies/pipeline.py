@@ -16,13 +16,13 @@ end: the wrapper yields every batch of the loader, the last one without a succes
 by ``on_before_batch_transfer`` / ``on_after_batch_transfer`` into new KJTs simply miss the prefetch.
 
 On CUDA the prefetch works on a side stream, as torchrec's pipeline does: the batch's host-to-device copy,
-the input_dist's small host-built tensors, the wait for the lengths all-to-all (whose split sizes the
-host must read) and the per-key lengths of the ids received (which the lookup reads on the host) then wait
-only for that stream's work, not for the compute stream's queue. On the compute
-stream every one of them is a full drain: the host stops until the previous step has run, and the device
-idles while the host prepares the next. The values all-to-all is launched when the module's forward needs
-it (its lengths are long done by then); the compute stream waits for the side stream's work where it takes
-a prefetched batch or input_dist, and their tensors are recorded as used by it.
+the input_dist's small host-built tensors, the wait for the lengths all-to-all (whose split sizes the host
+must read) and the per-key lengths of the ids received (which the lookup reads on the host) then wait only
+for that stream's work, not for the compute stream's queue. On the compute stream every one of them is a
+full drain: the host stops until the previous step has run, and the device idles while the host prepares
+the next. The values all-to-all is launched when the module's forward needs it (its lengths are long done
+by then); the compute stream waits for the side stream's work where it takes a prefetched batch or
+input_dist, and their tensors are recorded as used by it.
 """
 
 from __future__ import annotations
@@ -77,17 +77,11 @@ class _Started:
     """One started input_dist: the KJT (kept alive so its storage is not reused), the context, the request."""
 
     def __init__(self, kjt: Any, ctx: Any, request: Any) -> None:
-        self.kjt, self.ctx, self.request, self.launched = kjt, ctx, request, False
-
-    def launch(self) -> None:
-        """Wait for the lengths all-to-all and launch the values one."""
-        if not self.launched:
-            self.request = self.request.wait()
-            self.launched = True
+        self.kjt, self.ctx, self.request = kjt, ctx, request
 
     def result(self) -> Any:
-        self.launch()
-        return self.request.wait()
+        """Wait for the lengths all-to-all, launch the values one and wait for it (called once)."""
+        return self.request.wait().wait()
 
 
 class SparseDistPrefetcher:
