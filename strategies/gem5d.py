@@ -43,7 +43,7 @@ from . import checkpoint_io, dense, sparse
 from .mesh import MeshLayout, build_device_mesh, check_size, resolve_layout
 from .parallelize import ParallelModel, parallelize_model
 from .replication import SparseReplication, check_replication, evaluate_without_inference_mode
-from .sparse import EmbeddingOptimizerConfig, EmbeddingOptimizerName, TableConstraint, comm_codecs
+from .sparse import EmbeddingOptimizerConfig, EmbeddingOptimizerName, TableConstraint, check_comm_precision
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -206,8 +206,7 @@ class GEM5DStrategy(ParallelStrategy):
         self.sequence_parallel = sequence_parallel
         self.activation_memory_budget = activation_memory_budget
         self.train_pipeline = bool(train_pipeline)
-        comm_codecs(embedding_comm_precision)  # checked now (an unknown precision raises)
-        self.embedding_comm_precision = embedding_comm_precision
+        self.embedding_comm_precision = check_comm_precision(embedding_comm_precision)
         self.weights_from = weights_from
         self._process_group_backend = process_group_backend
         self._timeout = timeout

@@ -52,6 +52,7 @@ __all__ = [
     "ReplicaSync",
     "SparseShardingResult",
     "TableConstraint",
+    "check_comm_precision",
     "comm_codecs",
     "embedding_module_paths",
     "fused_optimizer",
@@ -157,6 +158,17 @@ def embedding_module_paths(module: nn.Module) -> list[str]:
 COMM_PRECISIONS = ("fp32", "bf16", "fp16")
 
 
+def check_comm_precision(precision: str) -> str:
+    """``precision`` if it is one of :data:`COMM_PRECISIONS`.
+
+    Raises:
+        ValueError: an unknown precision.
+    """
+    if precision not in COMM_PRECISIONS:
+        raise ValueError(f"`embedding_comm_precision` must be one of {COMM_PRECISIONS}, got {precision!r}")
+    return precision
+
+
 def comm_codecs(precision: str) -> dict[str, Any] | None:
     """torchrec's quantized-comms codecs sending the embeddings' all-to-alls and reduce-scatters (forward and
     backward) in ``precision``: ``"bf16"`` or ``"fp16"`` halve their bytes; ``"fp32"``: None (no codec).
@@ -164,9 +176,7 @@ def comm_codecs(precision: str) -> dict[str, Any] | None:
     Raises:
         ValueError: an unknown precision.
     """
-    if precision not in COMM_PRECISIONS:
-        raise ValueError(f"`embedding_comm_precision` must be one of {COMM_PRECISIONS}, got {precision!r}")
-    if precision == "fp32":
+    if check_comm_precision(precision) == "fp32":
         return None
     from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
 
