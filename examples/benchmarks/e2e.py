@@ -19,8 +19,7 @@ loading counts). Reported per stack: median step time over the timed steps, toke
 tokens), local MFU of *useful* FLOPs, and peak memory. Useful FLOPs are counted apart, by ``torch``'s FLOP
 counter over the timed batches through a model with the jagged attention ops (whose registered formulas
 count only allowed query-key pairs), so the plain stack's padding is not counted as work and the timed
-steps carry no counter. The speed-up is the plain median
-step time over the kit's.
+steps carry no counter. The speed-up is the plain median step time over the kit's.
 
 Usage:
     python examples/benchmarks/e2e.py                         # CUDA, production-like shapes
@@ -63,7 +62,8 @@ def run_stack(
     L.seed_everything(args.seed, verbose=False)
     kit = stack == "kit"
     model = gem_ranker(source, args, "auto" if kit else "padded")
-    pinned = kit and args.device == "cuda"  # the kit's pipeline copies pinned batches asynchronously
+    cuda = args.device == "cuda"
+    pinned = kit and cuda  # the kit's pipeline copies pinned batches asynchronously
     data = GEMDataModule(source=source, batch_size=args.batch_size, seed=args.seed, balance=kit, pin_memory=pinned)
     monitor = MFUMonitor(flops_every_n_steps=args.warmup + args.steps + 1, plot=False)  # counts step 0 only
     clock = StepClock()
@@ -74,7 +74,6 @@ def run_stack(
         callbacks.append(CProfileLastSteps(args.cprofile_steps, args.warmup + args.steps, stack))
     if args.sync_debug:
         callbacks.append(SyncPoints(args.warmup, stack))
-    cuda = args.device == "cuda"
     trainer = L.Trainer(
         accelerator="gpu" if cuda else "cpu",
         devices=1,
