@@ -140,7 +140,6 @@ def parallelize_model(
             module, dense_mesh["tensor_parallel"], sequence_parallel=sequence_parallel
         )
     # Gradients of the mean loss over the global batch: the mean over the data-parallel ranks (sparse.py).
-    dp_mesh = dense_mesh["dense_replicate", "dense_shard"] if layout.dense_replicate > 1 else dense_mesh["dense_shard"]
     if layout.dense_shard == 1 and layout.tensor_parallel == 1:
         # Nothing to shard (pure data parallelism, or one process): the dense parameters stay plain tensors,
         # replicated, their gradients averaged in one all-reduce before each step (as DDP), without FSDP2's
@@ -149,6 +148,8 @@ def parallelize_model(
         replicated = [(name, p) for name, p in module.named_parameters() if id(p) not in tables]
     else:
         units, replicated = dense.dense_units(module)
+        replicate = layout.dense_replicate > 1
+        dp_mesh = dense_mesh["dense_replicate", "dense_shard"] if replicate else dense_mesh["dense_shard"]
         dense.apply_fsdp(
             units,
             dp_mesh,
