@@ -11,6 +11,7 @@ naively in the tested dtype (``lightning_gem.testing``'s padded oracle), not by 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -76,12 +77,18 @@ def _run_triton(inputs: GDPAInputs, grad_out: torch.Tensor | None = None, **opti
     return out, torch.autograd.grad(out, (q, k, v), grad_out)
 
 
-def _check_against_reference(inputs: GDPAInputs, options: dict, name: str, **kernel_options: object) -> None:
-    """Forward and gradients of the kernels vs the float64 reference, within the same-precision budget."""
+def _check_against_reference(
+    inputs: GDPAInputs, options: dict, name: str, run: Callable | None = None, **kernel_options: object
+) -> None:
+    """Forward and gradients of the kernels vs the float64 reference, within the same-precision budget.
+    ``run(grad_out)`` returns ``(out, (dq, dk, dv))`` (default: :func:`gdpa_triton` through autograd)."""
     dtype = inputs.q.dtype
     grad_out = torch.randn(inputs.q.shape[0], inputs.q.shape[1], inputs.v.shape[2], dtype=torch.float64)
     grad_out = grad_out.to(device=inputs.q.device, dtype=dtype)
-    out, grads = _run_triton(inputs, grad_out, **options, **kernel_options)
+    if run is None:
+        out, grads = _run_triton(inputs, grad_out, **options, **kernel_options)
+    else:
+        out, grads = run(grad_out)
 
     cpu = {n: None if t is None else t.cpu() for n, t in vars(inputs).items() if isinstance(t, torch.Tensor | None)}
     q64, k64, v64 = (cpu[n].to(torch.float64) for n in ("q", "k", "v"))
@@ -298,3 +305,84 @@ def test_flop_counter(device: str) -> None:
     backward = gdpa_flops(q, k, v, *jagged, **mask, backward=True)
     assert forward > 0
     assert counter.get_total_flops() == forward + backward
+
+
+SHORT_MASKS = [(False, None, None), (True, None, None), (True, 5, None), (False, None, 8)]
+
+
+@pytest.mark.parametrize("mask", SHORT_MASKS, ids=["bidirectional", "causal", "causal-window", "block"])
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize("layout", ["self", "cross"])
+def test_short_query_backward(device: str, layout: str, activation: str, mask: tuple) -> None:
+    """The short-query backward (one query tile per segment, one pass over its keys) against the float64
+    reference: candidates over long histories (cross), short self-attention, empty and length-1 segments on
+    either side, key tiles that no query sees (zeros), and query segments shorter than the tile."""
+    from lightning_gem.ops.attention.impl.triton._tuning import Tiles
+    from lightning_gem.ops.attention.impl.triton.backward import gdpa_backward
+    from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
+
+    q_lengths = [9, 0, 1, 16, 5, 3]
+    kv_lengths = [70, 33, 0, 1, 47, 3] if layout == "cross" else None
+    seed = 400 + 10 * SHORT_MASKS.index(mask) + (activation == "silu") + 5 * (layout == "cross")
+    inputs = _inputs(layout, seed, torch.float32, device, q_lengths=q_lengths, kv_lengths=kv_lengths)
+    options = _options(activation, *mask)
+    kv_offsets = inputs.q_offsets if inputs.kv_offsets is None else inputs.kv_offsets
+    jagged = (inputs.q_offsets, kv_offsets, None, None)
+    max_kv = max(kv_lengths or q_lengths)
+    out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, *jagged, **options, max_seq_len_q=16)
+    grad_out = torch.randn_like(out)
+    grads = gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, *jagged, **options, max_seq_len_q=16,
+                          max_seq_len_kv=max_kv, short_tiles=Tiles(16, 16, 1, 1))  # fmt: skip
+    cpu64 = [t.cpu().double() for t in (inputs.q, inputs.k, inputs.v)]
+    jagged = tuple(None if t is None else t.cpu() for t in jagged)
+    expected = gdpa_reference_backward(grad_out.cpu().double(), *cpu64, *jagged, **options)
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got.cpu().double(), want, rtol=0, atol=2e-5)
+    again = gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, *jagged[:2], None, None, **options,
+                          max_seq_len_q=16, max_seq_len_kv=max_kv, short_tiles=Tiles(16, 16, 1, 1))  # fmt: skip
+    for a, b in zip(grads, again, strict=True):
+        assert torch.equal(a, b)  # no atomics: bitwise reproducible
+
+
+def test_short_query_backward_refuses_what_it_cannot_serve(device: str) -> None:
+    from lightning_gem.ops.attention.impl.triton._tuning import Tiles
+    from lightning_gem.ops.attention.impl.triton.backward import gdpa_backward
+
+    inputs = _inputs("shared_kv", 1, torch.float32, device, q_lengths=[4, 2])
+    options = _options("silu", False, None, None)
+    args = (inputs.q, inputs.q, inputs.k, inputs.v, None, None, inputs.q_offsets, inputs.kv_offsets)
+    with pytest.raises(ValueError, match="short_tiles needs no kv_index"):
+        gdpa_backward(*args, inputs.kv_index, None, **options, max_seq_len_q=4, max_seq_len_kv=64,
+                      short_tiles=Tiles(16, 16, 1, 1))  # fmt: skip
+    with pytest.raises(ValueError, match="block_m >= max_seq_len_q"):
+        gdpa_backward(*args, None, None, **options, max_seq_len_q=32, max_seq_len_kv=64,
+                      short_tiles=Tiles(16, 16, 1, 1))  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_short_query_backward_bf16_gpu(activation: str) -> None:
+    """Every GPU launch shape of the short-query backward, bf16, within the bf16 budget of the float64 reference."""
+    if not torch.cuda.is_available() or _triton_device() != "cuda":
+        pytest.skip("needs a CUDA GPU with compiled (not interpreted) Triton kernels")
+    from lightning_gem.ops.attention.impl.triton._tuning import backward_candidates
+    from lightning_gem.ops.attention.impl.triton.backward import gdpa_backward
+    from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
+
+    q_lengths, kv_lengths = [32, 0, 1, 17, 32, 5], [300, 40, 0, 1, 129, 64]
+    inputs = _inputs("cross", 12, torch.bfloat16, "cuda", q_lengths=q_lengths, kv_lengths=kv_lengths, dim=128,
+                     dim_v=128)  # fmt: skip
+    options = {**_options(activation, False, None, None), "scale": 1 / math.sqrt(128)}
+    jagged = (inputs.q_offsets, inputs.kv_offsets, None, None)
+    plans = [p for p in backward_candidates(torch.bfloat16, torch.device("cuda"), 128, deterministic=True,
+                                            max_len_q=32, short_query=True) if p.short]  # fmt: skip
+    assert plans
+    for plan in plans:
+
+        def run(grad_out: torch.Tensor, plan=plan) -> tuple:  # noqa: ANN001
+            out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, *jagged, **options, max_seq_len_q=32)
+            grads = gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, *jagged, **options,
+                                  max_seq_len_q=32, max_seq_len_kv=300, short_tiles=plan.dkdv)  # fmt: skip
+            return out, grads
+
+        _check_against_reference(inputs, options, f"short {activation} {plan.dkdv}", run=run)

@@ -6,6 +6,7 @@ HSTU pointwise attention, target-aware candidate attention and BlockAttention ar
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -175,10 +176,14 @@ def resolve_impl(impl: str, q: Tensor) -> str:
     if impl != "auto":
         return impl
     # Triton kernels need a CUDA device of compute capability 8.0+ and fp16/bf16/fp32 inputs.
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16, torch.float32):
-        if torch.cuda.get_device_capability(q.device) >= (8, 0):
-            return "triton"
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and _capability(q.device) >= (8, 0):
+        return "triton"
     return "reference"
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def jagged_flash_attention(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, **kwargs) -> Tensor:  # noqa: ANN003

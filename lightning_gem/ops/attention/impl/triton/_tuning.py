@@ -49,10 +49,16 @@ class Tiles(NamedTuple):
 class BackwardTiles(NamedTuple):
     """A backward launch: ``dkdv`` tiles the dK/dV programs (query rows x key rows, and the warps and stages of
     the launch); ``dq`` the dQ programs' query rows x key rows in the same launch, or None for dQ added through
-    fp32 atomics by the dK/dV programs (not bitwise reproducible)."""
+    fp32 atomics by the dK/dV programs (not bitwise reproducible). ``short``: the short-query kernel instead
+    (:mod:`.backward_short`; ``dkdv`` then tiles its one query tile per segment and its key tiles)."""
 
     dkdv: Tiles
     dq: Tiles | None = None
+    short: bool = False
+
+
+# The longest query segment the short-query backward holds in one tile.
+SHORT_QUERY_ROWS = 64
 
 
 _CHOSEN: dict[tuple, Tiles | BackwardTiles] = {}
@@ -134,29 +140,52 @@ def backward_candidates(
     deterministic: bool,
     block_size: int | None = None,
     max_len_q: int = 1 << 30,
+    short_query: bool = False,
 ) -> list[BackwardTiles]:
     """Candidate backward launches, best guess first: the one-launch dK/dV + dQ kernel over pairs of the
     ``dkdv`` and ``dq`` candidates (the launch takes the dK/dV tiles' warps and stages), and unless
     ``deterministic`` the dK/dV kernel with atomic dQ. Off CUDA the atomic one comes first (the interpreter
-    then tests both kernels: ``deterministic=True`` picks the other)."""
+    then tests both kernels: ``deterministic=True`` picks the other). ``short_query`` (the launch can take the
+    short-query kernel: no shared kv segments, no targets, every query segment within ``SHORT_QUERY_ROWS``) adds
+    that kernel's tiles, first on CUDA (its one pass over the keys is the best guess there), last elsewhere."""
     dkdv = candidate_tiles("dkdv", dtype, device, head_dim, block_size=block_size, max_len_q=max_len_q)
     dq = candidate_tiles("dq", dtype, device, head_dim, block_size=block_size, max_len_q=max_len_q)
     merged = [BackwardTiles(dkdv[0], dq[0])]
     merged += [BackwardTiles(t, dq[0]) for t in dkdv[1:2]]
     merged += [BackwardTiles(dkdv[0], t) for t in dq[1:2]]
+    short = _short_tiles(dtype, device, max_len_q) if short_query and max_len_q <= SHORT_QUERY_ROWS else []
     if deterministic:
-        return merged
+        return short + merged if device.type == "cuda" else merged + short
     atomic = [BackwardTiles(t) for t in dkdv[:2]]
-    return atomic + merged if device.type != "cuda" else merged + atomic
+    return atomic + merged + short if device.type != "cuda" else short + merged + atomic
 
 
-def pick_tiles(key: tuple, candidates: list[T], run: Callable[[T], None], tensors: tuple[torch.Tensor, ...]) -> T:
-    """The tiles for ``key``: the remembered choice, else (when timing is possible) the fastest candidate,
-    compiled all at once first (:func:`lightning_gem.ops._tuning.pick_fastest`; ``run(tiles)`` launches the
-    kernel with ``tiles`` on the call's own buffers, ``tensors`` are the call's inputs).
-    ``LIGHTNING_GEM_GDPA_TUNE=0`` turns timing off."""
+def _short_tiles(dtype: torch.dtype, device: torch.device, max_len_q: int) -> list[BackwardTiles]:
+    """The short-query kernel's launches: one query tile of the segment's (bucketed) length over key tiles."""
+    rows = length_bucket(max_len_q)
+    if device.type != "cuda":
+        return [BackwardTiles(Tiles(rows, 16, 1, 1), short=True)]
+    if dtype == torch.float32:
+        return [BackwardTiles(Tiles(rows, 32, 4, 2), short=True)]
+    shapes = [Tiles(rows, 64, 4, 2), Tiles(rows, 64, 8, 2), Tiles(rows, 128, 8, 2), Tiles(rows, 64, 4, 3)]
+    return [BackwardTiles(t, short=True) for t in shapes]
+
+
+def pick_tiles(
+    key: tuple, candidates: Callable[[], list[T]], run: Callable[[T], None], tensors: tuple[torch.Tensor, ...]
+) -> T:
+    """The tiles for ``key``: the remembered choice, else (when timing is possible) the fastest of
+    ``candidates()``, compiled all at once first (:func:`lightning_gem.ops._tuning.pick_fastest`; ``run(tiles)``
+    launches the kernel with ``tiles`` on the call's own buffers, ``tensors`` are the call's inputs). The
+    candidates are only listed for a key not chosen yet. ``LIGHTNING_GEM_GDPA_TUNE=0`` turns timing off."""
+    try:
+        chosen = _CHOSEN.get(key)
+    except TypeError:  # an unhashable SymInt in the key (tracing with dynamic shapes)
+        chosen = None
+    if chosen is not None:
+        return chosen
     timing = os.environ.get("LIGHTNING_GEM_GDPA_TUNE", "1") != "0"
-    return pick_fastest(_CHOSEN, key, candidates, run, tensors, timing=timing, compile_first=True)
+    return pick_fastest(_CHOSEN, key, candidates(), run, tensors, timing=timing, compile_first=True)
 
 
 def forget_choices() -> None:

@@ -42,6 +42,7 @@ from lightning_gem.ops.attention.impl.triton._common import (
     launch,
 )
 from lightning_gem.ops.attention.impl.triton._tuning import (
+    SHORT_QUERY_ROWS,
     BackwardTiles,
     Tiles,
     backward_candidates,
@@ -49,6 +50,7 @@ from lightning_gem.ops.attention.impl.triton._tuning import (
     pick_tiles,
     tile_meta,
 )
+from lightning_gem.ops.attention.impl.triton.backward_short import _gdpa_bwd_short_kernel
 
 __all__ = ["gdpa_backward"]
 
@@ -458,12 +460,16 @@ def gdpa_backward(
     deterministic: bool = False,
     dkdv_tiles: Tiles | None = None,
     dq_tiles: Tiles | None = None,
+    short_tiles: Tiles | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Launch the backward kernels. ``out`` and ``lse`` (from :func:`gdpa_forward`) are needed for softmax
     only. ``deterministic`` keeps to the one-launch kernel whose dQ programs write each row once (bitwise
     reproducible); otherwise the tuner also tries the dK/dV kernel that adds dQ through fp32 atomics and keeps
-    the faster. ``dkdv_tiles`` (alone: the atomic kernel) or both tiles (the one-launch kernel) override the
-    tuned choice. Returns ``(dq, dk, dv)`` in the inputs' dtypes.
+    the faster. Where every query segment is short (at most ``SHORT_QUERY_ROWS``, no shared kv segments, no
+    targets) the tuner also tries the short-query kernel (:mod:`.backward_short`, deterministic). ``dkdv_tiles``
+    (alone: the atomic kernel), both tiles (the one-launch kernel) or ``short_tiles`` (the short-query kernel,
+    whose ``block_m`` must hold the longest query segment) override the tuned choice. Returns ``(dq, dk, dv)`` in
+    the inputs' dtypes.
     """
     grad_out, q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (grad_out, q, k, v))
     num_q, heads, head_dim = q.shape
@@ -503,6 +509,13 @@ def gdpa_backward(
 
     def run(plan: BackwardTiles) -> None:
         tiles = plan.dkdv
+        if plan.short:
+            args = (q, k, v, grad_out, lse, delta, dq, dk, dv, q_offsets, kv_offsets, *strides[:9], dq.stride(0),
+                    dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale, window or 0,
+                    block_size or 1)  # fmt: skip
+            short_meta = {k: v for k, v in meta.items() if k not in ("HAS_KV_INDEX", "HAS_TARGETS")}
+            launch(_gdpa_bwd_short_kernel, (num_segments, heads), args, {**short_meta, **tile_meta(tiles)})
+            return
         num_key_tiles = triton.cdiv(max_seq_len_kv, tiles.block_n) if has_keys else 0
         if plan.dq is None:
             if not dq_atomic:
@@ -525,17 +538,30 @@ def gdpa_backward(
         dq_meta = {"DQ_BLOCK_M": plan.dq.block_m, "DQ_BLOCK_N": plan.dq.block_n}
         launch(_gdpa_bwd_kernel, grid, args, {**meta, **tile_meta(tiles), **dq_meta})
 
-    if dkdv_tiles is not None:
+    short_query = kv_index is None and num_targets is None and max_seq_len_q <= SHORT_QUERY_ROWS
+    if short_tiles is not None:
+        if not short_query or short_tiles.block_m < max_seq_len_q:
+            raise ValueError(
+                f"short_tiles needs no kv_index, no num_targets and block_m >= max_seq_len_q ({max_seq_len_q}), "
+                f"at most {SHORT_QUERY_ROWS}"
+            )
+        plan = BackwardTiles(short_tiles, short=True)
+    elif dkdv_tiles is not None:
         plan = BackwardTiles(dkdv_tiles, dq_tiles)
         if dq_tiles is None and deterministic:
             raise ValueError("deterministic=True needs dq_tiles with dkdv_tiles")
     else:
-        candidates = backward_candidates(q.dtype, q.device, head_dim, deterministic=deterministic,
-                                         block_size=block_size, max_len_q=max_seq_len_q)  # fmt: skip
+        # The key fixes short_query too: the flags hold kv_index and targets, the bucket the longest query segment.
         key = ("bwd", deterministic, head_dim, head_dim_v, q.dtype, tuple(flags.values()), block_size,
                length_bucket(max_seq_len_q), length_bucket(max_seq_len_kv))  # fmt: skip
+
+        def candidates() -> list[BackwardTiles]:
+            return backward_candidates(q.dtype, q.device, head_dim, deterministic=deterministic,
+                                       block_size=block_size, max_len_q=max_seq_len_q,
+                                       short_query=short_query)  # fmt: skip
+
         plan = pick_tiles(key, candidates, run, (q, k, v, grad_out))
     run(plan)
-    if plan.dq is None:
+    if plan.dq is None and not plan.short:
         dq = dq_atomic[0].to(q.dtype)
     return dq, dk, dv

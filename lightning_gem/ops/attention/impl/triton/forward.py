@@ -219,9 +219,13 @@ def gdpa_forward(
         launch(_gdpa_fwd_kernel, grid, args, {**meta, **tile_meta(tiles)})
 
     if tiles is None:
-        candidates = candidate_tiles("fwd", q.dtype, q.device, head_dim, block_size=block_size, max_len_q=max_seq_len_q)
         key = ("fwd", head_dim, head_dim_v, q.dtype, tuple(flags.values()), block_size,
                length_bucket(max_seq_len_q))  # fmt: skip
+
+        def candidates() -> list[Tiles]:
+            return candidate_tiles("fwd", q.dtype, q.device, head_dim, block_size=block_size,
+                                   max_len_q=max_seq_len_q)  # fmt: skip
+
         tiles = pick_tiles(key, candidates, run, (q, k, v))
     run(tiles)
     return out, lse

@@ -1,0 +1,171 @@
+"""GDPA backward for short query segments: one program per (segment, head) holds the whole query segment in one
+tile and walks the keys once, writing each key tile's dK and dV as it goes and adding up dQ in registers.
+
+Legend: ``T`` tokens, ``H`` heads, ``D`` / ``DV`` head dims, ``M`` the query tile (the whole segment), ``N`` a key
+tile. The formulas are those of :mod:`.backward`.
+
+This is the shape of target-aware cross attention: tens of candidates per user over a history of thousands of
+keys. There the general backward is bound by its dQ, which every key tile adds into fp32 rows through atomics
+(or which a dQ program walks again over every key); here each key is read once, each dK/dV row written once, no
+atomics (deterministic), and keys no query sees get zeros without a product. It serves launches with no
+``kv_index`` (each query segment its own keys) and no targets, whose longest query segment fits one tile.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from lightning_gem.ops.attention.impl.triton._common import (
+    LOG2E,
+    _activation,
+    _activation_grad,
+    _history_mask,
+    _load_tile,
+    _position,
+    _query_tile_keys,
+    _stage_range,
+)
+
+__all__ = ["_gdpa_bwd_short_kernel"]
+
+
+@triton.jit
+def _zero_key_rows(dk_base, dv_base, stride_dkt, stride_dvt, n_lo, n_hi,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   BLOCK_N: tl.constexpr):  # fmt: skip
+    """Zeros into dK and dV rows ``[n_lo, n_hi)``: keys that no query of the segment sees."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for n_start in tl.range(n_lo, n_hi, BLOCK_N):
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        rows = offs_n < n_hi
+        tl.store(dk_base + offs_n[:, None] * stride_dkt + offs_d[None, :],
+                 tl.zeros([BLOCK_N, BLOCK_D], dtype=dk_base.dtype.element_ty),
+                 mask=rows[:, None] & (offs_d[None, :] < HEAD_DIM))  # fmt: skip
+        tl.store(dv_base + offs_n[:, None] * stride_dvt + offs_dv[None, :],
+                 tl.zeros([BLOCK_N, BLOCK_DV], dtype=dv_base.dtype.element_ty),
+                 mask=rows[:, None] & (offs_dv[None, :] < HEAD_DIM_V))  # fmt: skip
+
+
+@triton.jit
+def _short_key_blocks(
+    dq_MD, q_MD, do_MDV, lse_M, delta_M, k_base, v_base, dk_base, dv_base,
+    stride_kt, stride_vt, stride_dkt, stride_dvt, n_lo, n_hi, hi, pos_m, row_ok,
+    qk_scale, scale, inv_len_k, num_history, window, block_size,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    """Key tiles ``[n_lo, n_hi)`` against the segment's one query tile: each tile's dK and dV stored (rows below
+    ``hi``), its part of dQ (unscaled) added to ``dq_MD``; ``MASKED`` applies ``allowed``."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for n_start in tl.range(n_lo, n_hi, BLOCK_N):
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        col_ok = offs_n < hi
+        k_ND = _load_tile(k_base, offs_n, stride_kt, offs_d, col_ok, HEAD_DIM, BLOCK_D, MASKED)
+        v_NDV = _load_tile(v_base, offs_n, stride_vt, offs_dv, col_ok, HEAD_DIM_V, BLOCK_DV, MASKED)
+        qk_MN = tl.dot(q_MD, tl.trans(k_ND), input_precision=DOT_PRECISION)
+        dp_MN = tl.dot(do_MDV, tl.trans(v_NDV), input_precision=DOT_PRECISION)
+        if MASKED:
+            allowed_MN = row_ok[:, None] & _history_mask(
+                pos_m[:, None], offs_n[None, :], num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
+            )
+        # Rows past the segment hold zeros (q, dO) and an infinite log-sum-exp, so they add nothing unmasked.
+        if ACTIVATION == "softmax":
+            p_MN = tl.exp2(qk_MN * qk_scale - lse_M[:, None])
+            if MASKED:
+                p_MN = tl.where(allowed_MN, p_MN, 0.0)
+            ds_MN = p_MN * (dp_MN - delta_M[:, None])
+        else:
+            s_MN = qk_MN * scale
+            p_MN = _activation(s_MN, ACTIVATION, FAST) * inv_len_k
+            ds_MN = _activation_grad(s_MN, ACTIVATION, FAST) * dp_MN * inv_len_k
+            if MASKED:
+                p_MN = tl.where(allowed_MN, p_MN, 0.0)
+                ds_MN = tl.where(allowed_MN, ds_MN, 0.0)
+        dv_NDV = tl.dot(tl.trans(p_MN.to(do_MDV.dtype)), do_MDV, input_precision=DOT_PRECISION)
+        ds_MN = ds_MN.to(q_MD.dtype)
+        dk_ND = tl.dot(tl.trans(ds_MN), q_MD, input_precision=DOT_PRECISION) * scale
+        dq_MD = tl.dot(ds_MN, k_ND, dq_MD, input_precision=DOT_PRECISION)
+        tl.store(dk_base + offs_n[:, None] * stride_dkt + offs_d[None, :], dk_ND.to(dk_base.dtype.element_ty),
+                 mask=col_ok[:, None] & (offs_d[None, :] < HEAD_DIM))  # fmt: skip
+        tl.store(dv_base + offs_n[:, None] * stride_dvt + offs_dv[None, :], dv_NDV.to(dv_base.dtype.element_ty),
+                 mask=col_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))  # fmt: skip
+    return dq_MD
+
+
+@triton.jit
+def _gdpa_bwd_short_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, DK, DV,  # [Tq, H, D], [Tk, H, D], [Tk, H, DV], [Tq, H, DV], [H, Tq] x2, like q k v
+    Q_OFFSETS, KV_OFFSETS,  # [B + 1] each
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
+    stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    scale, window, block_size,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    """One program per (segment, head); the segment's queries (at most ``BLOCK_M``) against all its keys."""
+    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
+    qk_scale = scale * LOG2E
+    seg = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    q_start = tl.load(Q_OFFSETS + seg).to(tl.int64)
+    len_q = (tl.load(Q_OFFSETS + seg + 1) - q_start).to(tl.int32)
+    k_start = tl.load(KV_OFFSETS + seg).to(tl.int64)
+    len_k = (tl.load(KV_OFFSETS + seg + 1) - k_start).to(tl.int32)
+    num_history = len_k  # no targets on this path
+    shift = len_k - len_q
+    inv_len_k = 1.0 / tl.maximum(len_k, 1).to(tl.float32)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < len_q
+    pos_m = _position(offs_m, shift, num_history)
+    q_MD = _load_tile(Q + q_start * stride_qt + head * stride_qh, offs_m, stride_qt, offs_d, row_ok,
+                      HEAD_DIM, BLOCK_D, True)  # fmt: skip
+    do_MDV = _load_tile(DO + q_start * stride_dot + head * stride_doh, offs_m, stride_dot, offs_dv, row_ok,
+                        HEAD_DIM_V, BLOCK_DV, True)  # fmt: skip
+    lse_M = tl.zeros([BLOCK_M], dtype=tl.float32)
+    delta_M = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if ACTIVATION == "softmax":
+        lse_M = tl.load(LSE + head * stride_lse_h + q_start + offs_m, mask=row_ok, other=float("inf"))
+        delta_M = tl.load(DELTA + head * stride_lse_h + q_start + offs_m, mask=row_ok, other=0.0)
+    k_base = K + k_start * stride_kt + head * stride_kh
+    v_base = V + k_start * stride_vt + head * stride_vh
+    dk_base = DK + k_start * stride_dkt + head * stride_dkh
+    dv_base = DV + k_start * stride_dvt + head * stride_dvh
+
+    # The keys any query sees, [lo, hi), walked in tiles from lo: edge tiles masked, whole-seen tiles not.
+    lo, full_lo, full_hi, hi = _query_tile_keys(
+        0, len_q, shift, num_history, window, block_size, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_BLOCK
+    )
+    seen = len_q > 0  # an empty query segment sees no key
+    lo = tl.where(seen, lo, 0)
+    hi = tl.where(seen, hi, 0)
+    full_lo = tl.where(seen, full_lo, 0)
+    full_hi = tl.where(seen, full_hi, 0)
+    dq_MD = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for stage in tl.static_range(3):  # masked edge, unmasked inside, masked edge
+        n_lo, n_hi = _stage_range(stage, lo, full_lo, full_hi, hi)
+        dq_MD = _short_key_blocks(
+            dq_MD, q_MD, do_MDV, lse_M, delta_M, k_base, v_base, dk_base, dv_base,
+            stride_kt, stride_vt, stride_dkt, stride_dvt, n_lo, n_hi, hi, pos_m, row_ok,
+            qk_scale, scale, inv_len_k, num_history, window, block_size,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1,
+            ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
+        )  # fmt: skip
+    # Keys before lo and from hi on: no query sees them (the walk stored rows of [lo, hi) only).
+    _zero_key_rows(dk_base, dv_base, stride_dkt, stride_dvt, 0, lo, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N)
+    _zero_key_rows(dk_base, dv_base, stride_dkt, stride_dvt, hi, len_k, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                   BLOCK_N)  # fmt: skip
+    tl.store(
+        DQ + (q_start + offs_m)[:, None] * stride_dqt + head * stride_dqh + offs_d[None, :],
+        (dq_MD * scale).to(DQ.dtype.element_ty),
+        mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
+    )
