@@ -14,9 +14,6 @@ prints, for the forward and the backward of ``gdpa(..., impl="triton")``:
   ``torch.autograd.grad`` on a kept graph), i.e. what ``attention.py`` sees: the larger of host and device
   time when the host is the bottleneck.
 
-With ``--compare-launch`` the host times are measured twice: with the kit's direct launch of already compiled
-kernels (:func:`lightning_gem.ops._launch.launch`) and through Triton's JIT launcher for every call.
-
 With ``--candidates`` it also times every tile candidate of the forward and backward launchers on the
 workload (what the tuner chooses among), so variants (tile shapes, TMA or pointer loads, atomic or
 one-launch backward) are compared on the same inputs in one run.
@@ -111,11 +108,7 @@ def _candidates(case, kwargs: dict) -> None:  # noqa: ANN001
             print(f"    failed    {plan}: {type(error).__name__}")
 
 
-def _jit_launch(kernel, grid, args, meta) -> None:  # noqa: ANN001
-    kernel[grid](*args, **meta)
-
-
-def profile_case(name: str, candidates: bool, compare_launch: bool) -> None:
+def profile_case(name: str, candidates: bool) -> None:
     import triton.testing
 
     workload = make_workload(name, tiny=False, seed=0)
@@ -141,16 +134,6 @@ def profile_case(name: str, candidates: bool, compare_launch: bool) -> None:
 
     print(f"\n== {name}: {label} ==")
     for part, fn in (("forward", forward_no_grad), ("backward", backward)):
-        if compare_launch:
-            from lightning_gem.ops import _launch
-
-            direct = _launch._launch_eager
-            _launch._launch_eager = _jit_launch
-            try:
-                jit = _host_us(fn)
-            finally:
-                _launch._launch_eager = direct
-            print(f"{part:9s} host through Triton's JIT launcher {jit:8.1f} us")
         host = _host_us(fn)
         kernels = _kernels(fn)
         device = sum(us for _, us in kernels)
@@ -167,12 +150,11 @@ def main() -> None:
     parser.add_argument("--workloads", default="block4k,cross,jagged1k,jagged4k",
                         help=f"comma-separated from {', '.join(WORKLOAD_NAMES)}")  # fmt: skip
     parser.add_argument("--candidates", action="store_true", help="also time every tile candidate")
-    parser.add_argument("--compare-launch", action="store_true", help="host time also through the JIT launcher")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     for name in args.workloads.split(","):
-        profile_case(name.strip(), args.candidates, args.compare_launch)
+        profile_case(name.strip(), args.candidates)
 
 
 if __name__ == "__main__":

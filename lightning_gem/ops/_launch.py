@@ -13,8 +13,6 @@ import torch
 __all__ = ["compile_only", "is_interpreted", "launch", "plain_eager"]
 
 _COMPILE_ONLY: ContextVar[bool] = ContextVar("lightning_gem_compile_only", default=False)
-# Compiled kernels by (kernel, device, specialization of the arguments, meta): see _launch_eager.
-_COMPILED: dict[tuple, object] = {}
 
 
 def plain_eager(args: Sequence[object]) -> bool:
@@ -47,52 +45,6 @@ def compile_only() -> Iterator[None]:
         _COMPILE_ONLY.reset(token)
 
 
-def _launch_eager(kernel: object, grid: tuple[int, ...], args: Sequence[object], meta: dict[str, object]) -> None:
-    """``kernel[grid](*args, **meta)``, but a kernel already compiled for these arguments' specialization is
-    launched directly, without the JIT launcher's per-call binding, key building and cache lookup.
-
-    The specialization is Triton's own (``native_specialize_impl`` per argument, honouring each parameter's
-    ``do_not_specialize``: dtype and 16-byte alignment of tensors, width and divisibility of integers, ``1`` and
-    None as constants), so the cached kernel is the one the JIT launcher would pick. Interpreted kernels, grids
-    that are not int tuples and constexprs left to their defaults go through the JIT launcher.
-    """
-    if is_interpreted(kernel) or not isinstance(grid, tuple):
-        kernel[grid](*args, **meta)  # type: ignore[index]
-        return
-    from triton._C.libtriton import native_specialize_impl
-    from triton.runtime.driver import driver
-
-    device = driver.active.get_current_device()
-    params = kernel.params  # type: ignore[attr-defined]
-    try:
-        backend = kernel.device_caches[device][3]  # type: ignore[attr-defined]
-        spec = tuple(
-            native_specialize_impl(
-                backend, arg, False, not param.do_not_specialize, not param.do_not_specialize_on_alignment
-            )  # fmt: skip
-            for arg, param in zip(args, params, strict=False)
-        )
-        key = (kernel, device, spec, tuple(meta.items()))
-        compiled = _COMPILED.get(key)
-    except TypeError:  # an unhashable meta value
-        compiled = key = None
-    if compiled is None:
-        compiled = kernel[grid](*args, **meta)  # type: ignore[index]
-        names = kernel.arg_names[len(args) :]  # type: ignore[attr-defined]
-        if key is not None and compiled is not None and all(name in meta for name in names):
-            _COMPILED[key] = (compiled, names)
-        return
-    compiled, names = compiled
-    values = (*args, *(meta[name] for name in names))
-    stream = driver.active.get_current_stream(device)
-    from triton import knobs
-
-    grid = (*grid, 1, 1)
-    compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
-                 compiled.launch_metadata(grid, stream, *values), knobs.runtime.launch_enter_hook,
-                 knobs.runtime.launch_exit_hook, *values)  # fmt: skip
-
-
 def launch(kernel: object, grid: object, args: Sequence[object], meta: dict[str, object]) -> None:
     """``kernel[grid](*args, **meta)``: directly in plain eager mode, else through ``wrap_triton``.
 
@@ -108,7 +60,7 @@ def launch(kernel: object, grid: object, args: Sequence[object], meta: dict[str,
         kernel.warmup(*args, grid=grid, **meta)  # type: ignore[attr-defined]
         return
     if plain_eager(args):  # nothing traces this call (wrap_triton's wrappers would only cost host time)
-        _launch_eager(kernel, grid, args, meta)
+        kernel[grid](*args, **meta)  # type: ignore[index]
         return
     if is_interpreted(kernel) and any(isinstance(a, torch.Tensor) and is_fake(a) for a in args):
         return

@@ -519,8 +519,8 @@ def gdpa_backward(
         num_key_tiles = triton.cdiv(max_seq_len_kv, tiles.block_n) if has_keys else 0
         if plan.dq is None:
             if not dq_atomic:
-                dq_atomic.append(torch.zeros(q.shape, dtype=torch.float32, device=q.device))
-            dq32 = dq_atomic[0].zero_()
+                dq_atomic.append(torch.empty(q.shape, dtype=torch.float32, device=q.device))
+            dq32 = dq_atomic[0].zero_()  # zeroed before each run (the tuner runs a candidate several times)
             if num_key_tiles > 0:
                 args = (q, k, v, grad_out, lse, delta, dk, dv, dq32, q_offsets, kv_offsets, targets, seg_offsets,
                         seg_order, *strides[:-2], dq32.stride(0), dq32.stride(1), scale, window or 0,
