@@ -225,6 +225,9 @@ SWEEP_MODES = {
     "softmax block 64": dict(layout="self", activation="softmax", block_size=64),
     "silu block 32 causal": dict(layout="self", activation="silu", causal=True, block_size=32),
     "softmax cross": dict(layout="cross", activation="softmax"),
+    # Candidates over histories: query segments of at most 64 (the short-query backward) over up to 300 keys.
+    "softmax cross short queries": dict(layout="cross", activation="softmax", q_max=64),
+    "silu cross short queries causal": dict(layout="cross", activation="silu", causal=True, q_max=32),
     "softmax shared kv causal": dict(layout="shared_kv", activation="softmax", causal=True),
     "gelu shared kv": dict(layout="shared_kv", activation="gelu"),
 }
@@ -232,13 +235,14 @@ SWEEP_MODES = {
 
 def _sweep(num_shapes: int = 200, modes: list[str] | None = None, device: str = "cuda") -> int:
     """Random jagged shapes per mode (bf16 on GPUs, 1-8 segments of 0-300 tokens with an empty and a length-1
-    one, heads 1-4, head dims 32/64/128), forward and backward against the float64 reference: no NaN, and
+    one, heads 1-4, head dims 32/64/128; the short-query modes draw query segments of at most 32 or 64), forward
+    and backward against the float64 reference: no NaN, and
     the error within the budget of the same computation done by the reference on the same inputs: 2x its
     error + 4 ulps of the case's scale (the largest exact value among out, dq, dk, dv: a gradient that is
     exactly zero, as when every query sees a single key, is judged by the rounding of its case). Returns
     the number of failures."""
     from lightning_gem.ops.attention.impl.triton import gdpa_triton
-    from lightning_gem.testing.jagged_inputs import make_gdpa_inputs
+    from lightning_gem.testing.jagged_inputs import make_gdpa_inputs, random_lengths
     from lightning_gem.testing.numerics import max_abs_error
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -255,8 +259,9 @@ def _sweep(num_shapes: int = 200, modes: list[str] | None = None, device: str = 
             num_segments = int(torch.randint(1, 9, (), generator=gen))
             dim = (32, 64, 128)[i % 3] if device == "cuda" else 16
             heads = int(torch.randint(1, 5, (), generator=gen))
-            inputs = make_gdpa_inputs(layout, gen, num_segments=num_segments, max_len=300, heads=heads, dim=dim,
-                                      dim_v=dim, dtype=dtype)  # fmt: skip
+            q_lengths = random_lengths(num_segments, mode["q_max"], gen) if "q_max" in mode else None
+            inputs = make_gdpa_inputs(layout, gen, num_segments=num_segments, max_len=300, q_lengths=q_lengths,
+                                      heads=heads, dim=dim, dim_v=dim, dtype=dtype)  # fmt: skip
             dev = {
                 n: None if t is None else t.to(device) for n, t in vars(inputs).items() if isinstance(t, torch.Tensor)
             }

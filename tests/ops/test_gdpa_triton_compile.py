@@ -16,13 +16,14 @@ import sys
 import pytest
 
 # Two specializations that between them turn on every mode flag, a head dim below its block (96 of 128),
-# int32 and int64 offsets, the atomic-dQ dK/dV kernel and the one-launch dK/dV + dQ kernel.
+# int32 and int64 offsets, the atomic-dQ dK/dV kernel, the one-launch dK/dV + dQ kernel and the short-query kernel,
+# with and without a segment order.
 _COMPILE = r"""
 import inspect, json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from lightning_gem.ops.attention.impl.triton import backward, forward
+from lightning_gem.ops.attention.impl.triton import backward, backward_short, forward
 
 def compile_one(kernel, constexprs, offsets, num_warps, num_stages):
     signature = {}
@@ -52,7 +53,11 @@ sizes = {}
 for flags, offsets, (bm, bn, warps, stages), fused in modes:
     common = dict(flags, BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION="tf32", FAST=True)
     name = flags["ACTIVATION"]
-    sizes[f"fwd {name}"] = compile_one(forward._gdpa_fwd_kernel, common, offsets, warps, stages)
+    sizes[f"fwd {name}"] = compile_one(forward._gdpa_fwd_kernel, dict(common, HAS_ORDER=fused), offsets, warps,
+                                       stages)
+    short = {k: v for k, v in common.items() if k not in ("HAS_KV_INDEX", "HAS_TARGETS")}
+    sizes[f"short {name}"] = compile_one(backward_short._gdpa_bwd_short_kernel, dict(short, HAS_ORDER=fused, BLOCK_M=32),
+                                         offsets, 4, stages)
     sizes[f"dkdv {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(common, FUSED_DQ=fused), offsets,
                                         warps, stages)
     sizes[f"bwd {name}"] = compile_one(backward._gdpa_bwd_kernel, dict(common, DQ_BLOCK_M=bn, DQ_BLOCK_N=bm),
@@ -76,5 +81,5 @@ def test_kernels_compile_for_sm90() -> None:
     result = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     sizes = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(sizes) == 7
+    assert len(sizes) == 9
     assert all(size > 0 for size in sizes.values()), sizes

@@ -111,9 +111,9 @@ def candidate_tiles(
         if short <= 64:
             return [Tiles(short, 64, 4, 3), Tiles(short, 128, 4, 3), Tiles(short, 128, 8, 3)]
         if head_dim <= 64:
-            return [Tiles(128, 64, 4, 3), Tiles(128, 128, 8, 3), Tiles(64, 64, 4, 3)]
+            return [Tiles(64, 64, 4, 3), Tiles(128, 64, 4, 3), Tiles(64, 128, 4, 3), Tiles(128, 64, 8, 3)]
         if head_dim <= 128:
-            return [Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 2), Tiles(128, 128, 8, 2)]
+            return [Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 4), Tiles(128, 128, 8, 2)]
         return [Tiles(64, 64, 4, 2), Tiles(128, 32, 8, 2)]
     # Backward tiles hold two fp32 accumulators (dK, dV) of BLOCK_N x D: at D = 128, 64-key tiles over 8
     # warps keep them in registers, where 4 warps spill hundreds of bytes per thread.
@@ -121,9 +121,9 @@ def candidate_tiles(
         if short <= 32:
             return [Tiles(short, 64, 8, 2), Tiles(short, 64, 8, 3)]
         if head_dim <= 64:
-            return [Tiles(64, 64, 8, 2), Tiles(64, 128, 8, 3), Tiles(64, 64, 4, 3)]
+            return [Tiles(64, 128, 8, 3), Tiles(64, 64, 8, 2), Tiles(128, 128, 8, 2), Tiles(64, 128, 4, 3)]
         if head_dim <= 128:
-            return [Tiles(64, 64, 8, 2), Tiles(64, 128, 8, 3), Tiles(32, 64, 8, 2)]
+            return [Tiles(64, 128, 8, 3), Tiles(64, 64, 8, 2), Tiles(32, 64, 8, 2)]
         return [Tiles(32, 64, 8, 2), Tiles(16, 64, 8, 2)]
     if short <= 64:
         return [Tiles(short, 64, 8, 2), Tiles(short, 128, 8, 2)]
@@ -156,7 +156,7 @@ def backward_candidates(
     short = _short_tiles(dtype, device, max_len_q) if short_query and max_len_q <= SHORT_QUERY_ROWS else []
     if deterministic:
         return short + merged if device.type == "cuda" else merged + short
-    atomic = [BackwardTiles(t) for t in dkdv[:2]]
+    atomic = [BackwardTiles(t) for t in dkdv[:4]]
     return atomic + merged + short if device.type != "cuda" else short + merged + atomic
 
 
