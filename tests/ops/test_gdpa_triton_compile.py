@@ -56,8 +56,8 @@ for flags, offsets, (bm, bn, warps, stages), fused in modes:
     sizes[f"fwd {name}"] = compile_one(forward._gdpa_fwd_kernel, dict(common, HAS_ORDER=fused), offsets, warps,
                                        stages)
     short = {k: v for k, v in common.items() if k not in ("HAS_KV_INDEX", "HAS_TARGETS")}
-    sizes[f"short {name}"] = compile_one(backward_short._gdpa_bwd_short_kernel, dict(short, HAS_ORDER=fused, BLOCK_M=32),
-                                         offsets, 4, stages)
+    sizes[f"short {name}"] = compile_one(backward_short._gdpa_bwd_short_kernel,
+                                         dict(short, HAS_ORDER=fused, BLOCK_M=32), offsets, 4, stages)
     sizes[f"dkdv {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(common, FUSED_DQ=fused), offsets,
                                         warps, stages)
     sizes[f"bwd {name}"] = compile_one(backward._gdpa_bwd_kernel, dict(common, DQ_BLOCK_M=bn, DQ_BLOCK_N=bm),
