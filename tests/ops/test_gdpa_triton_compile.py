@@ -16,8 +16,7 @@ import sys
 import pytest
 
 # Two specializations that between them turn on every mode flag, a head dim below its block (96 of 128),
-# int32 and int64 offsets, the atomic-dQ dK/dV kernel, the one-launch dK/dV + dQ kernel and the short-query kernel,
-# with and without a segment order.
+# int32 and int64 offsets, the atomic-dQ dK/dV kernel, the one-launch dK/dV + dQ kernel and the short-query kernel.
 _COMPILE = r"""
 import inspect, json
 import triton
@@ -53,11 +52,10 @@ sizes = {}
 for flags, offsets, (bm, bn, warps, stages), fused in modes:
     common = dict(flags, BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION="tf32", FAST=True)
     name = flags["ACTIVATION"]
-    sizes[f"fwd {name}"] = compile_one(forward._gdpa_fwd_kernel, dict(common, HAS_ORDER=fused), offsets, warps,
-                                       stages)
+    sizes[f"fwd {name}"] = compile_one(forward._gdpa_fwd_kernel, common, offsets, warps, stages)
     short = {k: v for k, v in common.items() if k not in ("HAS_KV_INDEX", "HAS_TARGETS")}
-    sizes[f"short {name}"] = compile_one(backward_short._gdpa_bwd_short_kernel,
-                                         dict(short, HAS_ORDER=fused, BLOCK_M=32), offsets, 4, stages)
+    sizes[f"short {name}"] = compile_one(backward_short._gdpa_bwd_short_kernel, dict(short, BLOCK_M=32), offsets, 4,
+                                         stages)
     sizes[f"dkdv {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(common, FUSED_DQ=fused), offsets,
                                         warps, stages)
     sizes[f"bwd {name}"] = compile_one(backward._gdpa_bwd_kernel, dict(common, DQ_BLOCK_M=bn, DQ_BLOCK_N=bm),

@@ -12,15 +12,13 @@ masks' rule floors. A negative position (cross-attention with more queries than 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from lightning_gem.ops._launch import is_interpreted, launch
 
-__all__ = ["LOG2E", "dot_precision", "fast_math", "is_interpreted", "launch", "longest_first"]
+__all__ = ["LOG2E", "dot_precision", "fast_math", "is_interpreted", "launch"]
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E): kernels keep scores in base 2 for softmax
 
@@ -273,28 +271,6 @@ def _load_tile(base, offs_r, stride_r, offs_c, rows_ok, NUM_COLS: tl.constexpr, 
         else:
             tile = tl.load(ptrs, mask=offs_c[None, :] < NUM_COLS, other=0.0)
     return tile
-
-
-def longest_first(
-    kv_offsets: torch.Tensor, kv_index: torch.Tensor | None, heads: int, device: torch.device
-) -> torch.Tensor | None:
-    """Query segments ordered by their kv segment's length, longest first (``[B]`` int32, on the device, no sync),
-    for grids of one program per (segment, head) whose cost is the kv length: started first, the longest
-    programs no longer trail behind the short ones (targets over histories of ``2048 u^3`` keys: the list
-    schedule's makespan 1.32x the mean load in launch order, 1.01x longest first). None where the grid is
-    too small to leave a tail: fewer programs than twice the device's multiprocessors."""
-    num_segments = kv_index.shape[0] if kv_index is not None else kv_offsets.shape[0] - 1
-    if num_segments * heads < 2 * _multiprocessors(device):
-        return None
-    lengths = kv_offsets[1:] - kv_offsets[:-1]
-    if kv_index is not None:
-        lengths = lengths[kv_index.to(torch.int64)]
-    return torch.argsort(lengths, descending=True, stable=True).to(torch.int32)
-
-
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def fast_math(q: torch.Tensor) -> bool:

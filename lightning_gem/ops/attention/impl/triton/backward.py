@@ -40,7 +40,6 @@ from lightning_gem.ops.attention.impl.triton._common import (
     dot_precision,
     fast_math,
     launch,
-    longest_first,
 )
 from lightning_gem.ops.attention.impl.triton._tuning import (
     SHORT_QUERY_ROWS,
@@ -511,12 +510,10 @@ def gdpa_backward(
     def run(plan: BackwardTiles) -> None:
         tiles = plan.dkdv
         if plan.short:
-            order = longest_first(kv_offsets, None, heads, q.device)
-            args = (q, k, v, grad_out, lse, delta, dq, dk, dv, q_offsets, kv_offsets,
-                    q_offsets if order is None else order, *strides[:9], dq.stride(0), dq.stride(1), dk.stride(0),
-                    dk.stride(1), dv.stride(0), dv.stride(1), scale, window or 0, block_size or 1)  # fmt: skip
+            args = (q, k, v, grad_out, lse, delta, dq, dk, dv, q_offsets, kv_offsets, *strides[:9], dq.stride(0),
+                    dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale, window or 0,
+                    block_size or 1)  # fmt: skip
             short_meta = {k: v for k, v in meta.items() if k not in ("HAS_KV_INDEX", "HAS_TARGETS")}
-            short_meta["HAS_ORDER"] = order is not None
             launch(_gdpa_bwd_short_kernel, (num_segments, heads), args, {**short_meta, **tile_meta(tiles)})
             return
         num_key_tiles = triton.cdiv(max_seq_len_kv, tiles.block_n) if has_keys else 0

@@ -100,22 +100,19 @@ def _short_key_blocks(
 @triton.jit
 def _gdpa_bwd_short_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, DK, DV,  # [Tq, H, D], [Tk, H, D], [Tk, H, DV], [Tq, H, DV], [H, Tq] x2, like q k v
-    Q_OFFSETS, KV_OFFSETS, SEG_ORDER,  # [B + 1] each, [B] int32
+    Q_OFFSETS, KV_OFFSETS,  # [B + 1] each
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
     stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     scale, window, block_size,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FAST: tl.constexpr, HAS_ORDER: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
-    """One program per (segment, head); the segment's queries (at most ``BLOCK_M``) against all its keys;
-    ``HAS_ORDER``: segments in the order ``SEG_ORDER`` lists (longest kv segment first)."""
+    """One program per (segment, head); the segment's queries (at most ``BLOCK_M``) against all its keys."""
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
     qk_scale = scale * LOG2E
     seg = tl.program_id(0)
-    if HAS_ORDER:
-        seg = tl.load(SEG_ORDER + seg)
     head = tl.program_id(1).to(tl.int64)
     q_start = tl.load(Q_OFFSETS + seg).to(tl.int64)
     len_q = (tl.load(Q_OFFSETS + seg + 1) - q_start).to(tl.int32)

@@ -36,16 +36,8 @@ from lightning_gem.ops.attention.impl.triton._common import (
     dot_precision,
     fast_math,
     launch,
-    longest_first,
 )
-from lightning_gem.ops.attention.impl.triton._tuning import (
-    SHORT_QUERY_ROWS,
-    Tiles,
-    candidate_tiles,
-    length_bucket,
-    pick_tiles,
-    tile_meta,
-)
+from lightning_gem.ops.attention.impl.triton._tuning import Tiles, candidate_tiles, length_bucket, pick_tiles, tile_meta
 
 __all__ = ["gdpa_forward"]
 
@@ -98,20 +90,17 @@ def _fwd_key_blocks(
 @triton.jit
 def _gdpa_fwd_kernel(
     Q, K, V, OUT, LSE,  # [Tq, H, D], [Tk, H, D], [Tk, H, DV], [Tq, H, DV], [H, Tq] fp32
-    Q_OFFSETS, KV_OFFSETS, KV_INDEX, NUM_TARGETS, SEG_ORDER,  # [B + 1], [Bkv + 1], [B], [B], [B] int32
+    Q_OFFSETS, KV_OFFSETS, KV_INDEX, NUM_TARGETS,  # [B + 1], [Bkv + 1], [B], [B]
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lse_h,
     scale, window, block_size,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
     HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
-    HAS_ORDER: tl.constexpr,
 ):  # fmt: skip
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
     qk_scale = scale * LOG2E  # softmax scores in base 2
     seg = tl.program_id(0)
-    if HAS_ORDER:  # one query tile per segment: segments longest first
-        seg = tl.load(SEG_ORDER + seg)
     head = tl.program_id(1).to(tl.int64)
     m_start = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M  # last query blocks first
     q_start = tl.load(Q_OFFSETS + seg).to(tl.int64)
@@ -206,14 +195,11 @@ def gdpa_forward(
     lse = torch.empty(heads if softmax else 0, num_q, dtype=torch.float32, device=q.device)
     if num_segments == 0 or num_q == 0 or heads == 0:
         return out, lse
-    # Short query segments (one query tile each) over kv segments of unequal lengths: longest first.
-    order = longest_first(kv_offsets, kv_index, heads, q.device) if max_seq_len_q <= SHORT_QUERY_ROWS else None
     args = (
         q, k, v, out, lse,
         q_offsets, kv_offsets,
         q_offsets if kv_index is None else kv_index,  # placeholders are never read (HAS_* is False)
         q_offsets if num_targets is None else num_targets,
-        q_offsets if order is None else order,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         lse.stride(0) if softmax else 0,
         scale, window or 0, block_size or 1,
@@ -229,10 +215,8 @@ def gdpa_forward(
     )  # fmt: skip
 
     def run(tiles: Tiles) -> None:
-        num_blocks = max(1, triton.cdiv(max_seq_len_q, tiles.block_m))
-        grid = (num_segments, heads, num_blocks)
-        ordered = order is not None and num_blocks == 1
-        launch(_gdpa_fwd_kernel, grid, args, {**meta, **tile_meta(tiles), "HAS_ORDER": ordered})
+        grid = (num_segments, heads, max(1, triton.cdiv(max_seq_len_q, tiles.block_m)))
+        launch(_gdpa_fwd_kernel, grid, args, {**meta, **tile_meta(tiles)})
 
     if tiles is None:
         key = ("fwd", head_dim, head_dim_v, q.dtype, tuple(flags.values()), block_size,
