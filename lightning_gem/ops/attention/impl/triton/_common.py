@@ -18,7 +18,7 @@ import triton.language as tl
 
 from lightning_gem.ops._launch import is_interpreted, launch
 
-__all__ = ["LOG2E", "dot_precision", "fast_math", "is_interpreted", "launch"]
+__all__ = ["LOG2E", "cdiv", "dot_precision", "fast_math", "is_interpreted", "launch", "next_power_of_2"]
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E): kernels keep scores in base 2 for softmax
 
@@ -271,6 +271,16 @@ def _load_tile(base, offs_r, stride_r, offs_c, rows_ok, NUM_COLS: tl.constexpr, 
         else:
             tile = tl.load(ptrs, mask=offs_c[None, :] < NUM_COLS, other=0.0)
     return tile
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for a launch grid, in plain Python (Triton's own is a constexpr function: slower on the host)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The power of two at or above ``n`` (1 for ``n <= 1``), in plain Python."""
+    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def fast_math(q: torch.Tensor) -> bool:

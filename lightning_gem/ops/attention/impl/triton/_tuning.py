@@ -17,9 +17,9 @@ from collections.abc import Callable
 from typing import NamedTuple, TypeVar
 
 import torch
-import triton
 
 from lightning_gem.ops._tuning import pick_fastest
+from lightning_gem.ops.attention.impl.triton._common import next_power_of_2
 
 __all__ = [
     "BackwardTiles",
@@ -66,7 +66,7 @@ _CHOSEN: dict[tuple, Tiles | BackwardTiles] = {}
 
 def length_bucket(length: int) -> int:
     """The power of two at or above ``length`` (16 at least): the tuner's key for a length hint."""
-    return max(16, triton.next_power_of_2(max(int(length), 1)))
+    return max(16, next_power_of_2(max(int(length), 1)))
 
 
 def _block_tiles(block_size: int | None) -> int | None:

@@ -37,9 +37,11 @@ from lightning_gem.ops.attention.impl.triton._common import (
     _query_tile_keys,
     _stage_range,
     _stages,
+    cdiv,
     dot_precision,
     fast_math,
     launch,
+    next_power_of_2,
 )
 from lightning_gem.ops.attention.impl.triton._tuning import (
     SHORT_QUERY_ROWS,
@@ -426,11 +428,11 @@ def _delta(out: Tensor, grad_out: Tensor) -> Tensor:
     delta = torch.empty(heads, num_q, dtype=torch.float32, device=out.device)
     if num_q == 0 or heads == 0:
         return delta
-    block_dv = max(16, triton.next_power_of_2(head_dim_v))
+    block_dv = max(16, next_power_of_2(head_dim_v))
     block_t = max(1, min(64, 8192 // block_dv))
     launch(
         _bwd_delta_kernel,
-        (triton.cdiv(num_q, block_t), heads),
+        (cdiv(num_q, block_t), heads),
         (out, grad_out, delta, num_q, out.stride(0), out.stride(1), grad_out.stride(0), grad_out.stride(1),
          delta.stride(0)),
         dict(HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, BLOCK_T=block_t, num_warps=4),
@@ -478,9 +480,10 @@ def gdpa_backward(
     softmax = activation == "softmax"
     if softmax:
         assert out is not None and lse is not None, "softmax backward needs the forward's out and lse"
-        delta = _delta(out if out.stride(-1) == 1 else out.contiguous(), grad_out)
+        out = out if out.stride(-1) == 1 else out.contiguous()
     else:
-        lse = delta = torch.empty(0, 0, dtype=torch.float32, device=q.device)
+        lse = torch.empty(0, 0, dtype=torch.float32, device=q.device)
+        out = grad_out  # a placeholder, never read
     dk, dv, dq = torch.empty_like(k), torch.empty_like(v), torch.empty_like(q)
     if num_segments == 0 or heads == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
@@ -494,7 +497,7 @@ def gdpa_backward(
     )  # fmt: skip
     meta = dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)),
+        BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_DV=max(16, next_power_of_2(head_dim_v)),
         **flags, DOT_PRECISION=dot_precision(q.dtype), FAST=fast_math(q),
     )  # fmt: skip
     strides = (
@@ -509,14 +512,15 @@ def gdpa_backward(
 
     def run(plan: BackwardTiles) -> None:
         tiles = plan.dkdv
-        if plan.short:
-            args = (q, k, v, grad_out, lse, delta, dq, dk, dv, q_offsets, kv_offsets, *strides[:9], dq.stride(0),
-                    dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), scale, window or 0,
-                    block_size or 1)  # fmt: skip
+        if plan.short:  # softmax's delta comes from the kernel's own rows of O and dO
+            args = (q, k, v, grad_out, lse, out, dq, dk, dv, q_offsets, kv_offsets, *strides[:9], out.stride(0),
+                    out.stride(1), dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+                    scale, window or 0, block_size or 1)  # fmt: skip
             short_meta = {k: v for k, v in meta.items() if k not in ("HAS_KV_INDEX", "HAS_TARGETS")}
             launch(_gdpa_bwd_short_kernel, (num_segments, heads), args, {**short_meta, **tile_meta(tiles)})
             return
-        num_key_tiles = triton.cdiv(max_seq_len_kv, tiles.block_n) if has_keys else 0
+        delta = _delta(out, grad_out) if softmax else lse
+        num_key_tiles = cdiv(max_seq_len_kv, tiles.block_n) if has_keys else 0
         if plan.dq is None:
             if not dq_atomic:
                 dq_atomic.append(torch.empty(q.shape, dtype=torch.float32, device=q.device))
@@ -528,7 +532,7 @@ def gdpa_backward(
                 grid = (num_kv_segments, heads, num_key_tiles)
                 launch(_gdpa_bwd_dkdv_kernel, grid, args, {**meta, **tile_meta(tiles), "FUSED_DQ": True})
             return
-        num_query_tiles = triton.cdiv(max_seq_len_q, plan.dq.block_m) if num_q > 0 else 0
+        num_query_tiles = cdiv(max_seq_len_q, plan.dq.block_m) if num_q > 0 else 0
         if num_key_tiles + num_query_tiles == 0:
             return
         args = (q, k, v, grad_out, lse, delta, dk, dv, dq, q_offsets, kv_offsets, kv_map, targets, seg_offsets,

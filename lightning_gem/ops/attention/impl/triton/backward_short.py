@@ -99,17 +99,18 @@ def _short_key_blocks(
 
 @triton.jit
 def _gdpa_bwd_short_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, DK, DV,  # [Tq, H, D], [Tk, H, D], [Tk, H, DV], [Tq, H, DV], [H, Tq] x2, like q k v
+    Q, K, V, DO, LSE, OUT, DQ, DK, DV,  # [Tq, H, D], [Tk, H, D], [Tk, H, DV], [Tq, H, DV], [H, Tq], like dO, q k v
     Q_OFFSETS, KV_OFFSETS,  # [B + 1] each
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
-    stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    stride_ot, stride_oh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     scale, window, block_size,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
-    """One program per (segment, head); the segment's queries (at most ``BLOCK_M``) against all its keys."""
+    """One program per (segment, head); the segment's queries (at most ``BLOCK_M``) against all its keys. Softmax's
+    ``delta = rowsum(dO * O)`` is taken from the program's own rows (no separate kernel)."""
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
     qk_scale = scale * LOG2E
     seg = tl.program_id(0)
@@ -135,7 +136,9 @@ def _gdpa_bwd_short_kernel(
     delta_M = tl.zeros([BLOCK_M], dtype=tl.float32)
     if ACTIVATION == "softmax":
         lse_M = tl.load(LSE + head * stride_lse_h + q_start + offs_m, mask=row_ok, other=float("inf"))
-        delta_M = tl.load(DELTA + head * stride_lse_h + q_start + offs_m, mask=row_ok, other=0.0)
+        o_MDV = _load_tile(OUT + q_start * stride_ot + head * stride_oh, offs_m, stride_ot, offs_dv, row_ok,
+                           HEAD_DIM_V, BLOCK_DV, True)  # fmt: skip
+        delta_M = tl.sum(o_MDV.to(tl.float32) * do_MDV.to(tl.float32), axis=1)
     k_base = K + k_start * stride_kt + head * stride_kh
     v_base = V + k_start * stride_vt + head * stride_vh
     dk_base = DK + k_start * stride_dkt + head * stride_dkh

@@ -33,9 +33,11 @@ from lightning_gem.ops.attention.impl.triton._common import (
     _position,
     _query_tile_keys,
     _stage_range,
+    cdiv,
     dot_precision,
     fast_math,
     launch,
+    next_power_of_2,
 )
 from lightning_gem.ops.attention.impl.triton._tuning import Tiles, candidate_tiles, length_bucket, pick_tiles, tile_meta
 
@@ -210,12 +212,12 @@ def gdpa_forward(
     )  # fmt: skip
     meta = dict(
         HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)),
+        BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_DV=max(16, next_power_of_2(head_dim_v)),
         **flags, DOT_PRECISION=dot_precision(q.dtype), FAST=fast_math(q),
     )  # fmt: skip
 
     def run(tiles: Tiles) -> None:
-        grid = (num_segments, heads, max(1, triton.cdiv(max_seq_len_q, tiles.block_m)))
+        grid = (num_segments, heads, max(1, cdiv(max_seq_len_q, tiles.block_m)))
         launch(_gdpa_fwd_kernel, grid, args, {**meta, **tile_meta(tiles)})
 
     if tiles is None:
