@@ -283,6 +283,24 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+@triton.jit
+def _query_rows(Q, DO, LSE, q_start, head, offs_m, row_ok, stride_qt, stride_qh, stride_dot, stride_doh, stride_lse_h,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                BLOCK_M: tl.constexpr, ACTIVATION: tl.constexpr):  # fmt: skip
+    """A query tile's rows for a backward: ``q [M, D]``, ``dO [M, DV]`` (zeros past the rows) and softmax's
+    log-sum-exp ``[M]`` (``+inf`` past the rows; zeros for pointwise activations)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_MD = _load_tile(Q + q_start * stride_qt + head * stride_qh, offs_m, stride_qt, offs_d, row_ok,
+                      HEAD_DIM, BLOCK_D, True)  # fmt: skip
+    do_MDV = _load_tile(DO + q_start * stride_dot + head * stride_doh, offs_m, stride_dot, offs_dv, row_ok,
+                        HEAD_DIM_V, BLOCK_DV, True)  # fmt: skip
+    lse_M = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if ACTIVATION == "softmax":
+        lse_M = tl.load(LSE + head * stride_lse_h + q_start + offs_m, mask=row_ok, other=float("inf"))
+    return q_MD, do_MDV, lse_M
+
+
 def fast_math(q: torch.Tensor) -> bool:
     """Whether pointwise activations may use one-instruction approximations: compiled CUDA kernels on bf16
     inputs, whose rounding (2^-8) dwarfs the approximation's (2^-11)."""

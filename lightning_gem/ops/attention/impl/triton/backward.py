@@ -34,6 +34,7 @@ from lightning_gem.ops.attention.impl.triton._common import (
     _load_tile,
     _position,
     _query_range,
+    _query_rows,
     _query_tile_keys,
     _stage_range,
     _stages,
@@ -322,14 +323,12 @@ def _dq_program(
         offs_dv = tl.arange(0, BLOCK_DV)
         row_ok = offs_m < len_q
         pos_m = _position(offs_m, shift, num_history)
-        q_MD = _load_tile(Q + q_start * stride_qt + head * stride_qh, offs_m, stride_qt, offs_d, row_ok,
-                          HEAD_DIM, BLOCK_D, True)  # fmt: skip
-        do_MDV = _load_tile(DO + q_start * stride_dot + head * stride_doh, offs_m, stride_dot, offs_dv, row_ok,
-                            HEAD_DIM_V, BLOCK_DV, True)  # fmt: skip
-        lse_M = tl.zeros([BLOCK_M], dtype=tl.float32)
+        q_MD, do_MDV, lse_M = _query_rows(
+            Q, DO, LSE, q_start, head, offs_m, row_ok, stride_qt, stride_qh, stride_dot, stride_doh, stride_lse_h,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, ACTIVATION,
+        )  # fmt: skip
         delta_M = tl.zeros([BLOCK_M], dtype=tl.float32)
         if ACTIVATION == "softmax":
-            lse_M = tl.load(LSE + head * stride_lse_h + q_start + offs_m, mask=row_ok, other=float("inf"))
             delta_M = tl.load(DELTA + head * stride_lse_h + q_start + offs_m, mask=row_ok, other=0.0)
         k_base = K + k_start * stride_kt + head * stride_kh
         v_base = V + k_start * stride_vt + head * stride_vh
