@@ -236,11 +236,10 @@ SWEEP_MODES = {
 def _sweep(num_shapes: int = 200, modes: list[str] | None = None, device: str = "cuda") -> int:
     """Random jagged shapes per mode (bf16 on GPUs, 1-8 segments of 0-300 tokens with an empty and a length-1
     one, heads 1-4, head dims 32/64/128; the short-query modes draw query segments of at most 32 or 64), forward
-    and backward against the float64 reference: no NaN, and
-    the error within the budget of the same computation done by the reference on the same inputs: 2x its
-    error + 4 ulps of the case's scale (the largest exact value among out, dq, dk, dv: a gradient that is
-    exactly zero, as when every query sees a single key, is judged by the rounding of its case). Returns
-    the number of failures."""
+    and backward against the float64 reference: no NaN, and the error within the budget of the same computation
+    done by the reference on the same inputs: 2x its error + 4 ulps of the case's scale (the largest exact value
+    among out, dq, dk, dv: a gradient that is exactly zero, as when every query sees a single key, is judged by
+    the rounding of its case). Returns the number of failures."""
     from lightning_gem.ops.attention.impl.triton import gdpa_triton
     from lightning_gem.testing.jagged_inputs import make_gdpa_inputs, random_lengths
     from lightning_gem.testing.numerics import max_abs_error

@@ -65,7 +65,8 @@ def _kernels(fn, calls: int = 20) -> list[tuple[str, float]]:  # noqa: ANN001
 
 
 def _candidates(case, kwargs: dict) -> None:  # noqa: ANN001
-    """Median time of each forward and backward tile candidate, launched directly on the case's inputs."""
+    """Median time (``do_bench``) of each forward and backward tile candidate, launched directly on the case's
+    inputs."""
     import triton.testing
 
     from lightning_gem.ops.attention.impl.triton._tuning import (
@@ -87,7 +88,8 @@ def _candidates(case, kwargs: dict) -> None:  # noqa: ANN001
     for tiles in fwd:
         try:
             ms = triton.testing.do_bench(lambda t=tiles: gdpa_forward(q, k, v, *jagged, **mode, max_seq_len_q=max_q,
-                                                                      tiles=t), warmup=10, rep=50)  # fmt: skip
+                                                                      tiles=t), warmup=10, rep=50,
+                                         return_mode="median")  # fmt: skip
             print(f"    {ms * 1e3:8.1f} us  {tiles}")
         except Exception as error:  # noqa: BLE001  (out of shared memory and kin)
             print(f"    failed    {tiles}: {type(error).__name__}")
@@ -102,7 +104,7 @@ def _candidates(case, kwargs: dict) -> None:  # noqa: ANN001
                           **tiles)  # fmt: skip
 
         try:
-            ms = triton.testing.do_bench(run, warmup=10, rep=50)
+            ms = triton.testing.do_bench(run, warmup=10, rep=50, return_mode="median")
             print(f"    {ms * 1e3:8.1f} us  {plan}")
         except Exception as error:  # noqa: BLE001
             print(f"    failed    {plan}: {type(error).__name__}")

@@ -153,7 +153,7 @@ def backward_candidates(
     merged = [BackwardTiles(dkdv[0], dq[0])]
     merged += [BackwardTiles(t, dq[0]) for t in dkdv[1:2]]
     merged += [BackwardTiles(dkdv[0], t) for t in dq[1:2]]
-    short = _short_tiles(dtype, device, max_len_q) if short_query and max_len_q <= SHORT_QUERY_ROWS else []
+    short = _short_tiles(dtype, device, max_len_q) if short_query else []
     if deterministic:
         return short + merged if device.type == "cuda" else merged + short
     atomic = [BackwardTiles(t) for t in dkdv[:4]]
