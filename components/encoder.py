@@ -79,6 +79,9 @@ class HSTULayer(nn.Module):
         per_head_norm: normalise the attention output per head (see above).
         attention_scale: GDPA score scale; None: ``1 / sqrt(attention_dim)``. The HSTU reference applies the
             activation to the raw scores (``1.0``).
+        normalization_length: divide pointwise attention weights by this fixed length instead of each
+            sequence's own length (the HSTU reference divides by its padded length ``N``); None: own length.
+            Softmax attention ignores it.
         relative_bias_length: add a learned bias of the relative position ``t - i`` to every score (HSTU's
             relative attention bias over positions; distances beyond ``relative_bias_length - 1`` share the
             last value). The GDPA kernels take no additive bias, so such a layer attends through
@@ -112,10 +115,13 @@ class HSTULayer(nn.Module):
         norm: NormKind = "rms",
         per_head_norm: bool = True,
         attention_scale: float | None = None,
+        normalization_length: int | None = None,
         relative_bias_length: int | None = None,
         attention_impl: str = "auto",
     ) -> None:
         super().__init__()
+        if normalization_length is not None and normalization_length < 1:
+            raise ValueError(f"`normalization_length` must be >= 1, got {normalization_length}")
         if dim < 1 or num_heads < 1:
             raise ValueError(f"`dim` and `num_heads` must be >= 1, got dim={dim}, num_heads={num_heads}")
         if (attention_dim is None or linear_dim is None) and dim % num_heads:
@@ -138,6 +144,7 @@ class HSTULayer(nn.Module):
         if attention_scale is not None and not attention_scale > 0:
             raise ValueError(f"`attention_scale` must be > 0, got {attention_scale}")
         self.attention_scale = attention_scale
+        self.normalization_length = normalization_length
         self.attention_impl = attention_impl
 
         self.input_norm = make_norm(norm, dim)
@@ -207,6 +214,7 @@ class HSTULayer(nn.Module):
                 causal=self.causal,
                 window=self.window,
                 scale=self.attention_scale,
+                normalization_length=self.normalization_length,
             )
         else:
             attn_THD = gdpa(
@@ -223,6 +231,11 @@ class HSTULayer(nn.Module):
                 impl=self.attention_impl,
                 check_offsets=check_offsets,
             )
+            if self.normalization_length is not None and self.activation != "softmax":
+                # GDPA divides by each sequence's own length: rescale each token's row to 1 / normalization_length.
+                lengths = jagged.offsets_to_lengths(offsets).to(attn_THD.dtype)
+                factor = lengths[jagged.segment_ids(offsets, num_tokens)] / self.normalization_length
+                attn_THD = attn_THD * factor[:, None, None]
         if self.per_head_norm:
             gated = (self.attention_norm(attn_THD) * u_THD).reshape(num_tokens, h * dv)
         else:
@@ -261,13 +274,15 @@ def relative_bias_attention(
     causal: bool = True,
     window: int | None = None,
     scale: float | None = None,
+    normalization_length: int | None = None,
 ) -> Tensor:
     """GDPA self-attention with ``bias(t - i)`` added to every score, computed densely: ``[T, H, Dv]``.
 
     The semantics of :func:`lightning_gem.ops.gdpa` (softmax, or a pointwise activation normalised by the
     sequence's length; causal and window masks), on ``[B, H, L, L]`` padded scores (``L`` = ``max_seq_len``,
     or the longest sequence, read from the device). No device sync with ``max_seq_len`` given; memory and time
-    grow with ``B L^2``: meant for short sequences until the kernels take a bias.
+    grow with ``B L^2``: meant for short sequences until the kernels take a bias. ``normalization_length``
+    divides pointwise weights by that fixed length instead of each sequence's own (see :class:`HSTULayer`).
 
     Raises:
         ValueError: an unknown activation.
@@ -298,7 +313,8 @@ def relative_bias_attention(
     if activation == "softmax":  # a finite fill: padded query rows (no allowed key) stay finite in backward
         weights = torch.softmax(scores.masked_fill(~allowed, -1e30), dim=-1) * allowed
     else:
-        weights = POINTWISE[activation][0](scores) / lengths.clamp_min(1)[:, None, None, None]
+        divisor = lengths.clamp_min(1)[:, None, None, None] if normalization_length is None else normalization_length
+        weights = POINTWISE[activation][0](scores) / divisor
         weights = weights.masked_fill(~allowed, 0.0)
     out_BHLD = torch.einsum("bhit,bhtd->bhid", weights.to(v.dtype), padded(v))
     segment, position = jagged.segment_positions(offsets, num_tokens)
@@ -383,10 +399,13 @@ def time_buckets(time_deltas: Tensor, num_buckets: int) -> Tensor:
 class JaggedHistoryEncoder(nn.Module):
     """A stack of :class:`HSTULayer` over jagged history tokens, with recency and time encodings.
 
-    ``x = dropout(input_proj(features) + position[recency] (+ time[bucket(dt)]))``, then the layers, then a
-    final norm (``input_proj`` is the identity when ``input_dim`` is None). Positions count from the end of
-    the history (the most recent event is 1, targets 0), capped at ``max_length``, so the encoding of an
-    event does not depend on how long the history is.
+    ``x = dropout(input_proj(features) + position[p] (+ time[bucket(dt)]))``, then the layers, then a
+    final norm (``input_proj`` is the identity when ``input_dim`` is None). With ``position_encoding=
+    "recency"`` (default) positions count from the end of the history (the most recent event is 1, targets
+    0), capped at ``max_length``: what a ranker scoring targets after a history wants. ``"absolute"`` counts
+    from the start (the first event is 0), as causal next-item training wants: every position then predicts
+    from the encoding it will have at inference, whereas recency tells each training position how many
+    events follow it.
 
     Sequence parallelism (:meth:`enable_sequence_parallel`): the layers run on token shards of a
     tensor-parallel mesh.
@@ -404,6 +423,9 @@ class JaggedHistoryEncoder(nn.Module):
         relative_attention_bias: every layer adds a learned bias of the relative position to its scores
             (:class:`RelativePositionBias` over ``max_length`` positions; a dense attention path, see
             :class:`HSTULayer`).
+        position_encoding: ``"recency"`` or ``"absolute"`` (see above).
+        fixed_attention_normalization: pointwise attention divided by ``max_length`` instead of each
+            sequence's own length (the HSTU reference's ``1 / N``; see :class:`HSTULayer`).
         use_time: add an embedding of ``time_buckets(time_deltas)``; ``forward`` then needs ``time_deltas``.
         num_time_buckets: buckets of the time encoding.
 
@@ -437,11 +459,15 @@ class JaggedHistoryEncoder(nn.Module):
         per_head_norm: bool = True,
         attention_scale: float | None = None,
         relative_attention_bias: bool = False,
+        position_encoding: Literal["recency", "absolute"] = "recency",
+        fixed_attention_normalization: bool = False,
         use_time: bool = False,
         num_time_buckets: int = 64,
         attention_impl: str = "auto",
     ) -> None:
         super().__init__()
+        if position_encoding not in ("recency", "absolute"):
+            raise ValueError(f"`position_encoding` must be 'recency' or 'absolute', got {position_encoding!r}")
         if (input_dim is not None and input_dim < 1) or dim < 1:
             raise ValueError(f"`input_dim` and `dim` must be >= 1, got input_dim={input_dim}, dim={dim}")
         if num_layers < 0:
@@ -453,6 +479,7 @@ class JaggedHistoryEncoder(nn.Module):
         self.input_dim = dim if input_dim is None else input_dim
         self.dim = dim
         self.max_length = max_length
+        self.position_encoding = position_encoding
         self.num_time_buckets = num_time_buckets
         self.input_proj = nn.Identity() if input_dim is None else nn.Linear(input_dim, dim)
         self.position = nn.Embedding(max_length + 1, dim)
@@ -474,6 +501,7 @@ class JaggedHistoryEncoder(nn.Module):
                 norm=norm,
                 per_head_norm=per_head_norm,
                 attention_scale=attention_scale,
+                normalization_length=max_length if fixed_attention_normalization else None,
                 relative_bias_length=max_length if relative_attention_bias else None,
                 attention_impl=attention_impl,
             )
@@ -556,9 +584,11 @@ class JaggedHistoryEncoder(nn.Module):
         if check_offsets:  # offsets and the length hint, one device sync; the longest sequence is the layers' hint
             jagged.check_device(offsets, "offsets", features.device)
             (max_seq_len,) = jagged.validate_offsets_together([(offsets, "offsets", features.shape[0], max_seq_len)])
-        x = self.input_proj(features) + self.position(
-            recency_positions(offsets, self.max_length, num_targets, num_tokens=features.shape[0])
-        )
+        if self.position_encoding == "recency":
+            positions = recency_positions(offsets, self.max_length, num_targets, num_tokens=features.shape[0])
+        else:
+            positions = jagged.segment_positions(offsets, features.shape[0])[1].clamp(max=self.max_length)
+        x = self.input_proj(features) + self.position(positions)
         if self.time is not None:
             if time_deltas is None:
                 raise ValueError("`time_deltas` ([T] seconds) is required: the encoder was built with use_time=True")

@@ -130,6 +130,10 @@ class SequentialRecommender(L.LightningModule):
         relative_attention_bias: a learned bias of the relative position in every layer's scores (HSTU's
             positional relative attention bias; a dense attention path for short histories, see
             :class:`~lightning_gem.components.encoder.HSTULayer`).
+        position_encoding: ``"recency"`` (positions from the end of the history) or ``"absolute"`` (from its
+            start, as the HSTU reference; see :class:`~lightning_gem.components.encoder.JaggedHistoryEncoder`).
+        fixed_attention_normalization: pointwise attention divided by the history length cap instead of each
+            sequence's own length (the HSTU reference's ``1 / N``).
         use_time: encode the gap to the previous event (``batch.timestamps``; causal: no future times).
         num_negatives: uniform negatives of each position's sampled softmax.
         shared_negatives: draw one set of ``num_negatives`` for the whole batch instead of one per position
@@ -167,6 +171,8 @@ class SequentialRecommender(L.LightningModule):
         per_head_norm: bool = True,
         attention_scale: float | None = None,
         relative_attention_bias: bool = False,
+        position_encoding: str = "recency",
+        fixed_attention_normalization: bool = False,
         use_time: bool = False,
         num_negatives: int = 128,
         shared_negatives: bool = False,
@@ -236,6 +242,8 @@ class SequentialRecommender(L.LightningModule):
             per_head_norm=hp.per_head_norm,
             attention_scale=hp.attention_scale,
             relative_attention_bias=hp.relative_attention_bias,
+            position_encoding=hp.get("position_encoding", "recency"),
+            fixed_attention_normalization=hp.get("fixed_attention_normalization", False),
             use_time=hp.use_time,
             attention_impl=hp.attention_impl,
         )

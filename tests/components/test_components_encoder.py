@@ -255,3 +255,53 @@ def test_layers_with_a_relative_bias_train_and_refuse_targets() -> None:
         encoder.layers[0](torch.randn(8, 16), offsets, num_targets=torch.tensor([1, 0, 1]))
     with pytest.raises(ValueError, match="relative_bias_length"):
         HSTULayer(dim=16, num_heads=2, relative_bias_length=0)
+
+
+@pytest.mark.parametrize("relative_bias", [False, True])
+def test_a_fixed_normalization_length_divides_pointwise_attention_by_it(relative_bias: bool) -> None:
+    """``normalization_length=N``: ``silu(s) / N`` for every sequence (the HSTU reference), on the GDPA path and
+    the relative-bias path alike; each sequence's own length is the default."""
+    torch.manual_seed(0)
+    lengths = [5, 0, 3, 7]
+    offsets, x = _offsets(lengths), torch.randn(sum(lengths), 16, dtype=torch.float64)
+    own = _randomized(HSTULayer(16, 2, relative_bias_length=8 if relative_bias else None)).double()
+    fixed = HSTULayer(16, 2, normalization_length=12, relative_bias_length=8 if relative_bias else None).double()
+    fixed.load_state_dict(own.state_dict())
+    own_attn, fixed_attn = [], []
+    for layer, store in ((own, own_attn), (fixed, fixed_attn)):  # the attention output, before the norm
+        layer.attention_norm.register_forward_hook(lambda _m, args, _out, store=store: store.append(args[0]))
+        layer(x, offsets, max_seq_len=8)
+    start = 0
+    for length in lengths:  # the same weights, rescaled by own length / N
+        rows = slice(start, start + length)
+        torch.testing.assert_close(fixed_attn[0][rows], own_attn[0][rows] * (length / 12))
+        start += length
+    with pytest.raises(ValueError, match="normalization_length"):
+        HSTULayer(16, 2, normalization_length=0)
+
+
+def test_absolute_positions_and_a_fixed_normalization_make_a_causal_encoding_independent_of_what_follows() -> None:
+    """With positions from the start and pointwise attention divided by a fixed length, a prefix of a history
+    encodes as the prefix of its encoding (what causal next-item training needs). Recency positions count from
+    the end, and a sequence's own length counts its events, so with either every encoding moves when an event
+    is appended."""
+    torch.manual_seed(0)
+    kwargs = dict(input_dim=8, dim=16, num_layers=2, num_heads=2, max_length=6)
+    variants = {
+        ("absolute", True): True,
+        ("recency", True): False,
+        ("absolute", False): False,
+    }
+    features = torch.randn(9, 8)  # 9 events: positions past max_length share the last embedding
+    state = None
+    for (positions, fixed), invariant in variants.items():
+        encoder = JaggedHistoryEncoder(**kwargs, position_encoding=positions, fixed_attention_normalization=fixed)
+        if state is None:
+            state = _randomized(encoder).state_dict()
+        encoder.load_state_dict(state)
+        encoder.eval()
+        full = encoder(features, _offsets([9]))
+        prefix = encoder(features[:5], _offsets([5]))
+        assert torch.allclose(full[:5], prefix, atol=1e-5) == invariant, (positions, fixed)
+    with pytest.raises(ValueError, match="position_encoding"):
+        JaggedHistoryEncoder(**kwargs, position_encoding="rotary")

@@ -58,9 +58,12 @@ def test_catalogue_ranks_exclude_seen_items_but_never_the_target() -> None:
     assert ranks.tolist() == [1, 1]
 
 
-@pytest.mark.parametrize(("shared_negatives", "relative_bias"), [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize(
+    ("shared_negatives", "relative_bias", "reference_encoding"),
+    [(False, False, False), (True, False, False), (False, True, False), (False, True, True), (False, False, True)],
+)
 def test_forward_training_step_and_gradients_with_empty_and_single_event_sequences(
-    batches, shared_negatives: bool, relative_bias: bool
+    batches, shared_negatives: bool, relative_bias: bool, reference_encoding: bool
 ) -> None:
     torch.manual_seed(0)
     schema = batches.retrieval_schema()
@@ -72,7 +75,10 @@ def test_forward_training_step_and_gradients_with_empty_and_single_event_sequenc
         num_negatives=8,
         shared_negatives=shared_negatives,
         relative_attention_bias=relative_bias,
+        position_encoding="absolute" if reference_encoding else "recency",
+        fixed_attention_normalization=reference_encoding,
     )
+    assert model.encoder.layers[0].normalization_length == (schema.max_history_length if reference_encoding else None)
     if relative_bias:  # a fresh layer's residual branch is zero: give it weights so the bias gets a gradient
         torch.nn.init.normal_(model.encoder.layers[0].output.weight, std=0.1)
     batch = batches.make_retrieval_batch(schema, [0, 1, 5, 3])
