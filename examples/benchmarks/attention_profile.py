@@ -17,13 +17,30 @@ prints, for the forward and the backward of ``gdpa(..., impl="triton")``:
 With ``--candidates`` it also times every tile candidate of the forward and backward launchers on the
 workload (what the tuner chooses among), so variants (tile shapes, TMA or pointer loads, atomic or
 one-launch backward) are compared on the same inputs in one run.
+
+``--host-only`` needs no GPU: it runs the whole Python path of every mode of each workload on CPU tensors, with
+the kernels defined by Triton's interpreter and their launches replaced by no-ops, and prints the median host
+time per call of the forward (grad enabled, as in training; and under ``no_grad``) and of the backward, phase by
+phase, with the torch ops each issues (on a GPU host each costs an allocation or a kernel launch)::
+
+    python examples/benchmarks/attention_profile.py --host-only --workloads cross,jagged1k,block4k
+
+What it does not see: Triton's own launcher (argument binding and specialization, the driver call) and the CUDA
+runtime; both come on top on a GPU host. The rest runs as on CUDA: the kernel and launch shape are the tuner's
+first CUDA candidate, remembered as a tuned choice is, and segments hold one token each (the length hints are
+the workload's) so that the torch ops cost their dispatch only, not CPU work on real sizes.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
+import statistics
 import sys
 import time
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -147,12 +164,218 @@ def profile_case(name: str, candidates: bool) -> None:
         _candidates(case, kwargs)
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# --host-only: the Python path with no-op launches, on CPU
+
+
+def _no_op_launches() -> Counter:
+    """Kernels defined by Triton's interpreter, launched as no-ops (counted); the tuner remembers CUDA's first
+    candidate for each key, as after tuning on a GPU. Returns the launch counter."""
+    if "lightning_gem.ops.attention.impl.triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("--host-only must define the kernels itself: run it in a fresh process")
+    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are defined (on import below)
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from lightning_gem.ops.attention.impl.triton import _tuning, backward, forward
+
+    launches: Counter = Counter()
+
+    def run(kernel, *args, grid, warmup, **meta) -> None:  # noqa: ANN001, ANN002, ANN003
+        launches[kernel.__name__] += 1
+
+    def first_remembered(registry, key, candidates, run, tensors, **options):  # noqa: ANN001, ANN003, ANN202
+        registry[key] = candidates[0]
+        return candidates[0]
+
+    cuda = torch.device("cuda")
+    candidate_tiles, backward_candidates = _tuning.candidate_tiles, _tuning.backward_candidates
+    InterpretedFunction.run = run
+    _tuning.pick_fastest = first_remembered
+    forward.candidate_tiles = lambda kernel, dtype, device, *a, **kw: candidate_tiles(kernel, dtype, cuda, *a, **kw)
+    backward.backward_candidates = lambda dtype, device, *a, **kw: backward_candidates(dtype, cuda, *a, **kw)
+    return launches
+
+
+def _median_us(fn: Callable[[], object], calls: int) -> float:
+    for _ in range(min(100, calls)):
+        fn()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def _torch_ops(fn: Callable[[], object], calls: int = 20) -> str:
+    """The aten ops one call issues (``torch.profiler`` on CPU: no dispatch mode, so the path is unchanged)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+    counts = {e.key.removeprefix("aten::"): e.count // calls for e in prof.key_averages() if e.key.startswith("aten::")}
+    return ", ".join(f"{name} x{n}" for name, n in sorted(counts.items(), key=lambda kv: -kv[1]) if n)
+
+
+@dataclasses.dataclass
+class _Stubs:
+    """Replaces a layer of the call with a stub that returns what the real layer returned once."""
+
+    patches: list[tuple[object, str, object]] = dataclasses.field(default_factory=list)
+
+    def replace(self, owner: object, name: str, fake: object) -> None:
+        self.patches.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, fake)
+
+    def restore(self) -> None:
+        for owner, name, real in reversed(self.patches):
+            setattr(owner, name, real)
+        self.patches.clear()
+
+
+def _remembering(fn: Callable) -> tuple[Callable, Callable]:
+    """``fn`` that keeps its last result, and a stub that returns that result without doing anything."""
+    kept: list = []
+
+    def real(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        kept[:] = [fn(*args, **kwargs)]
+        return kept[0]
+
+    return real, lambda *args, **kwargs: kept[0]
+
+
+class _Identity(torch.autograd.Function):
+    """The least an autograd.Function over q, k, v costs: the floor under the op's own host time."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):  # noqa: ANN001, ANN205
+        return torch.empty_like(q)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        return grad, None, None
+
+
+def profile_host(name: str, calls: int, cprofile: bool) -> None:
+    """Host time of every mode of workload ``name`` per phase, with no-op launches (see the module docstring)."""
+    launches = _no_op_launches()
+    full = make_workload(name, tiny=False, seed=0)
+    kv_lengths = full.q_lengths if full.kv_lengths is None else full.kv_lengths
+    hints = dict(max_seq_len_q=int(full.q_lengths.max()), max_seq_len_kv=int(kv_lengths.max()))
+    one_kv = None if full.kv_lengths is None else torch.ones_like(full.kv_lengths)
+    ones = dataclasses.replace(full, q_lengths=torch.ones_like(full.q_lengths), kv_lengths=one_kv)
+    for label, options in full.modes:
+        case = make_case(ones, label, options, torch.device("cpu"))
+        print(f"\n== {name}: {label} | {len(case.q_lengths)} segments, H={case.q.shape[1]}, D={case.q.shape[2]}, "
+              f"{case.q.dtype}, hints {hints} ==")  # fmt: skip
+        _profile_host_case(case, hints, launches, calls, cprofile)
+
+
+def _profile_host_case(case, hints: dict, launches: Counter, calls: int, cprofile: bool) -> None:  # noqa: ANN001
+    import lightning_gem.ops.attention.impl.triton as triton_impl
+    from lightning_gem.ops.attention.impl.triton import backward, forward, ops
+
+    kv_offsets = None if case.self_attention else case.kv_offsets
+    kwargs = dict(case.options, scale=case.scale, **hints, impl="triton", check_offsets=False)
+    leaves = [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
+
+    def forward_grad() -> torch.Tensor:
+        return gdpa(*leaves, case.q_offsets, kv_offsets, **kwargs)
+
+    def forward_no_grad() -> torch.Tensor:
+        with torch.no_grad():
+            return forward_grad()
+
+    out = forward_grad()
+
+    def backward_call() -> tuple[torch.Tensor, ...]:
+        return torch.autograd.grad(out, leaves, case.grad_out, retain_graph=True)
+
+    backward_call()
+    launched = []
+    for fn in (forward_grad, backward_call):
+        launches.clear()
+        fn()
+        launched.append(dict(launches))
+    print(f"launches: forward {launched[0]}, backward {launched[1]}")
+    floor_out = _Identity.apply(*leaves)
+    floor_fwd = _median_us(lambda: _Identity.apply(*leaves), calls)
+    floor_bwd = _median_us(lambda: torch.autograd.grad(floor_out, leaves[0], case.grad_out, retain_graph=True), calls)
+    print(f"floor, an empty autograd.Function over q, k, v: forward {floor_fwd:.1f} us, backward {floor_bwd:.1f} us")
+
+    # Each phase stubs the layers below it: the differences between rows are the phases' own host time.
+    stubs = _Stubs()
+    rows = []
+    forward_phases = ("api: gdpa validation, dispatch", "+ gdpa_triton, autograd.Function", "+ launcher: buffers, "
+                      "args, tiles", "+ launch()")  # fmt: skip
+    for phase, stub in zip(forward_phases, ("impl", "launcher", "launch", None), strict=True):
+        if stub == "impl":
+            real, fake = _remembering(triton_impl.gdpa_triton)
+            stubs.replace(triton_impl, "gdpa_triton", real)
+            forward_grad()
+            stubs.replace(triton_impl, "gdpa_triton", fake)
+        elif stub == "launcher":
+            real, fake = _remembering(ops.gdpa_forward)
+            stubs.replace(ops, "gdpa_forward", real)
+            forward_grad()
+            stubs.replace(ops, "gdpa_forward", fake)
+        elif stub == "launch":
+            stubs.replace(forward, "launch", lambda *a, **kw: None)
+        rows.append((phase, _median_us(forward_grad, calls), _median_us(forward_no_grad, calls)))
+        stubs.restore()
+    print(f"forward host us (median of {calls}; grad enabled | no_grad), cumulative:")
+    for phase, grad_us, no_grad_us in rows:
+        print(f"    {grad_us:7.1f} | {no_grad_us:7.1f}  {phase}")
+    rows = []
+    backward_phases = ("autograd engine, Function.backward", "+ launcher", "+ launch()")
+    for phase, stub in zip(backward_phases, ("launcher", "launch", None), strict=True):
+        if stub == "launcher":
+            real, fake = _remembering(ops.gdpa_backward)
+            stubs.replace(ops, "gdpa_backward", real)
+            backward_call()
+            stubs.replace(ops, "gdpa_backward", fake)
+        elif stub == "launch":
+            stubs.replace(backward, "launch", lambda *a, **kw: None)
+        rows.append((phase, _median_us(backward_call, calls)))
+        stubs.restore()
+    print(f"backward host us (median of {calls}; torch.autograd.grad on a kept graph), cumulative:")
+    for phase, us in rows:
+        print(f"    {us:7.1f}  {phase}")
+    print(f"torch ops per forward: {_torch_ops(forward_grad)}")
+    print(f"torch ops per backward: {_torch_ops(backward_call)}")
+    if cprofile:
+        _print_cprofile(forward_grad, backward_call, calls)
+
+
+def _print_cprofile(forward_call: Callable, backward_call: Callable, calls: int) -> None:
+    import cProfile
+    import pstats
+
+    for part, fn in (("forward", forward_call), ("backward", backward_call)):
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(calls):
+            fn()
+        profiler.disable()
+        print(f"cProfile, {part} ({calls} calls), by own time:")
+        pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(20)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="block4k,cross,jagged1k,jagged4k",
                         help=f"comma-separated from {', '.join(WORKLOAD_NAMES)}")  # fmt: skip
     parser.add_argument("--candidates", action="store_true", help="also time every tile candidate")
+    parser.add_argument("--host-only", action="store_true",
+                        help="no GPU: host time of the Python path per phase, kernel launches as no-ops")  # fmt: skip
+    parser.add_argument("--calls", type=int, default=3000, help="--host-only: timed calls per phase")
+    parser.add_argument("--cprofile", action="store_true", help="--host-only: also print cProfile's top functions")
     args = parser.parse_args()
+    if args.host_only:
+        for name in args.workloads.split(","):
+            profile_host(name.strip(), args.calls, args.cprofile)
+        return
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     for name in args.workloads.split(","):
