@@ -63,14 +63,15 @@ def _normalize(
 
 
 # Per-batch sizes (jagged token counts) and what derives from them: Triton would otherwise compile a new variant
-# whenever one of them turns divisible by 16 or equals 1.
-@triton.jit(do_not_specialize=["num_rows", "padded_rows", "stride_s_r", "stride_s_c", "stride_st_c", "stride_st_r",
-                               "size_class"])  # fmt: skip
+# whenever one of them turns divisible by 16 or equals 1. The padded row count comes as a count of blocks, so the
+# compiler still knows ``Rp`` (the stride of ``qt``) is a multiple of the block: without that every transposed
+# store is a single byte. The strides left specialised (``stride_s_r``, ``stride_st_r``) depend on ``C`` alone.
+@triton.jit(do_not_specialize=["num_rows", "num_padded_blocks", "stride_s_c", "stride_st_c", "size_class"])
 def _quantize_kernel(
     X, Q, S, QT, ST,  # [R, C] input, [R, C] fp8 + scales, [C, Rp] fp8 + scales
     ROW_AMAX, COL_AMAX,  # [R] / [C] int32 magnitude bits of the line maxima, given in advance (rowwise)
     RSTD, MEAN, WEIGHT, BIAS,  # norm prologue: [R], [R], [C], [C]
-    num_rows, num_cols, padded_rows,
+    num_rows, num_cols, num_padded_blocks,  # Rp = num_padded_blocks * BLOCK
     stride_s_r, stride_s_c, stride_st_c, stride_st_r,
     size_class,  # autotuning key only: log2 of the element count, coarsened
     BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, SQUARE: tl.constexpr, GIVEN_AMAX: tl.constexpr,
@@ -101,9 +102,10 @@ def _quantize_kernel(
         tl.store(Q + rows[:, None] * num_cols + cols[None, :], q, mask=in_bounds)
 
     if COLS:
+        padded_rows = num_padded_blocks * BLOCK
         xt = tl.trans(x)  # [TILE_C, TILE_R]: the tile's columns become rows of the transposed layout
         qt = _quantize_lines(
-            xt, cols, pid_r, num_cols, padded_rows // BLOCK, COL_AMAX, ST, stride_st_c, stride_st_r,
+            xt, cols, pid_r, num_cols, num_padded_blocks, COL_AMAX, ST, stride_st_c, stride_st_r,
             TILE_C, TILE_R, BLOCK, GIVEN_AMAX, MX, RCEIL, EXACT,
         )  # fmt: skip
         t_mask = (cols < num_cols)[:, None] & (rows < padded_rows)[None, :]
@@ -271,7 +273,7 @@ def quantize_triton(
         x, q if rows else placeholder, s if rows else placeholder,
         qt if cols else placeholder, st if cols else placeholder,
         row_amax, col_amax, *norm_args,
-        num_rows, num_cols, padded_rows,
+        num_rows, num_cols, padded_rows // pad_block,
         *(s.stride() if rows else (0, 0)), *(st.stride() if cols else (0, 0)),
         size_class(grid_rows * num_cols),
     )  # fmt: skip
