@@ -177,6 +177,35 @@ def test_rowwise_norm_prologue_edges_match_reference(kind: str, dtype: torch.dty
         assert st[21, 0] == 2.0**-127
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
+def test_rowwise_rows_one_pass_matches_two_passes_and_reference(rounding: str, dtype: torch.dtype) -> None:
+    from lightning_gem.ops.mx.impl.reference import quantize_reference
+    from lightning_gem.ops.mx.impl.triton.quantize import quantize_triton
+
+    x = _rowwise_edges(dtype)  # zero, subnormal, NaN and -Inf rows; 131 rows, 160 columns (no power of two)
+    for inputs in (x, x[:1], _input(37, 272, dtype)):
+        one = QuantizedTensor(*quantize_triton(inputs, "rowwise", rounding)[0], "rowwise")
+        two = QuantizedTensor(*quantize_triton(inputs, "rowwise", rounding, one_pass=False)[0], "rowwise")
+        assert _same_bits(one, quantize_reference(inputs, "rowwise", rounding)) and _same_bits(one, two)
+
+
+def test_rowwise_rows_one_pass_norm_prologue_and_wide_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_gem.ops.mx.impl.reference import normalize_with_stats, quantize_reference
+    from lightning_gem.ops.mx.impl.triton import quantize as triton_quantize
+
+    x = _rowwise_edges(torch.float16)
+    rstd, mean = torch.rand(131, device=DEVICE) + 0.5, torch.randn(131, device=DEVICE)
+    weight, bias = torch.randn(160, device=DEVICE), torch.randn(160, device=DEVICE)
+    y = normalize_with_stats(x, rstd, mean, weight, bias, torch.float16)
+    expected = quantize_reference(y, "rowwise", "rceil")
+    norm = ("layer", rstd, mean, weight, bias)
+    for max_cols in (triton_quantize.ONE_PASS_MAX_COLS, 128):  # one pass; rows too wide for it: two passes
+        monkeypatch.setattr(triton_quantize, "ONE_PASS_MAX_COLS", max_cols)
+        q, s = triton_quantize.quantize_triton(x, "rowwise", norm=norm)[0]
+        assert _same_bits(QuantizedTensor(q, s, "rowwise"), expected)
+
+
 @pytest.mark.parametrize("shape", [(1, 16), (37, 160), (131, 272), (300, 48)], ids=str)
 @pytest.mark.parametrize(("rows", "cols"), [(True, False), (False, True), (True, True)])
 def test_line_maxima_match_torch(shape: tuple[int, int], rows: bool, cols: bool) -> None:

@@ -10,9 +10,11 @@ contraction dim), ``B`` elements per scale block.
 - the transposed layout: ``qt [C, Rp]`` in ``1 x B`` blocks along ``R`` (what a weight-gradient GEMM reads:
   its contraction dim is the tokens), zero-padded to ``Rp``.
 
-A ``rowwise`` line spans more than a tile, so its maximum comes first from ``_line_amax_kernel``: one read of
-``x`` gives the row maxima and the column maxima together, as magnitude bit patterns (see ``_common``), which
-``_quantize_kernel`` turns into each line's exponent and scale as it quantizes.
+A ``rowwise`` line spans more than a tile. Rows alone of up to :data:`ONE_PASS_MAX_COLS` columns are quantized
+by ``_rowwise_rows_kernel`` in one pass, each program holding whole rows. Otherwise (columns wanted, or wider
+rows) the maxima come first from ``_line_amax_kernel``: one read of ``x`` gives the row maxima and the column
+maxima together, as magnitude bit patterns (see ``_common``), which ``_quantize_kernel`` turns into each line's
+exponent and scale as it quantizes.
 
 An optional norm prologue (``NORM``: RMSNorm or LayerNorm with saved ``rstd``/``mean``) normalises the tile
 first, so a norm's output is quantized straight from its input without being written.
@@ -141,6 +143,63 @@ def _quantize_lines(
     return q
 
 
+# Per-batch sizes (jagged token counts): no new compiled variant when their divisibility by 16 changes.
+@triton.jit(do_not_specialize=["num_rows", "size_class"])
+def _rowwise_rows_kernel(
+    X, Q, S,  # [R, C] input, [R, C] fp8, [R, 1] fp32 scales
+    RSTD, MEAN, WEIGHT, BIAS,  # norm prologue: [R], [R], [C], [C]
+    num_rows, num_cols,
+    size_class,  # autotuning key only
+    RCEIL: tl.constexpr, NORM: tl.constexpr, OUT_DTYPE: tl.constexpr, EXACT: tl.constexpr,
+    TILE_R: tl.constexpr, TILE_C: tl.constexpr,  # TILE_C >= C: a program holds TILE_R whole rows
+):  # fmt: skip
+    """``rowwise`` rows in one read of ``x``: each row's maximum, exponent, scale and FP8 codes from registers."""
+    rows = tl.program_id(0).to(tl.int64) * TILE_R + tl.arange(0, TILE_R)
+    cols = tl.arange(0, TILE_C)
+    row_mask = rows < num_rows
+    in_bounds = row_mask[:, None] & (cols < num_cols)[None, :]
+    offsets = rows[:, None] * num_cols + cols[None, :]
+    x = tl.load(X + offsets, mask=in_bounds, other=0.0).to(tl.float32)
+    if NORM != 0:
+        x = _normalize(x, rows, cols, RSTD, MEAN, WEIGHT, BIAS, num_rows, num_cols, NORM, OUT_DTYPE)
+    amax_bits = tl.max(_magnitude_bits(x), axis=1)  # masked elements are zeros: no maximum falls below them
+    nonfinite = amax_bits >= NONFINITE_BITS
+    exponent = _shared_exponent(amax_bits, RCEIL)
+    q = _to_e4m3(x, exponent[:, None], nonfinite[:, None], not RCEIL, EXACT)
+    tl.store(Q + offsets, q, mask=in_bounds)
+    tl.store(S + rows, _scale_value(exponent, nonfinite, False), mask=row_mask)
+
+
+ONE_PASS_MAX_COLS = 16384
+"""Widest rows ``rowwise`` quantizes in one pass (whole rows in registers); wider ones take two passes."""
+
+# (elements per program, num_warps) candidates of _rowwise_rows_kernel: as many whole rows as fill that many.
+_ONE_PASS_CONFIGS = [(8192, 8), (4096, 4), (16384, 8), (16384, 16)]
+
+
+def _one_pass_configs(num_cols: int) -> list[tuple[int, int, int]]:
+    """``(TILE_R, TILE_C, num_warps)`` of ``_rowwise_rows_kernel`` for rows of ``num_cols``, at most 64 fp32
+    values per thread."""
+    tile_c = triton.next_power_of_2(num_cols)
+    configs = []
+    for elements, warps in _ONE_PASS_CONFIGS:
+        config = (max(1, elements // tile_c), tile_c, warps)
+        if config[0] * tile_c <= 64 * 32 * warps and config not in configs:
+            configs.append(config)
+    return configs
+
+
+def _rowwise_rows(x: Tensor, q: Tensor, s: Tensor, meta: dict, norm_args: tuple) -> None:
+    """Launch ``_rowwise_rows_kernel`` (tuned for large inputs) for rows-only ``rowwise`` quantization."""
+    num_rows, num_cols = x.shape
+    elements = num_rows * num_cols
+    args = (x, q, s, *norm_args, num_rows, num_cols, size_class(elements))
+    meta = {k: meta[k] for k in ("RCEIL", "NORM", "OUT_DTYPE", "EXACT")}
+    key = ("rowwise_rows", size_class(elements), x.dtype, num_cols, meta["RCEIL"], meta["NORM"], meta["OUT_DTYPE"])
+    grid = lambda tile_r, tile_c: (triton.cdiv(num_rows, tile_r),)  # noqa: E731
+    launch_tuned(_rowwise_rows_kernel, _one_pass_configs(num_cols), key, grid, args, meta, elements)
+
+
 def scale_buffer(layout: str, num_lines: int, num_blocks: int, device: torch.device) -> Tensor:
     """Scales of ``num_lines`` lines of ``num_blocks`` blocks: uint8 E8M0 row-major for ``mx``; fp32
     column-major for ``1x128`` (Hopper's GEMM reads them outer-dim-major); fp32 ``[num_lines, 1]`` for
@@ -226,6 +285,7 @@ def quantize_triton(
     cols: bool = False,
     norm: tuple[str, Tensor, Tensor | None, Tensor | None, Tensor | None] | None = None,
     norm_dtype: torch.dtype | None = None,
+    one_pass: bool = True,
 ) -> tuple[tuple[Tensor, Tensor] | None, tuple[Tensor, Tensor] | None]:
     """Quantize ``[R, C]`` ``x`` (contiguous) along ``C`` (``rows``) and/or along ``R`` transposed (``cols``).
 
@@ -237,6 +297,9 @@ def quantize_triton(
         cols: write ``(qt [C, Rp], scale_t)``, ``Rp`` = ``R`` rounded up to the block (zero rows appended).
         norm: ``(kind, rstd [R], mean [R] or None, weight [C] or None, bias [C] or None)``: quantize the
             norm's output ``norm(x)`` (rounded to ``norm_dtype``, default ``x``'s) instead of ``x``.
+        one_pass: ``rowwise`` rows alone (no ``cols``) of at most :data:`ONE_PASS_MAX_COLS` columns in one read
+            of ``x``; False takes the two-pass path (line maxima, then quantization) every layout with ``cols``
+            takes. Same results either way (benchmarks time both).
 
     Returns:
         ``((q, scale) or None, (qt, scale_t) or None)``. Scales: uint8 E8M0 ``[R, C/32]`` for ``mx``; fp32
@@ -265,6 +328,14 @@ def quantize_triton(
     placeholder = x.new_empty(0)
     kind, rstd, mean, weight, bias = norm if norm is not None else (None, None, None, None, None)
     norm_args, norm_code, out_dtype = (rstd, mean, weight, bias), _NORM_CODES[kind], _TL_DTYPES[norm_dtype]
+    meta = dict(
+        BLOCK=block if not rowwise else 128, ROWS=rows, COLS=cols, SQUARE=square, GIVEN_AMAX=rowwise, MX=mx,
+        RCEIL=rounding == "rceil", NORM=norm_code, OUT_DTYPE=out_dtype, EXACT=is_interpreted(_quantize_kernel),
+    )  # fmt: skip
+    if rowwise and rows and not cols and one_pass and num_cols <= ONE_PASS_MAX_COLS:
+        if num_rows > 0:
+            _rowwise_rows(x, q, s, meta, norm_args)
+        return (q, s), None
     row_amax = col_amax = None
     if rowwise and num_rows > 0:  # the zero-padded rows of the transposed layout change no column maximum
         row_amax, col_amax = _line_maxima(x, rows, cols, norm_args, norm_code, out_dtype)
@@ -276,10 +347,6 @@ def quantize_triton(
         num_rows, num_cols, padded_rows // pad_block,
         *(s.stride() if rows else (0, 0)), *(st.stride() if cols else (0, 0)),
         size_class(grid_rows * num_cols),
-    )  # fmt: skip
-    meta = dict(
-        BLOCK=block if not rowwise else 128, ROWS=rows, COLS=cols, SQUARE=square, GIVEN_AMAX=rowwise, MX=mx,
-        RCEIL=rounding == "rceil", NORM=norm_code, OUT_DTYPE=out_dtype, EXACT=is_interpreted(_quantize_kernel),
     )  # fmt: skip
     if grid_rows > 0:  # no rows: nothing to launch
         _launch(args, meta, grid_rows, num_cols)
