@@ -72,6 +72,24 @@ def test_norm_quantize(kind: str, layout: str, dtype: torch.dtype) -> None:
     assert _equal(transposed, quantize(out.y, layout, rows=False, cols=True, impl="reference")[1])
 
 
+@pytest.mark.parametrize("config", [(2, 4, 8), (4, 3, 8)], ids=str)
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_norm_quantize_several_tiles_per_program(kind: str, config: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_gem.ops.mx.impl.triton import norm_quantize as triton_norm
+
+    x = (torch.randn(45, 256, device=DEVICE) * 2 + 0.5).to(torch.float16)  # 45 rows: the last program's tiles ragged
+    x[0], x[3, 5], x[9, 7] = 0.0, float("nan"), float("inf")
+    weight, bias = torch.randn(256, device=DEVICE), torch.randn(256, device=DEVICE) if kind == "layer" else None
+    for layout in ("mx", "1x128"):
+        one_tile = norm_quantize(x, weight, bias, kind=kind, layout=layout, write_output=True, impl="triton")
+        monkeypatch.setattr(triton_norm, "_CONFIGS", [config])
+        tiles = norm_quantize(x, weight, bias, kind=kind, layout=layout, write_output=True, impl="triton")
+        monkeypatch.undo()
+        assert _same_bits(tiles.q, one_tile.q) and _same_bits(tiles.q, quantize(tiles.y, layout, impl="reference")[0])
+        for a, b in ((tiles.y, one_tile.y), (tiles.rstd, one_tile.rstd), (tiles.mean, one_tile.mean)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
 def test_norm_quantize_rounds_to_out_dtype() -> None:
     x = torch.randn(16, 128, device=DEVICE)
     weight = torch.randn(128, device=DEVICE)

@@ -140,9 +140,11 @@ def launch_tuned(
     args: tuple,
     meta: dict,
     elements: int,
+    names: tuple[str, str] = ("TILE_R", "TILE_C"),
 ) -> None:
     """Launch ``kernel`` with the fastest of ``configs`` (``(TILE_R, TILE_C, num_warps)``, already pruned to the
     valid ones) for ``key``, chosen by :func:`lightning_gem.ops._tuning.pick_fastest` on this call's own buffers.
+    ``names``: the kernel's names of a config's first two entries (``grid`` takes them in that order).
 
     The key is explicit (the caller's :func:`size_class` and compile-time flags), so a new batch of another jagged
     size retunes only when its size class is new. Problems of fewer than :data:`TUNE_ABOVE` ``elements``, and
@@ -153,7 +155,7 @@ def launch_tuned(
         configs = configs[:1]
 
     def run(config: tuple[int, int, int]) -> None:
-        tile_r, tile_c, warps = config
-        launch(kernel, grid(tile_r, tile_c), args, {**meta, "TILE_R": tile_r, "TILE_C": tile_c, "num_warps": warps})
+        first, second, warps = config
+        launch(kernel, grid(first, second), args, {**meta, names[0]: first, names[1]: second, "num_warps": warps})
 
     run(pick_fastest(_CHOSEN, key, configs, run, args))

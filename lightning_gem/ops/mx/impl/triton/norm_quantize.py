@@ -2,7 +2,8 @@
 
 Legend: ``R`` rows (tokens), ``D`` features (the next GEMM's contraction dim), ``B`` scale block along ``D``.
 
-One program normalises ``TILE_R`` whole rows held in registers (one read of ``x``), rounds the output to
+A program normalises ``NUM_TILES`` tiles of ``TILE_R`` whole rows, one after another, each held in registers
+(one read of ``x``; the weight and bias are read once per program, not once per tile), rounds the output to
 ``x``'s dtype (exactly what an unfused norm would write) and quantizes it in ``1 x B`` blocks (``mx``,
 ``1x128``) or per row (``rowwise``): it writes ``q [R, D]``, the scales and the ``rstd`` (and ``mean``) the
 norm's backward needs; the high-precision output itself only on request. The transposed layout the
@@ -25,41 +26,52 @@ __all__ = ["norm_quantize_triton"]
 
 
 # Per-batch sizes (jagged token counts): no new compiled variant when their divisibility by 16 changes.
-@triton.jit(do_not_specialize=["num_rows", "stride_s_r", "stride_s_c", "size_class"])
+@triton.jit(do_not_specialize=["num_rows", "stride_s_c", "size_class"])  # stride_s_r depends on D alone
 def _norm_quantize_kernel(
     X, WEIGHT, BIAS, Y, Q, S, RSTD, MEAN,  # [R, D], [D], [D], [R, D], [R, D] fp8, scales, [R], [R]
     num_rows, dim, eps, stride_s_r, stride_s_c,
     size_class,  # autotuning key only
     BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, LAYER: tl.constexpr, WRITE_Y: tl.constexpr, MX: tl.constexpr,
-    RCEIL: tl.constexpr, OUT_DTYPE: tl.constexpr, EXACT: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr,
+    RCEIL: tl.constexpr, OUT_DTYPE: tl.constexpr, EXACT: tl.constexpr, TILE_R: tl.constexpr, NUM_TILES: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0).to(tl.int64) * TILE_R + tl.arange(0, TILE_R)
     cols = tl.arange(0, BLOCK_D)
-    row_mask = rows < num_rows
     col_mask = cols < dim
-    mask = row_mask[:, None] & col_mask[None, :]
-    offsets = rows[:, None] * dim + cols[None, :]
-    x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
-    if LAYER:
-        mean = tl.sum(x, axis=1) / dim
-        x = tl.where(mask, x - mean[:, None], 0.0)
-        tl.store(MEAN + rows, mean, mask=row_mask)
-    rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / dim + eps)
-    tl.store(RSTD + rows, rstd, mask=row_mask)
-    y = x * rstd[:, None]
     if WEIGHT is not None:
-        y = y * tl.load(WEIGHT + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        weight = tl.load(WEIGHT + cols, mask=col_mask, other=0.0).to(tl.float32)
     if BIAS is not None:
-        y = y + tl.load(BIAS + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    y = tl.where(mask, y, 0.0).to(OUT_DTYPE)
-    if WRITE_Y:
-        tl.store(Y + offsets, y, mask=mask)
-    q, exponent, nonfinite = _quantize_rows(y.to(tl.float32), TILE_R, BLOCK_D, BLOCK, RCEIL, EXACT)
-    tl.store(Q + offsets, q, mask=mask)
+        bias = tl.load(BIAS + cols, mask=col_mask, other=0.0).to(tl.float32)
     blocks = tl.arange(0, BLOCK_D // BLOCK)
-    scale_mask = row_mask[:, None] & (blocks < tl.cdiv(dim, BLOCK))[None, :]
-    scale_ptrs = S + rows[:, None] * stride_s_r + blocks[None, :] * stride_s_c
-    tl.store(scale_ptrs, _scale_value(exponent, nonfinite, MX), mask=scale_mask)
+    block_mask = blocks < tl.cdiv(dim, BLOCK)
+    rows = tl.program_id(0).to(tl.int64) * (TILE_R * NUM_TILES) + tl.arange(0, TILE_R)
+    x_next = tl.load(X + rows[:, None] * dim + cols[None, :], mask=(rows < num_rows)[:, None] & col_mask[None, :])
+    for tile in range(NUM_TILES):
+        row_mask = rows < num_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        offsets = rows[:, None] * dim + cols[None, :]
+        x = tl.where(mask, x_next.to(tl.float32), 0.0)
+        if NUM_TILES > 1:  # the next tile's load is in flight while this one is computed
+            next_rows = rows + TILE_R
+            next_mask = ((next_rows < num_rows) & (tile + 1 < NUM_TILES))[:, None] & col_mask[None, :]
+            x_next = tl.load(X + next_rows[:, None] * dim + cols[None, :], mask=next_mask)
+        if LAYER:
+            mean = tl.sum(x, axis=1) / dim
+            x = tl.where(mask, x - mean[:, None], 0.0)
+            tl.store(MEAN + rows, mean, mask=row_mask)
+        rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / dim + eps)
+        tl.store(RSTD + rows, rstd, mask=row_mask)
+        y = x * rstd[:, None]
+        if WEIGHT is not None:
+            y = y * weight[None, :]
+        if BIAS is not None:
+            y = y + bias[None, :]
+        y = tl.where(mask, y, 0.0).to(OUT_DTYPE)
+        if WRITE_Y:
+            tl.store(Y + offsets, y, mask=mask)
+        q, exponent, nonfinite = _quantize_rows(y.to(tl.float32), TILE_R, BLOCK_D, BLOCK, RCEIL, EXACT)
+        tl.store(Q + offsets, q, mask=mask)
+        scale_ptrs = S + rows[:, None] * stride_s_r + blocks[None, :] * stride_s_c
+        tl.store(scale_ptrs, _scale_value(exponent, nonfinite, MX), mask=row_mask[:, None] & block_mask[None, :])
+        rows += TILE_R
 
 
 def norm_quantize_triton(
@@ -104,13 +116,14 @@ def norm_quantize_triton(
         return q, scale, rstd, mean, y
     configs = [c for c in _CONFIGS if _valid_rows(c[0], c[1], meta)]
     key = ("norm_quantize", args[-1], x.dtype, block_d, block, meta["LAYER"], write_output, mx, out_dtype)
-    grid = lambda tile_r, _: (triton.cdiv(num_rows, tile_r),)  # noqa: E731
-    launch_tuned(_norm_quantize_kernel, configs, key, grid, args, meta, num_rows * dim)
+    grid = lambda tile_r, num_tiles: (triton.cdiv(num_rows, tile_r * num_tiles),)  # noqa: E731
+    launch_tuned(_norm_quantize_kernel, configs, key, grid, args, meta, num_rows * dim, ("TILE_R", "NUM_TILES"))
     return q, scale, rstd, mean, y
 
 
-# (rows per program, unused, num_warps): whole rows live in registers, so fewer rows for wider ones.
-_CONFIGS = [(2, 0, 8), (1, 0, 4), (4, 0, 8), (1, 0, 8), (8, 0, 8), (16, 0, 8)]
+# (rows per tile, tiles per program, num_warps): whole rows live in registers, so fewer rows for wider ones;
+# several tiles a program read the weight and bias once for all of them (one tile: once a tile, from L2).
+_CONFIGS = [(2, 1, 8), (1, 1, 4), (2, 8, 8), (1, 8, 4), (4, 1, 8), (8, 1, 8), (16, 1, 8)]
 
 
 def _valid_rows(tile_r: int, _: int, meta: dict) -> bool:
