@@ -5,6 +5,7 @@ Run on a CUDA machine from the repository root::
     python examples/benchmarks/precision.py                       # every shape and recipe, kernel bandwidth
     python examples/benchmarks/precision.py --tokens 65536 --out precision.json
     python examples/benchmarks/precision.py --device cpu --tiny   # smoke test: tiny sizes, emulated recipes
+    python examples/benchmarks/precision.py --kernels-only --out precision.json   # the kernel table alone
 
 **Linear forward + backward** at GEM MLP shapes (``tokens x in -> out``): ``y = layer(x); y.backward(dy)``
 with bf16 activations and parameters, quantization included (every operand quantized in every step, as in
@@ -15,6 +16,8 @@ on pre-quantized operands: the ceiling quantization eats into.
 
 **Kernel bandwidth**: bytes a kernel must move (its input read once, its FP8 outputs and scales written
 once) over its median time, against a device-to-device copy of the same input measured in the same run.
+On CUDA the table also times the alternatives the kernels choose between (rowwise rows in two passes, the
+line maxima pass alone) and lists the tile configs the tuner chose.
 
 **Quality** (``--quality-steps N``): a synthetic regression task (a frozen random teacher MLP), the same
 student (pre-norm residual blocks: RMSNorm -> Linear -> SiLU -> Linear) trained with AdamW for ``N`` steps
@@ -180,6 +183,8 @@ def bench_kernels(tokens: int, dim: int, device: str) -> list[dict]:
     scale_bytes = {"mx": numel / 32, "1x128": numel / 128 * 4, "rowwise": tokens * 4}
     for layout in ("mx", "1x128", "rowwise"):
         add(f"quantize {layout} rows", lambda lay=layout: quantize(x, lay), 2 * numel + numel + scale_bytes[layout])
+        if layout == "rowwise" and device == "cuda":
+            add_rowwise_variants(add, x, 2 * numel + numel + scale_bytes[layout])
         add(
             f"quantize {layout} rows+cols",
             lambda lay=layout: quantize(x, lay, cols=True),
@@ -207,6 +212,26 @@ def bench_kernels(tokens: int, dim: int, device: str) -> list[dict]:
         2 * numel + numel + scale_bytes["1x128"] + tokens * 4,
     )
     return rows
+
+
+def add_rowwise_variants(add: Callable[[str, Callable[[], object], float], None], x: Tensor, rows_bytes: float) -> None:
+    """Time what rowwise quantization chooses between: rows alone in two passes (line maxima, then the
+    quantizer) against the one-pass kernel, and the line maxima pass that rows+cols and cols run first."""
+    from lightning_gem.ops.mx.impl.triton.quantize import _TL_DTYPES, _line_maxima, quantize_triton
+
+    no_norm, out_dtype = (None, None, None, None), _TL_DTYPES[x.dtype]
+    add("quantize rowwise rows, two passes", lambda: quantize_triton(x, "rowwise", one_pass=False), rows_bytes)
+    add("rowwise line maxima (rows+cols)", lambda: _line_maxima(x, True, True, no_norm, 0, out_dtype), 2 * x.numel())
+    add("rowwise line maxima (cols)", lambda: _line_maxima(x, False, True, no_norm, 0, out_dtype), 2 * x.numel())
+
+
+def tuned_configs() -> dict[str, str]:
+    """The tile configs the Triton quantizers' tuner chose in this process, by tuning key."""
+    try:
+        from lightning_gem.ops.mx.impl.triton._common import chosen_configs
+    except ImportError:  # no Triton
+        return {}
+    return {" ".join(map(str, key)): str(config) for key, config in chosen_configs().items()}
 
 
 class _Block(nn.Module):
@@ -307,6 +332,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quality-dim", type=int, default=512, help="width of the synthetic task's student")
     parser.add_argument("--quality-batch", type=int, default=2048)
     parser.add_argument("--skip-speed", action="store_true", help="only the quality comparison")
+    parser.add_argument("--kernels-only", action="store_true", help="only the kernel bandwidth table")
     parser.add_argument("--profile", action="store_true", help="print per-kernel GPU time of one FP8 step")
     parser.add_argument("--host-profile", action="store_true", help="print cProfile of FP8 steps (host time)")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (CPU smoke test)")
@@ -318,12 +344,13 @@ def main(argv: list[str] | None = None) -> dict:
         args.recipes = [r for r in args.recipes if r != "fp8-blockwise" or args.device == "cuda"]
     linear_rows, kernel_rows = [], []
     if not args.skip_speed:
-        linear_rows = [
-            row
-            for tokens in args.tokens
-            for shape in shapes
-            for row in bench_linear(tokens, shape, args.device, args.recipes, args.emulated_max_tokens)
-        ]
+        if not args.kernels_only:
+            linear_rows = [
+                row
+                for tokens in args.tokens
+                for shape in shapes
+                for row in bench_linear(tokens, shape, args.device, args.recipes, args.emulated_max_tokens)
+            ]
         kernel_rows = bench_kernels(args.kernel_tokens, args.kernel_dim, args.device)
     quality_rows = []
     if args.quality_steps:
@@ -338,7 +365,11 @@ def main(argv: list[str] | None = None) -> dict:
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
     table = markdown(linear_rows, kernel_rows, quality_rows)
     print(f"{device_name}, torch {torch.__version__}, command: {' '.join(sys.argv)}\n\n{table}")
+    configs = tuned_configs()
+    if configs:
+        print("\ntuned configs:\n" + "\n".join(f"  {key}: {config}" for key, config in configs.items()))
     results = dict(device=device_name, torch=torch.__version__, linear=linear_rows, kernels=kernel_rows)
+    results["tuned_configs"] = configs
     results["quality"] = quality_rows
     if args.out:
         with open(args.out, "w") as f:
