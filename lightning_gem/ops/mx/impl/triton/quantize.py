@@ -370,7 +370,7 @@ def _valid_tiles(tile_r: int, tile_c: int, meta: dict) -> bool:
         return False
     if not cols:
         return tile_r <= 64  # rows only: short, wide tiles
-    return rows or tile_c <= 64  # transposed only: tall, narrow tiles
+    return rows or tile_c <= 64 or (tile_r, tile_c) == (128, 128)  # transposed only: tall tiles
 
 
 def _launch(args: tuple, meta: dict, grid_rows: int, num_cols: int) -> None:
