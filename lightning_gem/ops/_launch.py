@@ -22,10 +22,14 @@ def plain_eager(args: Sequence[object]) -> bool:
     tracing (on an H200, ~0.7 ms of host time per launch)."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return False
-    return all(type(a) in _PLAIN for a in args if isinstance(a, torch.Tensor))
+    for a in args:  # a loop, not all() over a generator: launches pass some thirty arguments
+        if type(a) not in _PLAIN_ARGS and isinstance(a, torch.Tensor):
+            return False
+    return True
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # a weight passed as it is (FSDP2's unsharded ones too)
+_PLAIN_ARGS = frozenset((*_PLAIN, int, float, bool, str, type(None)))  # the types a launch passes, settled at once
 
 
 def is_interpreted(kernel: object) -> bool:
@@ -53,15 +57,16 @@ def launch(kernel: object, grid: object, args: Sequence[object], meta: dict[str,
     fake impl (outputs allocated, contents unspecified). Under :func:`compile_only` the kernel is compiled for
     these arguments and not run.
     """
-    from torch._subclasses.fake_tensor import is_fake
-    from torch.library import wrap_triton
-
     if _COMPILE_ONLY.get():
         kernel.warmup(*args, grid=grid, **meta)  # type: ignore[attr-defined]
         return
     if plain_eager(args):  # nothing traces this call (wrap_triton's wrappers would only cost host time)
         kernel[grid](*args, **meta)  # type: ignore[index]
         return
+    # Imported here, past the eager path: an import statement costs a microsecond or two on every call.
+    from torch._subclasses.fake_tensor import is_fake
+    from torch.library import wrap_triton
+
     if is_interpreted(kernel) and any(isinstance(a, torch.Tensor) and is_fake(a) for a in args):
         return
     wrap_triton(kernel)[grid](*args, **meta)
