@@ -18,7 +18,18 @@ import triton.language as tl
 
 from lightning_gem.ops._launch import is_interpreted, launch
 
-__all__ = ["LOG2E", "cdiv", "dot_precision", "fast_math", "is_interpreted", "launch", "next_power_of_2"]
+__all__ = [
+    "LOG2E",
+    "cdiv",
+    "dense_rows",
+    "dot_precision",
+    "fast_math",
+    "is_interpreted",
+    "kernel_options",
+    "launch",
+    "mode_flags",
+    "next_power_of_2",
+]
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E): kernels keep scores in base 2 for softmax
 
@@ -310,3 +321,47 @@ def fast_math(q: torch.Tensor) -> bool:
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot`` input precision: exact fp32 products for fp32 inputs (not TF32), native otherwise."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# The kernels' compile-time mode flags, in the order of :func:`mode_flags`.
+_MODE_FLAGS = ("ACTIVATION", "CAUSAL", "HAS_WINDOW", "HAS_BLOCK", "HAS_KV_INDEX", "HAS_TARGETS")
+
+
+def mode_flags(
+    activation: str,
+    causal: bool,
+    window: int | None,
+    block_size: int | None,
+    kv_index: torch.Tensor | None,
+    num_targets: torch.Tensor | None,
+) -> tuple[str, bool, bool, bool, bool, bool]:
+    """What of a call's mode the kernels compile in: activation, causal, and whether it has a window, blocks, a
+    kv index and targets (the values of window and block size stay runtime arguments)."""
+    return (activation, causal, window is not None, block_size is not None, kv_index is not None,
+            num_targets is not None)  # fmt: skip
+
+
+def kernel_options(
+    head_dim: int, head_dim_v: int, flags: tuple, dtype: torch.dtype, fast: bool
+) -> dict[str, int | str | bool]:
+    """The constexprs every GDPA kernel takes: head dims and their power-of-two blocks, the mode ``flags``
+    (:func:`mode_flags`), ``tl.dot``'s precision for ``dtype`` and ``fast`` (:func:`fast_math`)."""
+    options: dict[str, int | str | bool] = {
+        "HEAD_DIM": head_dim,
+        "HEAD_DIM_V": head_dim_v,
+        "BLOCK_D": max(16, next_power_of_2(head_dim)),
+        "BLOCK_DV": max(16, next_power_of_2(head_dim_v)),
+    }
+    options.update(zip(_MODE_FLAGS, flags, strict=True))
+    options["DOT_PRECISION"] = dot_precision(dtype)
+    options["FAST"] = fast
+    return options
+
+
+def dense_rows(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``t`` with a unit stride in its last dim (copied only where it has not) and its strides, read once."""
+    strides = t.stride()
+    if strides[-1] == 1:
+        return t, strides
+    t = t.contiguous()
+    return t, t.stride()

@@ -8,18 +8,20 @@ The tuner compiles a key's candidates at once on a thread pool, then times them 
 (CUDA events, after one warm-up run), only for real CUDA tensors outside tracing and graph capture;
 elsewhere, and before a key is tuned, the first candidate runs (a best guess).
 ``LIGHTNING_GEM_GDPA_TUNE=0`` in the environment turns timing off.
+
+Once a key's choice is made, the launch options built from it (constexprs and tile sizes) are remembered with it
+(:func:`pick_launch`), so a tuned call builds neither its candidates nor its options again.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import NamedTuple, TypeVar
 
 import torch
 
 from lightning_gem.ops._tuning import pick_fastest
-from lightning_gem.ops.attention.impl.triton._common import next_power_of_2
 
 __all__ = [
     "BackwardTiles",
@@ -29,6 +31,7 @@ __all__ = [
     "chosen_tiles",
     "forget_choices",
     "length_bucket",
+    "pick_launch",
     "pick_tiles",
     "tile_meta",
 ]
@@ -62,11 +65,13 @@ SHORT_QUERY_ROWS = 64
 
 
 _CHOSEN: dict[tuple, Tiles | BackwardTiles] = {}
+# (key, variant) -> (the choice for key, the launch options built from it); filled once the choice is remembered.
+_LAUNCHES: dict[tuple, tuple] = {}
 
 
 def length_bucket(length: int) -> int:
     """The power of two at or above ``length`` (16 at least): the tuner's key for a length hint."""
-    return max(16, next_power_of_2(max(int(length), 1)))
+    return 1 << max(int(length) - 1, 15).bit_length()  # next_power_of_2, from 16 up, in one expression
 
 
 def _block_tiles(block_size: int | None) -> int | None:
@@ -188,10 +193,45 @@ def pick_tiles(
     return pick_fastest(_CHOSEN, key, candidates(), run, tensors, timing=timing, compile_first=True)
 
 
+def pick_launch(
+    key: tuple,
+    variant: Hashable,
+    candidates: Callable[[], list[T]],
+    run: Callable[[T], None],
+    tensors: tuple[torch.Tensor, ...],
+    options: Callable[[T], dict[str, object]],
+) -> tuple[T, dict[str, object]]:
+    """``(tiles, options(tiles))``: :func:`pick_tiles`'s choice for ``key`` and the launch options the launcher
+    builds from it (constexprs and tile sizes; not to be changed by the caller). Once the choice is settled (tuned
+    and remembered, or the only candidate) the pair is remembered under ``(key, variant)``, so later calls of the key
+    neither list candidates nor build options. ``variant`` holds what, besides the key, the candidates (the device
+    type) and the options depend on."""
+    memo = (key, variant)
+    try:
+        launch = _LAUNCHES.get(memo)
+    except TypeError:  # an unhashable SymInt in the key (tracing with dynamic shapes): nothing is remembered
+        tiles = pick_tiles(key, candidates, run, tensors)
+        return tiles, options(tiles)
+    if launch is not None:
+        return launch
+    listed: list[T] = []
+
+    def listing() -> list[T]:
+        listed[:] = candidates()
+        return listed
+
+    tiles = pick_tiles(key, listing, run, tensors)
+    launch = (tiles, options(tiles))
+    if _CHOSEN.get(key) == tiles or len(listed) == 1:
+        _LAUNCHES[memo] = launch
+    return launch
+
+
 def forget_choices() -> None:
     """Drop the choices made so far (compiled kernels stay cached): the next call of each key times its
     candidates again, e.g. after a warm-up that shared the device with other work."""
     _CHOSEN.clear()
+    _LAUNCHES.clear()
 
 
 def chosen_tiles() -> dict[tuple, Tiles | BackwardTiles]:

@@ -39,9 +39,11 @@ from lightning_gem.ops.attention.impl.triton._common import (
     _stage_range,
     _stages,
     cdiv,
-    dot_precision,
+    dense_rows,
     fast_math,
+    kernel_options,
     launch,
+    mode_flags,
     next_power_of_2,
 )
 from lightning_gem.ops.attention.impl.triton._tuning import (
@@ -50,7 +52,7 @@ from lightning_gem.ops.attention.impl.triton._tuning import (
     Tiles,
     backward_candidates,
     length_bucket,
-    pick_tiles,
+    pick_launch,
     tile_meta,
 )
 from lightning_gem.ops.attention.impl.triton.backward_short import _gdpa_bwd_short_kernel
@@ -414,11 +416,11 @@ def _gdpa_bwd_kernel(
 
 def _segments_by_kv(kv_index: Tensor, num_kv_segments: int) -> tuple[Tensor, Tensor]:
     """CSR of the query segments of each kv segment: ``seg_offsets [Bkv + 1]``, ``seg_order [B]``. No sync."""
-    index = kv_index.to(torch.int64)
-    order = torch.argsort(index, stable=True)
-    counts = torch.zeros(num_kv_segments + 1, dtype=torch.int64, device=index.device)
-    counts.index_add_(0, index + 1, torch.ones_like(index))
-    return counts.cumsum(0), order
+    # Three device ops: one stable sort gives the order and the sorted entries, whose first position at or past each
+    # kv segment is that segment's offset.
+    sorted_index, order = torch.sort(kv_index.to(torch.int64), stable=True)
+    bounds = torch.arange(num_kv_segments + 1, dtype=torch.int64, device=kv_index.device)
+    return torch.searchsorted(sorted_index, bounds), order
 
 
 def _delta(out: Tensor, grad_out: Tensor) -> Tensor:
@@ -472,74 +474,84 @@ def gdpa_backward(
     whose ``block_m`` must hold the longest query segment) override the tuned choice. Returns ``(dq, dk, dv)`` in
     the inputs' dtypes.
     """
-    grad_out, q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (grad_out, q, k, v))
+    grad_out, do_strides = dense_rows(grad_out)
+    (q, q_strides), (k, k_strides), (v, v_strides) = dense_rows(q), dense_rows(k), dense_rows(v)
     num_q, heads, head_dim = q.shape
     head_dim_v = v.shape[2]
     num_segments, num_kv_segments = q_offsets.shape[0] - 1, kv_offsets.shape[0] - 1
     softmax = activation == "softmax"
     if softmax:
         assert out is not None and lse is not None, "softmax backward needs the forward's out and lse"
-        out = out if out.stride(-1) == 1 else out.contiguous()
-    else:
-        lse = torch.empty(0, 0, dtype=torch.float32, device=q.device)
-        out = grad_out  # a placeholder, never read
-    dk, dv, dq = torch.empty_like(k), torch.empty_like(v), torch.empty_like(q)
+        out, out_strides = dense_rows(out)
+        lse_stride = lse.stride(0)
+    else:  # placeholders, never read: only softmax reads the output and the log-sum-exp (or delta)
+        out, out_strides, lse, lse_stride = grad_out, do_strides, grad_out, 0
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
     if num_segments == 0 or heads == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        return torch.zeros_like(q), dk.zero_(), dv.zero_()
     if kv_index is None:
         seg_offsets = seg_order = q_offsets  # placeholders, never read
     else:
         seg_offsets, seg_order = _segments_by_kv(kv_index, num_kv_segments)
-    flags = dict(
-        ACTIVATION=activation, CAUSAL=causal, HAS_WINDOW=window is not None, HAS_BLOCK=block_size is not None,
-        HAS_KV_INDEX=kv_index is not None, HAS_TARGETS=num_targets is not None,
-    )  # fmt: skip
-    meta = dict(
-        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
-        BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_DV=max(16, next_power_of_2(head_dim_v)),
-        **flags, DOT_PRECISION=dot_precision(q.dtype), FAST=fast_math(q),
-    )  # fmt: skip
+    flags = mode_flags(activation, causal, window, block_size, kv_index, num_targets)
+    fast = fast_math(q)
+    dk_strides, dv_strides = dk.stride(), dv.stride()
+    # Strides of q, k, v, dO, the log-sum-exp, dK and dV; dQ's follow per plan.
     strides = (
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        grad_out.stride(0), grad_out.stride(1), lse.stride(0) if softmax else 0,
-        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq.stride(0), dq.stride(1),
+        q_strides[0], q_strides[1], k_strides[0], k_strides[1], v_strides[0], v_strides[1],
+        do_strides[0], do_strides[1], lse_stride,
+        dk_strides[0], dk_strides[1], dv_strides[0], dv_strides[1],
     )  # fmt: skip
     targets = q_offsets if num_targets is None else num_targets  # placeholder when absent
     kv_map = q_offsets if kv_index is None else kv_index  # placeholder when absent
     has_keys = k.shape[0] > 0
-    dq_atomic: list[Tensor] = []  # the fp32 dQ of the atomic kernel, made when it first runs
+    # dQ: in q's dtype where a plan writes it directly; fp32 for the atomic kernel's adds. Made when first needed.
+    dq_buffers: dict[torch.dtype, Tensor] = {}
 
-    def run(plan: BackwardTiles) -> None:
+    def dq_buffer(dtype: torch.dtype) -> Tensor:
+        if dtype not in dq_buffers:
+            dq_buffers[dtype] = torch.empty_like(q) if dtype == q.dtype else torch.empty(q.shape, dtype=dtype,
+                                                                                          device=q.device)  # fmt: skip
+        return dq_buffers[dtype]
+
+    def options(plan: BackwardTiles) -> dict[str, object]:
+        meta = kernel_options(head_dim, head_dim_v, flags, q.dtype, fast)
+        if plan.short:  # no kv index and no targets on that path
+            del meta["HAS_KV_INDEX"], meta["HAS_TARGETS"]
+        elif plan.dq is None:
+            meta["FUSED_DQ"] = True
+        else:
+            meta.update(DQ_BLOCK_M=plan.dq.block_m, DQ_BLOCK_N=plan.dq.block_n)
+        meta.update(tile_meta(plan.dkdv))
+        return meta
+
+    def run(plan: BackwardTiles, meta: dict[str, object]) -> None:
         tiles = plan.dkdv
         if plan.short:  # softmax's delta comes from the kernel's own rows of O and dO
-            args = (q, k, v, grad_out, lse, out, dq, dk, dv, q_offsets, kv_offsets, *strides[:9], out.stride(0),
-                    out.stride(1), dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-                    scale, window or 0, block_size or 1)  # fmt: skip
-            short_meta = {k: v for k, v in meta.items() if k not in ("HAS_KV_INDEX", "HAS_TARGETS")}
-            launch(_gdpa_bwd_short_kernel, (num_segments, heads), args, {**short_meta, **tile_meta(tiles)})
+            dq = dq_buffer(q.dtype)
+            args = (q, k, v, grad_out, lse, out, dq, dk, dv, q_offsets, kv_offsets, *strides[:9], out_strides[0],
+                    out_strides[1], *dq.stride()[:2], *strides[9:], scale, window or 0, block_size or 1)  # fmt: skip
+            launch(_gdpa_bwd_short_kernel, (num_segments, heads), args, meta)
             return
         delta = _delta(out, grad_out) if softmax else lse
         num_key_tiles = cdiv(max_seq_len_kv, tiles.block_n) if has_keys else 0
         if plan.dq is None:
-            if not dq_atomic:
-                dq_atomic.append(torch.empty(q.shape, dtype=torch.float32, device=q.device))
-            dq32 = dq_atomic[0].zero_()  # zeroed before each run (the tuner runs a candidate several times)
+            dq32 = dq_buffer(torch.float32).zero_()  # zeroed before each run (the tuner runs a candidate several times)
             if num_key_tiles > 0:
                 args = (q, k, v, grad_out, lse, delta, dk, dv, dq32, q_offsets, kv_offsets, targets, seg_offsets,
-                        seg_order, *strides[:-2], dq32.stride(0), dq32.stride(1), scale, window or 0,
-                        block_size or 1)  # fmt: skip
+                        seg_order, *strides, *dq32.stride()[:2], scale, window or 0, block_size or 1)  # fmt: skip
                 grid = (num_kv_segments, heads, num_key_tiles)
-                launch(_gdpa_bwd_dkdv_kernel, grid, args, {**meta, **tile_meta(tiles), "FUSED_DQ": True})
+                launch(_gdpa_bwd_dkdv_kernel, grid, args, meta)
             return
+        dq = dq_buffer(q.dtype)
         num_query_tiles = cdiv(max_seq_len_q, plan.dq.block_m) if num_q > 0 else 0
         if num_key_tiles + num_query_tiles == 0:
             return
         args = (q, k, v, grad_out, lse, delta, dk, dv, dq, q_offsets, kv_offsets, kv_map, targets, seg_offsets,
-                seg_order, *strides, scale, window or 0, block_size or 1, num_segments, num_kv_segments,
-                num_key_tiles, num_query_tiles)  # fmt: skip
+                seg_order, *strides, *dq.stride()[:2], scale, window or 0, block_size or 1, num_segments,
+                num_kv_segments, num_key_tiles, num_query_tiles)  # fmt: skip
         grid = (max(num_segments, num_kv_segments), heads, num_key_tiles + num_query_tiles)
-        dq_meta = {"DQ_BLOCK_M": plan.dq.block_m, "DQ_BLOCK_N": plan.dq.block_n}
-        launch(_gdpa_bwd_kernel, grid, args, {**meta, **tile_meta(tiles), **dq_meta})
+        launch(_gdpa_bwd_kernel, grid, args, meta)
 
     short_query = kv_index is None and num_targets is None and max_seq_len_q <= SHORT_QUERY_ROWS
     if short_tiles is not None:
@@ -549,22 +561,25 @@ def gdpa_backward(
                 f"at most {SHORT_QUERY_ROWS}"
             )
         plan = BackwardTiles(short_tiles, short=True)
+        meta = options(plan)
     elif dkdv_tiles is not None:
         plan = BackwardTiles(dkdv_tiles, dq_tiles)
         if dq_tiles is None and deterministic:
             raise ValueError("deterministic=True needs dq_tiles with dkdv_tiles")
+        meta = options(plan)
     else:
         # The key fixes short_query too: the flags hold kv_index and targets, the bucket the longest query segment.
-        key = ("bwd", deterministic, head_dim, head_dim_v, q.dtype, tuple(flags.values()), block_size,
-               length_bucket(max_seq_len_q), length_bucket(max_seq_len_kv))  # fmt: skip
+        key = ("bwd", deterministic, head_dim, head_dim_v, q.dtype, flags, block_size, length_bucket(max_seq_len_q),
+               length_bucket(max_seq_len_kv))  # fmt: skip
 
         def candidates() -> list[BackwardTiles]:
             return backward_candidates(q.dtype, q.device, head_dim, deterministic=deterministic,
                                        block_size=block_size, max_len_q=max_seq_len_q,
                                        short_query=short_query)  # fmt: skip
 
-        plan = pick_tiles(key, candidates, run, (q, k, v, grad_out))
-    run(plan)
+        plan, meta = pick_launch(key, (q.device.type, fast), candidates, lambda p: run(p, options(p)),
+                                 (q, k, v, grad_out), options)  # fmt: skip
+    run(plan, meta)
     if plan.dq is None and not plan.short:
-        dq = dq_atomic[0].to(q.dtype)
-    return dq, dk, dv
+        return dq_buffers[torch.float32].to(q.dtype), dk, dv
+    return dq_buffers[q.dtype], dk, dv

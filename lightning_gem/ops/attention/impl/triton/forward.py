@@ -34,12 +34,19 @@ from lightning_gem.ops.attention.impl.triton._common import (
     _query_tile_keys,
     _stage_range,
     cdiv,
-    dot_precision,
+    dense_rows,
     fast_math,
+    kernel_options,
     launch,
-    next_power_of_2,
+    mode_flags,
 )
-from lightning_gem.ops.attention.impl.triton._tuning import Tiles, candidate_tiles, length_bucket, pick_tiles, tile_meta
+from lightning_gem.ops.attention.impl.triton._tuning import (
+    Tiles,
+    candidate_tiles,
+    length_bucket,
+    pick_launch,
+    tile_meta,
+)
 
 __all__ = ["gdpa_forward"]
 
@@ -188,7 +195,7 @@ def gdpa_forward(
     empty for pointwise activations). ``max_seq_len_q`` sizes the grid and must bound every ``Lq``;
     ``tiles`` overrides the tuned choice (:mod:`._tuning`).
     """
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    (q, q_strides), (k, k_strides), (v, v_strides) = dense_rows(q), dense_rows(k), dense_rows(v)
     num_q, heads, head_dim = q.shape
     head_dim_v = v.shape[2]
     num_segments = q_offsets.shape[0] - 1
@@ -197,37 +204,36 @@ def gdpa_forward(
     lse = torch.empty(heads if softmax else 0, num_q, dtype=torch.float32, device=q.device)
     if num_segments == 0 or num_q == 0 or heads == 0:
         return out, lse
+    out_strides = out.stride()
     args = (
         q, k, v, out, lse,
         q_offsets, kv_offsets,
         q_offsets if kv_index is None else kv_index,  # placeholders are never read (HAS_* is False)
         q_offsets if num_targets is None else num_targets,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        lse.stride(0) if softmax else 0,
+        q_strides[0], q_strides[1], k_strides[0], k_strides[1], v_strides[0], v_strides[1], out_strides[0],
+        out_strides[1], lse.stride(0) if softmax else 0,
         scale, window or 0, block_size or 1,
     )  # fmt: skip
-    flags = dict(
-        ACTIVATION=activation, CAUSAL=causal, HAS_WINDOW=window is not None, HAS_BLOCK=block_size is not None,
-        HAS_KV_INDEX=kv_index is not None, HAS_TARGETS=num_targets is not None,
-    )  # fmt: skip
-    meta = dict(
-        HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
-        BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_DV=max(16, next_power_of_2(head_dim_v)),
-        **flags, DOT_PRECISION=dot_precision(q.dtype), FAST=fast_math(q),
-    )  # fmt: skip
+    flags = mode_flags(activation, causal, window, block_size, kv_index, num_targets)
+    fast = fast_math(q)
 
-    def run(tiles: Tiles) -> None:
+    def options(tiles: Tiles) -> dict[str, object]:
+        return {**kernel_options(head_dim, head_dim_v, flags, q.dtype, fast), **tile_meta(tiles)}
+
+    def run(tiles: Tiles, meta: dict[str, object]) -> None:
         grid = (num_segments, heads, max(1, cdiv(max_seq_len_q, tiles.block_m)))
-        launch(_gdpa_fwd_kernel, grid, args, {**meta, **tile_meta(tiles)})
+        launch(_gdpa_fwd_kernel, grid, args, meta)
 
     if tiles is None:
-        key = ("fwd", head_dim, head_dim_v, q.dtype, tuple(flags.values()), block_size,
-               length_bucket(max_seq_len_q))  # fmt: skip
+        key = ("fwd", head_dim, head_dim_v, q.dtype, flags, block_size, length_bucket(max_seq_len_q))
 
         def candidates() -> list[Tiles]:
             return candidate_tiles("fwd", q.dtype, q.device, head_dim, block_size=block_size,
                                    max_len_q=max_seq_len_q)  # fmt: skip
 
-        tiles = pick_tiles(key, candidates, run, (q, k, v))
-    run(tiles)
+        tiles, meta = pick_launch(key, (q.device.type, fast), candidates, lambda t: run(t, options(t)), (q, k, v),
+                                  options)  # fmt: skip
+    else:
+        meta = options(tiles)
+    run(tiles, meta)
     return out, lse

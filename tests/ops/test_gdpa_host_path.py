@@ -1,0 +1,145 @@
+"""GDPA's host path: remembered launches (``pick_launch``: a tuned key's launch options are built once, and what a
+call launches never depends on which other calls came before it).
+
+The launch tests run no kernel (``launch`` records its arguments instead): they are about what would be launched,
+so they take no interpreter time.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from lightning_gem.ops.attention.impl.triton import _tuning, backward, forward
+from lightning_gem.ops.attention.impl.triton._tuning import Tiles, forget_choices, pick_launch
+
+# One change from BASE each: every field that could change a launch.
+BASE = dict(activation="softmax", causal=False, window=None, block_size=None, shared_kv=False, targets=False,
+            head_dim=16, head_dim_v=16, dtype=torch.float32, max_q=8, deterministic=False)  # fmt: skip
+CHANGES = [
+    {},
+    {"activation": "silu"},
+    {"causal": True},
+    {"window": 2},
+    {"block_size": 4},
+    {"block_size": 8},
+    {"shared_kv": True},
+    {"targets": True},
+    {"head_dim": 32},
+    {"head_dim_v": 32},
+    {"dtype": torch.float16},
+    {"max_q": 40},
+    {"deterministic": True},
+]
+
+
+def _call(config: dict) -> None:
+    """One forward and one backward of ``config`` (query segments of 3, 0 and 5 rows)."""
+    q_offsets = torch.tensor([0, 3, 3, 8])
+    heads, d, dv, dtype = 2, config["head_dim"], config["head_dim_v"], config["dtype"]
+    kv_index = num_targets = None
+    kv_offsets = q_offsets
+    if config["shared_kv"]:  # query segments 0 and 2 over kv segment 0
+        kv_offsets, kv_index = torch.tensor([0, 6, 10]), torch.tensor([0, 1, 0])
+    if config["targets"]:
+        num_targets = torch.tensor([1, 0, 2])
+    num_kv = int(kv_offsets[-1])
+    q, grad_out = torch.randn(8, heads, d, dtype=dtype), torch.randn(8, heads, dv, dtype=dtype)
+    k, v = torch.randn(num_kv, heads, d, dtype=dtype), torch.randn(num_kv, heads, dv, dtype=dtype)
+    mode = {name: config[name] for name in ("activation", "causal", "window", "block_size")}
+    jagged = (q_offsets, kv_offsets, kv_index, num_targets)
+    out, lse = forward.gdpa_forward(q, k, v, *jagged, **mode, scale=0.25, max_seq_len_q=config["max_q"])
+    backward.gdpa_backward(grad_out, q, k, v, out, lse, *jagged, **mode, scale=0.25, max_seq_len_q=config["max_q"],
+                           max_seq_len_kv=8, deterministic=config["deterministic"])  # fmt: skip
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Launches recorded as ``(kernel, grid, options)``; the tuner remembers a candidate as if it had timed them (one
+    fixed by the key, so a key's choice does not depend on the order of the calls)."""
+    recorded: list = []
+
+    def record(kernel, grid, args, meta) -> None:  # noqa: ANN001
+        recorded.append((kernel.__name__, grid, dict(meta)))
+
+    def remember(registry, key, candidates, run, tensors, **options):  # noqa: ANN001, ANN003, ANN202
+        registry[key] = candidates[zlib.crc32(repr(key).encode()) % len(candidates)]
+        return registry[key]
+
+    monkeypatch.setattr(forward, "launch", record)
+    monkeypatch.setattr(backward, "launch", record)
+    monkeypatch.setattr(_tuning, "pick_fastest", remember)
+    forget_choices()
+    yield recorded
+    forget_choices()
+
+
+def test_remembered_launches_are_the_ones_built_fresh(launches: list) -> None:
+    configs = [{**BASE, **change} for change in CHANGES]
+    fresh = []
+    for config in configs:
+        forget_choices()
+        _call(config)
+        fresh.append(launches[:])
+        launches.clear()
+    forget_choices()
+    for _ in range(2):  # the second round takes every launch from what the first remembered
+        for config, expected in zip(configs, fresh, strict=True):
+            _call(config)
+            assert launches == expected, config
+            launches.clear()
+    # A forward and a backward key each, but for `deterministic`, which changes the backward only.
+    assert len(_tuning._LAUNCHES) == 2 * len(configs) - 1
+    assert {kernel for kernel, _, _ in sum(fresh, [])} >= {"_gdpa_fwd_kernel", "_gdpa_bwd_kernel",
+                                                          "_gdpa_bwd_dkdv_kernel"}  # fmt: skip
+
+
+def test_tuned_calls_build_no_options(launches: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = {**BASE, "causal": True}
+    _call(config)
+    built = []
+    kernel_options = forward.kernel_options
+
+    def counted(*args):  # noqa: ANN002, ANN202
+        built.append(args)
+        return kernel_options(*args)
+
+    monkeypatch.setattr(forward, "kernel_options", counted)
+    monkeypatch.setattr(backward, "kernel_options", counted)
+    _call(config)
+    assert built == []
+    forget_choices()  # drops the remembered launches with the choices
+    _call(config)
+    assert len(built) >= 2
+
+
+def test_pick_launch_keeps_variants_apart_and_remembers_only_settled_choices() -> None:
+    forget_choices()
+    tiles = [Tiles(16, 16, 1, 1), Tiles(32, 32, 4, 2)]
+    built = []
+
+    def options(variant: str):  # noqa: ANN202
+        def build(t: Tiles) -> dict:
+            built.append(variant)
+            return {"BLOCK_M": t.block_m, "variant": variant}
+
+        return build
+
+    def noop(t: Tiles) -> None:
+        return None
+
+    key = ("fwd", "test")
+    one = pick_launch(key, "cpu", lambda: tiles[:1], noop, (), options("cpu"))
+    assert one == (tiles[0], {"BLOCK_M": 16, "variant": "cpu"})
+    assert pick_launch(key, "cpu", lambda: tiles[:1], noop, (), options("cpu")) is one  # the only candidate: settled
+    other = pick_launch(key, "cuda", lambda: tiles[:1], noop, (), options("cuda"))
+    assert other[1]["variant"] == "cuda" and built == ["cpu", "cuda"]
+    # Several candidates and no timing possible on CPU: the first, neither remembered nor its options.
+    key = ("fwd", "untimed")
+    for _ in range(2):
+        assert pick_launch(key, "cpu", lambda: tiles, noop, (torch.zeros(1),), options("cpu"))[0] == tiles[0]
+    assert built == ["cpu", "cuda", "cpu", "cpu"]
+    forget_choices()
+    assert _tuning._LAUNCHES == {}
