@@ -1,5 +1,5 @@
 """GDPA's host path: remembered launches (``pick_launch``: a tuned key's launch options are built once, and what a
-call launches never depends on which other calls came before it).
+call launches never depends on which other calls came before it) and calls that need no autograd graph.
 
 The launch tests run no kernel (``launch`` records its arguments instead): they are about what would be launched,
 so they take no interpreter time.
@@ -12,6 +12,7 @@ import zlib
 import pytest
 import torch
 
+from lightning_gem.ops import gdpa
 from lightning_gem.ops.attention.impl.triton import _tuning, backward, forward
 from lightning_gem.ops.attention.impl.triton._tuning import Tiles, forget_choices, pick_launch
 
@@ -143,3 +144,41 @@ def test_pick_launch_keeps_variants_apart_and_remembers_only_settled_choices() -
     assert built == ["cpu", "cuda", "cpu", "cpu"]
     forget_choices()
     assert _tuning._LAUNCHES == {}
+
+
+class _DropGradient(torch.autograd.Function):
+    """Passes its input on and gives it no gradient (None): the op's backward then runs with no output gradient."""
+
+    @staticmethod
+    def forward(ctx, x):  # noqa: ANN001, ANN205
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001, ANN205
+        return None
+
+
+def _small() -> tuple[torch.Tensor, ...]:
+    offsets = torch.tensor([0, 3, 3, 5])
+    return offsets, *(torch.randn(5, 2, 16, requires_grad=True) for _ in range(3))
+
+
+def test_calls_without_a_graph_match_and_record_none() -> None:
+    offsets, q, k, v = _small()
+    with_graph = gdpa(q, k, v, offsets, causal=True, impl="triton", max_seq_len_q=3)
+    with torch.no_grad():
+        without = gdpa(q, k, v, offsets, causal=True, impl="triton", max_seq_len_q=3)
+    detached = gdpa(q.detach(), k.detach(), v.detach(), offsets, causal=True, impl="triton", max_seq_len_q=3)
+    assert with_graph.grad_fn is not None and without.grad_fn is None and detached.grad_fn is None
+    torch.testing.assert_close(without, with_graph.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(detached, with_graph.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_backward_without_an_output_gradient_gives_zeros(activation: str) -> None:
+    offsets, q, k, v = _small()
+    out = gdpa(q, k, v, offsets, activation=activation, impl="triton", max_seq_len_q=3)
+    loss = _DropGradient.apply(out).sum() + q.sum()
+    dq, dk, dv = torch.autograd.grad(loss, (q, k, v))
+    torch.testing.assert_close(dq, torch.ones_like(q), rtol=0, atol=0)  # from q.sum() alone
+    assert not dk.any() and not dv.any()

@@ -9,8 +9,6 @@ calls skip the ops' dispatch (host time only) through a private ``autograd.Funct
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 from torch._subclasses.functional_tensor import FunctionalTensorMode
@@ -89,26 +87,34 @@ _gdpa_triton_backward_op = triton_op("lightning_gem::gdpa_triton_backward", muta
 
 
 def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
-    q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation, *options = inputs
-    out, lse = output
+    _save(ctx, inputs[:7], inputs[7:], *output)
+
+
+def _save(ctx, tensors: tuple, options: tuple, out: Tensor, lse: Tensor) -> None:  # noqa: ANN001
+    """Save what the backward reads: ``tensors`` (q, k, v, offsets, index, targets), ``options`` (activation first,
+    then the ops' other arguments) and, for softmax only, ``out`` and ``lse``."""
     ctx.mark_non_differentiable(lse)
-    # Pointwise activations need neither the output nor the log-sum-exp: keep the minimum.
-    softmax = activation == "softmax"
-    ctx.save_for_backward(
-        q, k, v, out if softmax else None, lse if softmax else None, q_offsets, kv_offsets, kv_index, num_targets
-    )
-    ctx.options = (activation, *options)
+    # The log-sum-exp gets no gradient: let it arrive as None instead of a zeros tensor made for it.
+    ctx.set_materialize_grads(False)
+    q, k, v, *jagged = tensors
+    softmax = options[0] == "softmax"  # pointwise activations need neither the output nor the log-sum-exp
+    ctx.save_for_backward(q, k, v, out if softmax else None, lse if softmax else None, *jagged)
+    ctx.options = options
 
 
-def _backward_with(backward: Callable, ctx, grad_out: Tensor) -> tuple:  # noqa: ANN001
-    """``backward(grad_out, q, k, v, out, lse, offsets..., *options)`` from what :func:`_setup_context` saved;
-    ``(dq, dk, dv)`` and no gradient for the other inputs."""
-    dq, dk, dv = backward(grad_out, *ctx.saved_tensors, *ctx.options)
+def _grad_or_zeros(grad_out: Tensor | None, saved: tuple) -> Tensor:
+    """The output's gradient; zeros (as autograd would have made them) where none came (grads not materialized)."""
+    if grad_out is not None:
+        return grad_out
+    q, _, v = saved[:3]
+    return q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+
+
+def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):  # noqa: ANN001, ANN202
+    """``(dq, dk, dv)`` from what :func:`_save` kept, and no gradient for the other inputs."""
+    saved = ctx.saved_tensors
+    dq, dk, dv = _gdpa_triton_backward_op(_grad_or_zeros(grad_out, saved), *saved, *ctx.options)
     return dq, dk, dv, *(None,) * 12
-
-
-def _backward(ctx, grad_out: Tensor, grad_lse: Tensor | None):  # noqa: ANN001, ANN202
-    return _backward_with(_gdpa_triton_backward_op, ctx, grad_out)
 
 
 _gdpa_triton_op.register_autograd(_backward, setup_context=_setup_context)
@@ -147,18 +153,30 @@ def _gdpa_triton_backward_flop(*args, out_val=None, **kwargs) -> int:  # noqa: A
 class _GDPAEager(torch.autograd.Function):
     """The ops' bodies and autograd formula without the custom-op dispatch, for plain eager calls
     (``plain_eager``: nothing traces or counts them). The dispatch layers cost host time and nothing else there
-    (about half a millisecond per forward + backward), which makes small attention layers CPU-bound."""
+    (about half a millisecond per forward + backward), which makes small attention layers CPU-bound. The ops'
+    non-tensor arguments travel as one tuple: each argument of ``apply`` costs host time of its own."""
 
     @staticmethod
-    def forward(ctx, *inputs):  # noqa: ANN001, ANN002, ANN205
-        output = _forward(*inputs)
-        _setup_context(ctx, inputs, output)
-        return output
+    def forward(ctx, q, k, v, q_offsets, kv_offsets, kv_index, num_targets, options):  # noqa: ANN001, ANN205
+        tensors = (q, k, v, q_offsets, kv_offsets, kv_index, num_targets)
+        out, lse = _forward(*tensors, *options)
+        _save(ctx, tensors, options, out, lse)
+        return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out: Tensor, grad_lse: Tensor | None):  # noqa: ANN001, ANN205
-        return _backward_with(_backward_kernels, ctx, grad_out)
+    def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):  # noqa: ANN001, ANN205
+        saved = ctx.saved_tensors
+        dq, dk, dv = _backward_kernels(_grad_or_zeros(grad_out, saved), *saved, *ctx.options)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _records_graph(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether autograd would record a call on ``q, k, v``: grad mode on and one of them requiring grad, or a
+    forward-mode AD level open (a dual tensor would carry a tangent the kernels cannot; the Function says so)."""
+    if torch.autograd.forward_ad._current_level >= 0:
+        return True
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
 def _max_length(offsets: Tensor, num_rows: int) -> int:
@@ -213,8 +231,10 @@ def gdpa_triton(
         max_seq_len_q = _max_length(q_offsets, q.shape[0])
     if max_seq_len_kv is None:
         max_seq_len_kv = _max_length(kv_offsets, k.shape[0])
-    args = (q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size,
-            float(scale), max_seq_len_q, max_seq_len_kv, deterministic)  # fmt: skip
-    eager = plain_eager((q, k, v, q_offsets, kv_offsets, kv_index, num_targets))
-    out, _ = (_GDPAEager.apply if eager else _gdpa_triton_op)(*args)
-    return out
+    tensors = (q, k, v, q_offsets, kv_offsets, kv_index, num_targets)
+    options = (activation, causal, window, block_size, float(scale), max_seq_len_q, max_seq_len_kv, deterministic)
+    if not plain_eager(tensors):
+        return _gdpa_triton_op(*tensors, *options)[0]
+    if _records_graph(q, k, v):
+        return _GDPAEager.apply(*tensors, options)[0]
+    return _forward(*tensors, *options)[0]  # nothing to differentiate: no Function either
