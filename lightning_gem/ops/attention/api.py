@@ -123,7 +123,10 @@ def gdpa(
         max_seq_len_q = max_seq_len_kv if max_seq_len_q is None else max_seq_len_q
         max_seq_len_kv = max_seq_len_q if max_seq_len_kv is None else max_seq_len_kv
     num_segments = _check_offsets(q_offsets, "q_offsets", q, check_offsets)
-    num_kv_segments = _check_offsets(kv_offsets, "kv_offsets", k, check_offsets)
+    if self_attention:  # the same offsets over as many rows: checked once
+        num_kv_segments = num_segments
+    else:
+        num_kv_segments = _check_offsets(kv_offsets, "kv_offsets", k, check_offsets)
     if kv_index is None:
         if num_kv_segments != num_segments:
             raise ValueError(
@@ -152,16 +155,19 @@ def gdpa(
 
     resolved = resolve_impl(impl, q)
     tensors = (q, k, v, q_offsets, kv_offsets, kv_index, num_targets)
+    if resolved == "triton":  # the hot path first, its arguments passed as they are (no dicts to unpack)
+        from lightning_gem.ops.attention.impl.triton import gdpa_triton
+
+        return gdpa_triton(
+            *tensors, activation=activation, causal=causal, window=window, block_size=block_size, scale=float(scale),
+            max_seq_len_q=max_seq_len_q, max_seq_len_kv=max_seq_len_kv, deterministic=deterministic,
+        )  # fmt: skip
     mode = {"activation": activation, "causal": causal, "window": window, "block_size": block_size}
     hints = {"max_seq_len_q": max_seq_len_q, "max_seq_len_kv": max_seq_len_kv}
     if resolved == "padded":
         from lightning_gem.ops.attention.impl.padded import gdpa_padded
 
         return gdpa_padded(*tensors, **mode, scale=float(scale), **hints)
-    if resolved == "triton":
-        from lightning_gem.ops.attention.impl.triton import gdpa_triton
-
-        return gdpa_triton(*tensors, **mode, scale=float(scale), **hints, deterministic=deterministic)
     # Imported on first use: registering FLOP formulas imports torch.utils.flop_counter, which imports
     # Triton. FLOP counting that starts before the first call imports this module itself (lightning_gem.flops).
     from lightning_gem.ops.attention.ops import gdpa_reference_op
@@ -211,6 +217,8 @@ def block_attention(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, *, block_s
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
+    if _qkv_fit(q, k, v):  # the common case in one expression; otherwise find what is wrong and say it
+        return
     for name, t in (("q", q), ("k", k), ("v", v)):
         jagged.check_floating(t, name)
         if t.dim() != 3:
@@ -225,6 +233,19 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"`k` must have q's head dim {q.shape[2]} in dim 2, got {k.shape[2]}")
     if v.shape[0] != k.shape[0]:
         raise ValueError(f"`v` must have as many rows as `k` ({k.shape[0]}), got {v.shape[0]}")
+
+
+def _qkv_fit(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether :func:`_check_qkv`'s rules all hold (its checks one by one cost several microseconds a call)."""
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
+        return False
+    dtype, device, (q_shape, k_shape, v_shape) = q.dtype, q.device, (q.shape, k.shape, v.shape)
+    return (
+        q.is_floating_point() and k.dtype == dtype and v.dtype == dtype and k.device == device
+        and v.device == device and len(q_shape) == 3 and len(k_shape) == 3 and len(v_shape) == 3
+        and k_shape[1] == q_shape[1] and v_shape[1] == q_shape[1] and k_shape[2] == q_shape[2]
+        and v_shape[0] == k_shape[0]
+    )  # fmt: skip
 
 
 def _check_offsets(offsets: Tensor, name: str, values: Tensor, check_values: bool) -> int:
