@@ -4,7 +4,8 @@ For each workload of ``attention.py`` (same shapes and seeds) and its first mode
 
     python examples/benchmarks/attention_profile.py --workloads block4k,cross,jagged1k
 
-prints, for the forward and the backward of ``gdpa(..., impl="triton")``:
+prints, for the forward (under ``no_grad``; ``fwd+graph``: with grad enabled, as in training) and the backward of
+``gdpa(..., impl="triton")``:
 
 - ``host us``: wall time to issue the call without waiting for the device (mean of many calls after a
   synchronize; the device queue is far from full, so this is the host's own cost);
@@ -152,7 +153,8 @@ def profile_case(name: str, candidates: bool) -> None:
         return torch.autograd.grad(out, leaves, case.grad_out, retain_graph=True)
 
     print(f"\n== {name}: {label} ==")
-    for part, fn in (("forward", forward_no_grad), ("backward", backward)):
+    # "forward" under no_grad, as before; "fwd+graph" with grad enabled, as in training (the graph is dropped).
+    for part, fn in (("forward", forward_no_grad), ("fwd+graph", forward), ("backward", backward)):
         host = _host_us(fn)
         kernels = _kernels(fn)
         device = sum(us for _, us in kernels)
@@ -196,15 +198,20 @@ def _no_op_launches() -> Counter:
     return launches
 
 
-def _median_us(fn: Callable[[], object], calls: int) -> float:
+def _median_us(fn: Callable[[], object], calls: int, rounds: int = 3) -> float:
+    """Median host time of ``fn`` over ``calls`` calls, the lowest of ``rounds`` rounds (other work on the machine
+    only ever adds time)."""
     for _ in range(min(100, calls)):
         fn()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    medians = []
+    for _ in range(rounds):
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        medians.append(statistics.median(times))
+    return min(medians) * 1e6
 
 
 def _torch_ops(fn: Callable[[], object], calls: int = 20) -> str:
@@ -324,7 +331,7 @@ def _profile_host_case(case, hints: dict, launches: Counter, calls: int, cprofil
             stubs.replace(forward, "launch", lambda *a, **kw: None)
         rows.append((phase, _median_us(forward_grad, calls), _median_us(forward_no_grad, calls)))
         stubs.restore()
-    print(f"forward host us (median of {calls}; grad enabled | no_grad), cumulative:")
+    print(f"forward host us (median of {calls}, lowest of 3 rounds; grad enabled | no_grad), cumulative:")
     for phase, grad_us, no_grad_us in rows:
         print(f"    {grad_us:7.1f} | {no_grad_us:7.1f}  {phase}")
     rows = []
@@ -339,7 +346,7 @@ def _profile_host_case(case, hints: dict, launches: Counter, calls: int, cprofil
             stubs.replace(backward, "launch", lambda *a, **kw: None)
         rows.append((phase, _median_us(backward_call, calls)))
         stubs.restore()
-    print(f"backward host us (median of {calls}; torch.autograd.grad on a kept graph), cumulative:")
+    print(f"backward host us (median of {calls}, lowest of 3 rounds; autograd.grad on a kept graph), cumulative:")
     for phase, us in rows:
         print(f"    {us:7.1f}  {phase}")
     print(f"torch ops per forward: {_torch_ops(forward_grad)}")

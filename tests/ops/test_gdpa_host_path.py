@@ -7,7 +7,11 @@ so they take no interpreter time.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,3 +186,13 @@ def test_backward_without_an_output_gradient_gives_zeros(activation: str) -> Non
     dq, dk, dv = torch.autograd.grad(loss, (q, k, v))
     torch.testing.assert_close(dq, torch.ones_like(q), rtol=0, atol=0)  # from q.sum() alone
     assert not dk.any() and not dv.any()
+
+
+def test_host_only_profile_runs_on_cpu() -> None:
+    """``attention_profile.py --host-only`` (no-op launches, in a process of its own: it patches the kernels)."""
+    script = Path(__file__).resolve().parents[2] / "examples" / "benchmarks" / "attention_profile.py"
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(script), "--host-only", "--workloads", "cross", "--calls", "3"],
+                          capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "_gdpa_bwd_short_kernel" in done.stdout and "+ launch()" in done.stdout
