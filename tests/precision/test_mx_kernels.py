@@ -85,9 +85,12 @@ def test_norm_quantize_several_tiles_per_program(kind: str, config: tuple, monke
         monkeypatch.setattr(triton_norm, "_CONFIGS", [config])
         tiles = norm_quantize(x, weight, bias, kind=kind, layout=layout, write_output=True, impl="triton")
         monkeypatch.undo()
-        assert _same_bits(tiles.q, one_tile.q) and _same_bits(tiles.q, quantize(tiles.y, layout, impl="reference")[0])
-        for a, b in ((tiles.y, one_tile.y), (tiles.rstd, one_tile.rstd), (tiles.mean, one_tile.mean)):
-            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+        # Each config sums a row in its own order (on a GPU, rstd can move by an ulp): the norm's outputs agree
+        # to rounding, and the FP8 codes are exactly those of the output this config wrote.
+        assert _same_bits(tiles.q, quantize(tiles.y, layout, impl="reference")[0])
+        for a, b in ((tiles.rstd, one_tile.rstd), (tiles.mean, one_tile.mean)):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=0, equal_nan=True)
+        torch.testing.assert_close(tiles.y, one_tile.y, rtol=2e-3, atol=1e-6, equal_nan=True)
 
 
 def test_norm_quantize_rounds_to_out_dtype() -> None:
