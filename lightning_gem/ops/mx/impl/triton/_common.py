@@ -114,11 +114,11 @@ def _quantize_rows(
     return tl.reshape(q, (TILE_R, TILE_C)), exponent, nonfinite
 
 
-_CHOSEN: dict[tuple, tuple[int, int, int]] = {}
+_CHOSEN: dict[tuple, tuple[int, ...]] = {}
 
 
-def chosen_configs() -> dict[tuple, tuple[int, int, int]]:
-    """The tile choices made so far in this process, ``{key: (TILE_R, TILE_C, num_warps)}`` (one entry per
+def chosen_configs() -> dict[tuple, tuple[int, ...]]:
+    """The tile choices made so far in this process, ``{key: (TILE_R, TILE_C, ..., num_warps)}`` (one entry per
     tuning: for logs and benchmarks)."""
     return dict(_CHOSEN)
 
@@ -134,17 +134,18 @@ def size_class(elements: int) -> int:
 
 def launch_tuned(
     kernel: object,
-    configs: list[tuple[int, int, int]],
+    configs: list[tuple[int, ...]],
     key: tuple,
     grid: Callable[[int, int], tuple[int, ...]],
     args: tuple,
     meta: dict,
     elements: int,
-    names: tuple[str, str] = ("TILE_R", "TILE_C"),
+    names: tuple[str, ...] = ("TILE_R", "TILE_C"),
 ) -> None:
-    """Launch ``kernel`` with the fastest of ``configs`` (``(TILE_R, TILE_C, num_warps)``, already pruned to the
-    valid ones) for ``key``, chosen by :func:`lightning_gem.ops._tuning.pick_fastest` on this call's own buffers.
-    ``names``: the kernel's names of a config's first two entries (``grid`` takes them in that order).
+    """Launch ``kernel`` with the fastest of ``configs`` (``(TILE_R, TILE_C, ..., num_warps)``, already pruned to
+    the valid ones) for ``key``, chosen by :func:`lightning_gem.ops._tuning.pick_fastest` on this call's own
+    buffers. ``names``: the kernel's names of a config's entries before ``num_warps`` (``grid`` takes the first
+    two in that order).
 
     The key is explicit (the caller's :func:`size_class` and compile-time flags), so a new batch of another jagged
     size retunes only when its size class is new. Problems of fewer than :data:`TUNE_ABOVE` ``elements``, and
@@ -154,8 +155,8 @@ def launch_tuned(
     if elements < TUNE_ABOVE or is_interpreted(kernel):
         configs = configs[:1]
 
-    def run(config: tuple[int, int, int]) -> None:
-        first, second, warps = config
-        launch(kernel, grid(first, second), args, {**meta, names[0]: first, names[1]: second, "num_warps": warps})
+    def run(config: tuple[int, ...]) -> None:
+        *tiles, warps = config
+        launch(kernel, grid(*tiles[:2]), args, {**meta, **dict(zip(names, tiles, strict=True)), "num_warps": warps})
 
     run(pick_fastest(_CHOSEN, key, configs, run, args))
