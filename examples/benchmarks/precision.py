@@ -250,12 +250,16 @@ def add_chunked_variants(
 
 
 def tuned_configs() -> dict[str, str]:
-    """The tile configs the Triton quantizers' tuner chose in this process, by tuning key."""
+    """The tile configs the Triton quantizers' tuner chose in this process, by tuning key; keys launched with
+    their first config untimed say so, and why."""
     try:
-        from lightning_gem.ops.mx.impl.triton._common import chosen_configs
+        from lightning_gem.ops.mx.impl.triton._common import chosen_configs, untuned_configs
     except ImportError:  # no Triton
         return {}
-    return {" ".join(map(str, key)): str(config) for key, config in chosen_configs().items()}
+    configs = {" ".join(map(str, key)): str(config) for key, config in chosen_configs().items()}
+    for key, (config, why) in untuned_configs().items():
+        configs[" ".join(map(str, key))] = f"{config} (first, untimed: {why})"
+    return configs
 
 
 class _Block(nn.Module):

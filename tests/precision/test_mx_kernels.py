@@ -314,3 +314,13 @@ def test_chunked_needs_1x128_columns() -> None:
 
     with pytest.raises(ValueError, match="no chunked config"):
         quantize_triton(torch.randn(64, 128, device=DEVICE), "mx", cols=True, chunked=True)
+
+
+def test_untimed_launches_are_listed_with_why() -> None:
+    from lightning_gem.ops.mx.impl.triton._common import chosen_configs, untuned_configs
+    from lightning_gem.ops.mx.impl.triton.quantize import quantize_triton
+
+    quantize_triton(torch.randn(32, 128, device=DEVICE), "1x128", cols=True)
+    listed = {key: entry for key, entry in untuned_configs().items() if key[0] == "quantize"}
+    assert listed and all(key not in chosen_configs() for key in listed)
+    assert {why for _, why in listed.values()} <= {"small", "interpreted", "one candidate", "not timeable"}

@@ -115,12 +115,19 @@ def _quantize_rows(
 
 
 _CHOSEN: dict[tuple, tuple[int, ...]] = {}
+_UNTUNED: dict[tuple, tuple[tuple[int, ...], str]] = {}
 
 
 def chosen_configs() -> dict[tuple, tuple[int, ...]]:
     """The tile choices made so far in this process, ``{key: (TILE_R, TILE_C, ..., num_warps)}`` (one entry per
     tuning: for logs and benchmarks)."""
     return dict(_CHOSEN)
+
+
+def untuned_configs() -> dict[tuple, tuple[tuple[int, ...], str]]:
+    """Keys launched with their first config, untimed, in this process: ``{key: (config, why)}`` (why no tuning
+    ran: ``"small"``, ``"interpreted"``, ``"one candidate"`` or ``"not timeable"``; for logs and benchmarks)."""
+    return dict(_UNTUNED)
 
 
 TUNE_ABOVE = 1 << 22
@@ -150,13 +157,25 @@ def launch_tuned(
     The key is explicit (the caller's :func:`size_class` and compile-time flags), so a new batch of another jagged
     size retunes only when its size class is new. Problems of fewer than :data:`TUNE_ABOVE` ``elements``, and
     interpreted kernels, take the first config. Where timing is impossible (tracing, graph capture, CPU) the
-    first config runs and nothing is remembered.
+    first config runs and nothing is remembered. Keys that were not timed are listed by :func:`untuned_configs`.
     """
-    if elements < TUNE_ABOVE or is_interpreted(kernel):
+    why = "small" if elements < TUNE_ABOVE else "interpreted" if is_interpreted(kernel) else None
+    if why is not None:
         configs = configs[:1]
 
     def run(config: tuple[int, ...]) -> None:
         *tiles, warps = config
         launch(kernel, grid(*tiles[:2]), args, {**meta, **dict(zip(names, tiles, strict=True)), "num_warps": warps})
 
-    run(pick_fastest(_CHOSEN, key, configs, run, args))
+    config = pick_fastest(_CHOSEN, key, configs, run, args)
+    _note_untuned(key, config, why or ("one candidate" if len(configs) == 1 else "not timeable"))
+    run(config)
+
+
+def _note_untuned(key: tuple, config: tuple[int, ...], why: str) -> None:
+    """Log ``key`` in :func:`untuned_configs` unless the tuner remembered a choice for it."""
+    try:
+        if key not in _CHOSEN and key not in _UNTUNED and len(_UNTUNED) < 256:  # bounded: jagged sizes make keys
+            _UNTUNED[key] = (config, why)
+    except TypeError:  # an unhashable SymInt in the key
+        pass
