@@ -195,8 +195,6 @@ def bench_kernels(tokens: int, dim: int, device: str) -> list[dict]:
             lambda lay=layout: quantize(x, lay, rows=False, cols=True),
             2 * numel + numel + scale_bytes[layout],
         )
-        if layout == "1x128" and device == "cuda":
-            add_chunked_variants(add, x, scale_bytes[layout])
     w = torch.randn(dim, dim, device=device, dtype=torch.bfloat16)
     add("quantize 128x128 weight", lambda: quantize(w, "128x128"), 3 * w.numel())
     for kind in ("rms", "layer"):
@@ -225,28 +223,6 @@ def add_rowwise_variants(add: Callable[[str, Callable[[], object], float], None]
     add("quantize rowwise rows, two passes", lambda: quantize_triton(x, "rowwise", one_pass=False), rows_bytes)
     add("rowwise line maxima (rows+cols)", lambda: _line_maxima(x, True, True, no_norm, 0, out_dtype), 2 * x.numel())
     add("rowwise line maxima (cols)", lambda: _line_maxima(x, False, True, no_norm, 0, out_dtype), 2 * x.numel())
-
-
-def add_chunked_variants(
-    add: Callable[[str, Callable[[], object], float], None], x: Tensor, scale_bytes: float
-) -> None:
-    """Time the two bodies 1x128 quantization with columns chooses between: the whole tile in registers,
-    transposed there, against the tile's rows in chunks, read twice."""
-    from lightning_gem.ops.mx.impl.triton.quantize import quantize_triton
-
-    numel = x.numel()
-    for chunked, name in ((False, "one tile"), (True, "chunked")):
-        both, cols = 4 * numel + 2 * scale_bytes, 3 * numel + scale_bytes
-        add(
-            f"quantize 1x128 rows+cols, {name}",
-            lambda c=chunked: quantize_triton(x, "1x128", cols=True, chunked=c),
-            both,
-        )
-        add(
-            f"quantize 1x128 cols, {name}",
-            lambda c=chunked: quantize_triton(x, "1x128", rows=False, cols=True, chunked=c),
-            cols,
-        )
 
 
 def tuned_configs() -> dict[str, str]:

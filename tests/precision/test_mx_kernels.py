@@ -261,61 +261,6 @@ def test_rowwise_opcheck_and_torch_compile() -> None:
     _assert_compiles_exactly(run, x)
 
 
-def _blocks_edges(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
-    """Many binades, an all-zero 128 x 128 block, and NaN, Inf and -Inf in separate row and column blocks."""
-    x = torch.randn(rows, cols, device=DEVICE) * torch.logspace(-3, 2, cols, device=DEVICE)
-    x[:128, 128:256] = 0.0
-    x[3, 5], x[1, cols - 1], x[rows - 1, 130] = float("nan"), float("inf"), float("-inf")
-    x[rows - 5, cols - 20] = 448.0
-    return x.to(dtype)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("config", [(128, 128, 16, 4), (128, 128, 32, 4)], ids=str)
-@pytest.mark.parametrize("rows", [True, False])
-def test_chunked_rows_and_cols_match_one_tile_and_reference(
-    rows: bool, config: tuple, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The chunked body (rows in chunks, the tile read twice) writes what the one-tile body and the reference
-    write, bit for bit, at a ragged size (rows no multiple of 128, columns no multiple of the tile)."""
-    from lightning_gem.ops.mx.impl.triton import quantize as triton_quantize
-    from lightning_gem.ops.mx.impl.triton.quantize import quantize_triton
-
-    monkeypatch.setattr(triton_quantize, "_CHUNKED_CONFIGS", [config])
-    x = _blocks_edges(197, 384, dtype)
-    for rounding in ("rceil", "floor"):
-        chunked = quantize_triton(x, "1x128", rounding, rows=rows, cols=True, chunked=True)
-        one_tile = quantize_triton(x, "1x128", rounding, rows=rows, cols=True, chunked=False)
-        rows_r, cols_r = quantize(x, "1x128", rounding=rounding, rows=rows, cols=True, impl="reference")
-        assert _same_bits(QuantizedTensor(*chunked[1], "1x128"), QuantizedTensor(*one_tile[1], "1x128"))
-        assert _same_bits(QuantizedTensor(*chunked[1], "1x128"), cols_r)
-        if rows:
-            assert _same_bits(QuantizedTensor(*chunked[0], "1x128"), QuantizedTensor(*one_tile[0], "1x128"))
-            assert _same_bits(QuantizedTensor(*chunked[0], "1x128"), rows_r)
-
-
-def test_chunked_norm_prologue_matches_reference() -> None:
-    from lightning_gem.ops.mx.impl.reference import normalize_with_stats, quantize_reference
-    from lightning_gem.ops.mx.impl.triton.quantize import quantize_triton
-
-    x = _blocks_edges(131, 256, torch.float32)
-    rstd = torch.exp2(torch.randint(-2, 3, (131,), device=DEVICE).float())
-    weight = torch.exp2(torch.randint(-2, 3, (256,), device=DEVICE).float())
-    y = normalize_with_stats(x, rstd, None, weight, None, torch.float32)
-    norm = ("rms", rstd, None, weight, None)
-    (q, s), (qt, st) = quantize_triton(x, "1x128", rows=True, cols=True, norm=norm, chunked=True)
-    assert _same_bits(QuantizedTensor(q, s, "1x128"), quantize_reference(y, "1x128", "rceil"))
-    padded = torch.cat([y, y.new_zeros(256 - 131, 256)])
-    assert _same_bits(QuantizedTensor(qt, st, "1x128"), quantize_reference(padded.t().contiguous(), "1x128", "rceil"))
-
-
-def test_chunked_needs_1x128_columns() -> None:
-    from lightning_gem.ops.mx.impl.triton.quantize import quantize_triton
-
-    with pytest.raises(ValueError, match="no chunked config"):
-        quantize_triton(torch.randn(64, 128, device=DEVICE), "mx", cols=True, chunked=True)
-
-
 def test_untimed_launches_are_listed_with_why() -> None:
     from lightning_gem.ops.mx.impl.triton._common import chosen_configs, untuned_configs
     from lightning_gem.ops.mx.impl.triton.quantize import quantize_triton

@@ -16,11 +16,6 @@ rows) the maxima come first from ``_line_amax_kernel``: one read of ``x`` gives 
 maxima together, as magnitude bit patterns (see ``_common``), which ``_quantize_kernel`` turns into each line's
 exponent and scale as it quantizes.
 
-With ``cols`` in ``1x128`` blocks the tuner also tries ``_quantize_chunked``: a program takes its ``128 x TILE_C``
-tile in row chunks, quantizing rows and folding column maxima in a first pass and reading the chunks again (from
-cache) for the transposed layout in a second, so a thread holds a chunk's values rather than the whole tile's
-(fewer registers, more programs per SM).
-
 An optional norm prologue (``NORM``: RMSNorm or LayerNorm with saved ``rstd``/``mean``) normalises the tile
 first, so a norm's output is quantized straight from its input without being written.
 """
@@ -83,17 +78,10 @@ def _quantize_kernel(
     size_class,  # autotuning key only: log2 of the element count, coarsened
     BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, SQUARE: tl.constexpr, GIVEN_AMAX: tl.constexpr,
     MX: tl.constexpr, RCEIL: tl.constexpr, NORM: tl.constexpr, OUT_DTYPE: tl.constexpr, EXACT: tl.constexpr,
-    TILE_R: tl.constexpr, TILE_C: tl.constexpr, CHUNK_R: tl.constexpr,
+    TILE_R: tl.constexpr, TILE_C: tl.constexpr,
 ):  # fmt: skip
     pid_r = tl.program_id(0).to(tl.int64)
     pid_c = tl.program_id(1).to(tl.int64)
-    if CHUNK_R < TILE_R:
-        _quantize_chunked(
-            X, Q, S, QT, ST, RSTD, MEAN, WEIGHT, BIAS, pid_r, pid_c, num_rows, num_cols, num_padded_blocks,
-            stride_s_r, stride_s_c, stride_st_c, stride_st_r,
-            BLOCK, ROWS, MX, RCEIL, NORM, OUT_DTYPE, EXACT, TILE_R, TILE_C, CHUNK_R,
-        )  # fmt: skip
-        return
     rows = pid_r * TILE_R + tl.arange(0, TILE_R)
     cols = pid_c * TILE_C + tl.arange(0, TILE_C)
     in_bounds = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
@@ -123,55 +111,6 @@ def _quantize_kernel(
             TILE_C, TILE_R, BLOCK, GIVEN_AMAX, MX, RCEIL, EXACT,
         )  # fmt: skip
         t_mask = (cols < num_cols)[:, None] & (rows < padded_rows)[None, :]
-        tl.store(QT + cols[:, None] * padded_rows + rows[None, :], qt, mask=t_mask)
-
-
-@triton.jit
-def _quantize_chunked(
-    X, Q, S, QT, ST, RSTD, MEAN, WEIGHT, BIAS, pid_r, pid_c, num_rows, num_cols, num_padded_blocks,
-    stride_s_r, stride_s_c, stride_st_c, stride_st_r,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr, MX: tl.constexpr, RCEIL: tl.constexpr, NORM: tl.constexpr,
-    OUT_DTYPE: tl.constexpr, EXACT: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr, CHUNK_R: tl.constexpr,
-):  # fmt: skip
-    """The transposed layout (and the row layout with it) of one ``[TILE_R = BLOCK, TILE_C]`` tile, taken in
-    ``[CHUNK_R, TILE_C]`` chunks so that a thread holds a chunk's share of the tile, not the whole tile's.
-
-    First pass: each chunk's rows are quantized (``ROWS``) and its column maxima folded into the tile's, which
-    gives the transposed layout's one block per column. Second pass: each chunk is read again (from cache) and
-    quantized with those exponents, transposed. Same values as the one-tile body, in fewer registers.
-    """
-    cols = pid_c * TILE_C + tl.arange(0, TILE_C)
-    col_mask = cols < num_cols
-    col_bits = tl.zeros((TILE_C,), dtype=tl.int32)
-    for start in range(0, TILE_R, CHUNK_R):
-        rows = pid_r * TILE_R + start + tl.arange(0, CHUNK_R)
-        in_bounds = (rows < num_rows)[:, None] & col_mask[None, :]
-        offsets = rows[:, None] * num_cols + cols[None, :]
-        x = tl.load(X + offsets, mask=in_bounds, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        if NORM != 0:
-            x = _normalize(x, rows, cols, RSTD, MEAN, WEIGHT, BIAS, num_rows, num_cols, NORM, OUT_DTYPE)
-        if ROWS:
-            q = _quantize_lines(
-                x, rows, pid_c, num_rows, num_cols // BLOCK, None, S, stride_s_r, stride_s_c,
-                CHUNK_R, TILE_C, BLOCK, False, MX, RCEIL, EXACT,
-            )  # fmt: skip
-            tl.store(Q + offsets, q, mask=in_bounds)
-        col_bits = tl.maximum(col_bits, tl.max(_magnitude_bits(x), axis=0))  # padded rows are zeros
-    nonfinite = col_bits >= NONFINITE_BITS
-    exponent = _shared_exponent(col_bits, RCEIL)
-    tl.store(ST + cols * stride_st_c + pid_r * stride_st_r, _scale_value(exponent, nonfinite, MX), mask=col_mask)
-    padded_rows = num_padded_blocks * BLOCK
-    for start in range(0, TILE_R, CHUNK_R):
-        rows = pid_r * TILE_R + start + tl.arange(0, CHUNK_R)
-        in_bounds = (rows < num_rows)[:, None] & col_mask[None, :]
-        x = tl.load(
-            X + rows[:, None] * num_cols + cols[None, :], mask=in_bounds, other=0.0, eviction_policy="evict_first"
-        )
-        x = x.to(tl.float32)
-        if NORM != 0:
-            x = _normalize(x, rows, cols, RSTD, MEAN, WEIGHT, BIAS, num_rows, num_cols, NORM, OUT_DTYPE)
-        qt = tl.trans(_to_e4m3(x, exponent[None, :], nonfinite[None, :], not RCEIL, EXACT))  # [TILE_C, CHUNK_R]
-        t_mask = col_mask[:, None] & (rows < padded_rows)[None, :]
         tl.store(QT + cols[:, None] * padded_rows + rows[None, :], qt, mask=t_mask)
 
 
@@ -347,7 +286,6 @@ def quantize_triton(
     norm: tuple[str, Tensor, Tensor | None, Tensor | None, Tensor | None] | None = None,
     norm_dtype: torch.dtype | None = None,
     one_pass: bool = True,
-    chunked: bool | None = None,
 ) -> tuple[tuple[Tensor, Tensor] | None, tuple[Tensor, Tensor] | None]:
     """Quantize ``[R, C]`` ``x`` (contiguous) along ``C`` (``rows``) and/or along ``R`` transposed (``cols``).
 
@@ -362,9 +300,6 @@ def quantize_triton(
         one_pass: ``rowwise`` rows alone (no ``cols``) of at most :data:`ONE_PASS_MAX_COLS` columns in one read
             of ``x``; False takes the two-pass path (line maxima, then quantization) every layout with ``cols``
             takes. Same results either way (benchmarks time both).
-        chunked: ``1x128`` with ``cols``: True takes the chunked kernel body (a tile's rows in chunks, read twice),
-            False the one-tile body (the whole tile in registers, transposed there); None lets the tuner choose
-            among both. Same results either way (benchmarks time both). ``mx`` has no chunked body.
 
     Returns:
         ``((q, scale) or None, (qt, scale_t) or None)``. Scales: uint8 E8M0 ``[R, C/32]`` for ``mx``; fp32
@@ -414,7 +349,7 @@ def quantize_triton(
         size_class(grid_rows * num_cols),
     )  # fmt: skip
     if grid_rows > 0:  # no rows: nothing to launch
-        _launch(args, meta, grid_rows, num_cols, chunked)
+        _launch(args, meta, grid_rows, num_cols)
     return ((q, s) if rows else None), ((qt, st) if cols else None)
 
 
@@ -425,10 +360,6 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 _CONFIGS = [
     (32, 128, 4), (64, 128, 8), (32, 256, 8), (128, 128, 8), (128, 128, 16), (128, 64, 4), (128, 32, 4), (32, 64, 4),
 ]  # fmt: skip
-# (TILE_R, TILE_C, CHUNK_R, num_warps) of the chunked body (_quantize_chunked): one block of rows, few values per
-# thread, so more programs share an SM. Offline sm_90 compiles of 1x128 rows+cols (bf16): 80, 128 and 48 registers
-# against 128 for the one-tile 128 x 128 at 8 warps; 16-row chunks at 8 warps store qt lines in 8-byte vectors.
-_CHUNKED_CONFIGS = [(128, 128, 16, 4), (128, 128, 32, 4), (128, 128, 16, 8)]
 
 
 def _valid_tiles(tile_r: int, tile_c: int, meta: dict) -> bool:
@@ -442,24 +373,9 @@ def _valid_tiles(tile_r: int, tile_c: int, meta: dict) -> bool:
     return rows or tile_c <= 64 or (tile_r, tile_c) == (128, 128)  # transposed only: tall tiles
 
 
-def _configs(meta: dict, chunked: bool | None) -> list[tuple[int, int, int, int]]:
-    """``(TILE_R, TILE_C, CHUNK_R, num_warps)`` candidates: one-tile ones (``CHUNK_R == TILE_R``) unless
-    ``chunked``; chunked ones where the transposed layout's blocks are found by the kernel (``COLS``, neither
-    ``SQUARE`` nor ``GIVEN_AMAX``) and ``chunked`` is not False, their first first when ``chunked``."""
-    one_tile = [(r, c, r, w) for r, c, w in _CONFIGS if _valid_tiles(r, c, meta)]
-    can_chunk = meta["COLS"] and not meta["SQUARE"] and not meta["GIVEN_AMAX"]
-    chunks = [c for c in _CHUNKED_CONFIGS if c[0] == meta["BLOCK"] and c[1] % meta["BLOCK"] == 0] if can_chunk else []
-    if chunked is None:
-        return one_tile + chunks
-    return chunks if chunked else one_tile
-
-
-def _launch(args: tuple, meta: dict, grid_rows: int, num_cols: int, chunked: bool | None = None) -> None:
+def _launch(args: tuple, meta: dict, grid_rows: int, num_cols: int) -> None:
     """Tuned launch for large inputs (once per size class and flags); the first valid config for small ones."""
-    configs = _configs(meta, chunked)
-    if not configs:
-        raise ValueError(f"no chunked config for blocks of {meta['BLOCK']} with these flags")
-    key = ("quantize", args[-1], args[0].dtype, *(meta[k] for k in _KEY_FLAGS), meta["OUT_DTYPE"], chunked)
+    configs = [c for c in _CONFIGS if _valid_tiles(c[0], c[1], meta)]
+    key = ("quantize", args[-1], args[0].dtype, *(meta[k] for k in _KEY_FLAGS), meta["OUT_DTYPE"])
     grid = lambda tile_r, tile_c: (triton.cdiv(grid_rows, tile_r), triton.cdiv(num_cols, tile_c))  # noqa: E731
-    names = ("TILE_R", "TILE_C", "CHUNK_R")
-    launch_tuned(_quantize_kernel, configs, key, grid, args, meta, grid_rows * num_cols, names)
+    launch_tuned(_quantize_kernel, configs, key, grid, args, meta, grid_rows * num_cols)
