@@ -163,8 +163,17 @@ class _DropGradient(torch.autograd.Function):
 
 
 def _small() -> tuple[torch.Tensor, ...]:
-    offsets = torch.tensor([0, 3, 3, 5])
-    return offsets, *(torch.randn(5, 2, 16, requires_grad=True) for _ in range(3))
+    """Small inputs where the kernels run in this process: the CPU under the interpreter, else a CUDA GPU."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(forward._gdpa_fwd_kernel, InterpretedFunction):
+        device = "cpu"
+    elif torch.cuda.is_available():
+        device = "cuda"
+    else:
+        pytest.skip("GDPA Triton kernels need a CUDA GPU or Triton's interpreter (TRITON_INTERPRET=1)")
+    offsets = torch.tensor([0, 3, 3, 5], device=device)
+    return offsets, *(torch.randn(5, 2, 16, device=device, requires_grad=True) for _ in range(3))
 
 
 def test_calls_without_a_graph_match_and_record_none() -> None:
