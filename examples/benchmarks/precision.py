@@ -190,13 +190,6 @@ def bench_kernels(tokens: int, dim: int, device: str) -> list[dict]:
             lambda lay=layout: quantize(x, lay, cols=True),
             2 * numel + 2 * numel + 2 * scale_bytes[layout],
         )
-        if layout == "1x128":  # a Linear's output gradient: its bias gradient from the same read
-            add(
-                "quantize 1x128 rows+cols + column sums",
-                lambda: quantize(x, "1x128", cols=True, column_sums=True),
-                2 * numel + 2 * numel + 2 * scale_bytes[layout] + 4 * dim,
-            )
-            add("column sums alone (torch, bf16 -> fp32)", lambda: x.sum(0, dtype=torch.float32), 2 * numel + 4 * dim)
         add(
             f"quantize {layout} cols",
             lambda lay=layout: quantize(x, lay, rows=False, cols=True),

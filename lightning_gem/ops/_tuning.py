@@ -18,18 +18,14 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-_TIMEABLE_TYPES = (torch.Tensor, torch.nn.Parameter)  # a weight quantized straight from its Parameter is timeable
-
-
 def can_time(tensors: tuple[object, ...]) -> bool:
-    """Whether candidates can be timed now: real CUDA tensors (plain or ``nn.Parameter``, not other subclasses),
-    no compiler tracing, no graph capture."""
+    """Whether candidates can be timed now: real CUDA tensors, no compiler tracing, no graph capture."""
     from torch._subclasses.fake_tensor import is_fake
 
     if torch.compiler.is_compiling():
         return False
     tensors = tuple(t for t in tensors if isinstance(t, torch.Tensor))
-    if not all(type(t) in _TIMEABLE_TYPES and t.is_cuda and not is_fake(t) for t in tensors):
+    if not all(type(t) is torch.Tensor and t.is_cuda and not is_fake(t) for t in tensors):
         return False
     return not torch.cuda.is_current_stream_capturing()
 

@@ -208,12 +208,7 @@ class _MXLinearFn(torch.autograd.Function):
 
         grad_x = grad_w = grad_b = None
         direct_cols = needs_dw and not layer.mx_hadamard
-        # The bias gradient comes from the read that quantizes dy (unrotated dy only: a rotation mixes columns).
-        dy_sums = ctx.has_bias and ctx.needs_input_grad[2] and not layer.mx_hadamard
-        quantized = quantize(
-            _rotate(dy, layer, plan), plan.act_layout, rounding=rounding, cols=direct_cols, column_sums=dy_sums
-        )
-        dyq, dyq_t = quantized[:2]
+        dyq, dyq_t = quantize(_rotate(dy, layer, plan), plan.act_layout, rounding=rounding, cols=direct_cols)
         if needs_dx:
             if ctx.wq_t_meta is not None:
                 wq_t = _transposed(QuantizedTensor(rest[0], rest[1], ctx.wq_t_meta))
@@ -228,9 +223,7 @@ class _MXLinearFn(torch.autograd.Function):
             xq_t = _saved_tokens_operand(ctx, rest, layer, plan)
             grad_w = scaled_mm(dyq_t, xq_t, out_dtype=_gemm_dtype(torch.float32, plan), backend=plan.gemm)
             grad_w = grad_w.to(weight.dtype)
-        if dy_sums:
-            grad_b = quantized[2].to(weight.dtype)
-        elif ctx.has_bias and ctx.needs_input_grad[2]:
+        if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_out.sum(0).to(weight.dtype)
         return grad_x, grad_w, grad_b, None, None, None
 

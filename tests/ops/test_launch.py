@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -33,14 +32,3 @@ def test_dispatch_modes_and_compilers_see_the_launch() -> None:
 
     traced(x)
     assert seen == [False]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_candidates_are_timed_on_cuda_tensors_and_parameters_but_not_subclasses() -> None:
-    """A weight quantized straight from its ``nn.Parameter`` is tuned like an activation."""
-    from lightning_gem.ops._tuning import can_time
-
-    x = torch.ones(4, device="cuda")
-    assert can_time((x, torch.nn.Parameter(x.clone()), None, 3))
-    assert not can_time((x.as_subclass(_Subclass),)) and not can_time((x.cpu(),))

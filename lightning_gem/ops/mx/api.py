@@ -74,9 +74,8 @@ def quantize(
     rounding: str = "rceil",
     rows: bool = True,
     cols: bool = False,
-    column_sums: bool = False,
     impl: str = "auto",
-) -> tuple:
+) -> tuple[QuantizedTensor | None, QuantizedTensor | None]:
     """Quantize ``[R, C]`` ``x`` to FP8 E4M3 with block scales, along ``C`` and/or along ``R``.
 
     Args:
@@ -89,13 +88,10 @@ def quantize(
         cols: return ``x^T`` quantized along ``R`` (``[C, Rp]``, ``R`` zero-padded to a multiple of the
             block, 128 for ``rowwise``): the layout of a weight-gradient GEMM's operands. The Triton path
             reads ``x`` once for both.
-        column_sums: also return ``x.sum(0)`` as ``[C]`` fp32 (a Linear's bias gradient, from the read that
-            quantizes its output gradient on the Triton path).
         impl: ``"auto"``, ``"reference"`` or ``"triton"`` (module docstring).
 
     Returns:
-        ``(rows or None, cols or None)`` :class:`~lightning_gem.ops.mx.formats.QuantizedTensor` s, and the
-        ``[C]`` sums third with ``column_sums``.
+        ``(rows or None, cols or None)`` :class:`~lightning_gem.ops.mx.formats.QuantizedTensor` s.
 
     Example:
         >>> import torch
@@ -116,11 +112,8 @@ def quantize(
     if resolve_impl(impl, x) == "triton":
         from lightning_gem.ops.mx.impl.triton import mx_quantize
 
-        args = (x.contiguous(), layout, rounding, rows, cols)
-        q, s, qt, st, sums = mx_quantize(*args, *(None,) * 6, True) if column_sums else mx_quantize(*args)
-        row_out = QuantizedTensor(q, s, layout) if rows else None
-        col_out = QuantizedTensor(qt, st, layout) if cols else None
-        return (row_out, col_out, sums) if column_sums else (row_out, col_out)
+        q, s, qt, st = mx_quantize(x.contiguous(), layout, rounding, rows, cols)
+        return (QuantizedTensor(q, s, layout) if rows else None), (QuantizedTensor(qt, st, layout) if cols else None)
     row_out = quantize_reference(x, layout, rounding) if rows else None
     col_out = None
     if cols:
@@ -128,8 +121,6 @@ def quantize(
         padded = torch.zeros(-(-x.shape[0] // pad) * pad, x.shape[1], dtype=x.dtype, device=x.device)
         padded[: x.shape[0]] = x
         col_out = quantize_reference(padded.t().contiguous(), layout, rounding)
-    if column_sums:
-        return row_out, col_out, x.float().sum(0)
     return row_out, col_out
 
 

@@ -35,21 +35,18 @@ def mx_quantize_op(
     weight: Tensor | None = None,
     bias: Tensor | None = None,
     norm_dtype: torch.dtype | None = None,
-    column_sums: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(q, scale, qt, scale_t, sums)`` of :func:`quantize_triton` (empty where not requested)."""
-    return _quantize(x, layout, rounding, rows, cols, norm_kind, rstd, mean, weight, bias, norm_dtype, column_sums)
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(q, scale, qt, scale_t)`` of :func:`quantize_triton` (empty where not requested)."""
+    return _quantize(x, layout, rounding, rows, cols, norm_kind, rstd, mean, weight, bias, norm_dtype)
 
 
-def _quantize(x, layout, rounding, rows, cols, norm_kind, rstd, mean, weight, bias, norm_dtype, column_sums):  # noqa: ANN001, ANN202
+def _quantize(x, layout, rounding, rows, cols, norm_kind, rstd, mean, weight, bias, norm_dtype):  # noqa: ANN001, ANN202
     norm = (norm_kind, rstd, mean, weight, bias) if norm_kind is not None else None
-    out = quantize_triton(
-        x, layout, rounding, rows=rows, cols=cols, norm=norm, norm_dtype=norm_dtype, column_sums=bool(column_sums)
-    )
+    row_out, col_out = quantize_triton(x, layout, rounding, rows=rows, cols=cols, norm=norm, norm_dtype=norm_dtype)
     empty_q, empty_s = x.new_empty(0, dtype=torch.float8_e4m3fn), x.new_empty(0, dtype=torch.float32)
-    q, s = out[0] if out[0] is not None else (empty_q, empty_s)
-    qt, st = out[1] if out[1] is not None else (empty_q, empty_s)
-    return q, s, qt, st, out[2] if column_sums else x.new_empty(0, dtype=torch.float32)  # no output aliases another
+    q, s = row_out if row_out is not None else (empty_q, empty_s)
+    qt, st = col_out if col_out is not None else (empty_q, empty_s)
+    return q, s, qt, st
 
 
 @triton_op("lightning_gem::mx_norm_quantize", mutates_args=())
@@ -95,7 +92,7 @@ def mx_quantize(*args: object) -> tuple[Tensor, ...]:
     """
     if torch.compiler.is_compiling():
         return mx_quantize_op(*args)
-    return _quantize(*args, *(None,) * (12 - len(args)))
+    return _quantize(*args, *(None,) * (11 - len(args)))
 
 
 def mx_norm_quantize(*args: object) -> tuple[Tensor, ...]:

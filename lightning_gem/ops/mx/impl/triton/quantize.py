@@ -42,10 +42,7 @@ from lightning_gem.ops.mx.impl.triton._common import (
 __all__ = ["quantize_triton"]
 
 _NORM_CODES = {None: 0, "rms": 1, "layer": 2}
-_KEY_FLAGS = ["BLOCK", "ROWS", "COLS", "SQUARE", "GIVEN_AMAX", "MX", "NORM", "COL_SUMS"]
-SUM_ROWS = 32
-"""Rows per partial column sum (``column_sums``): every tile config writes the same partials, so a config timed
-by the tuner and the one kept give the same sums."""
+_KEY_FLAGS = ["BLOCK", "ROWS", "COLS", "SQUARE", "GIVEN_AMAX", "MX", "NORM"]
 
 
 @triton.jit
@@ -76,13 +73,12 @@ def _quantize_kernel(
     X, Q, S, QT, ST,  # [R, C] input, [R, C] fp8 + scales, [C, Rp] fp8 + scales
     ROW_AMAX, COL_AMAX,  # [R] / [C] int32 magnitude bits of the line maxima, given in advance (rowwise)
     RSTD, MEAN, WEIGHT, BIAS,  # norm prologue: [R], [R], [C], [C]
-    PARTIAL,  # [ceil(rows / SUM_ROWS), C] fp32 column sums of each SUM_ROWS rows (COL_SUMS)
     num_rows, num_cols, num_padded_blocks,  # Rp = num_padded_blocks * BLOCK
     stride_s_r, stride_s_c, stride_st_c, stride_st_r,
     size_class,  # autotuning key only: log2 of the element count, coarsened
     BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, SQUARE: tl.constexpr, GIVEN_AMAX: tl.constexpr,
     MX: tl.constexpr, RCEIL: tl.constexpr, NORM: tl.constexpr, OUT_DTYPE: tl.constexpr, EXACT: tl.constexpr,
-    COL_SUMS: tl.constexpr, SUM_ROWS: tl.constexpr, TILE_R: tl.constexpr, TILE_C: tl.constexpr,
+    TILE_R: tl.constexpr, TILE_C: tl.constexpr,
 ):  # fmt: skip
     pid_r = tl.program_id(0).to(tl.int64)
     pid_c = tl.program_id(1).to(tl.int64)
@@ -92,12 +88,6 @@ def _quantize_kernel(
     x = tl.load(X + rows[:, None] * num_cols + cols[None, :], mask=in_bounds, other=0.0).to(tl.float32)
     if NORM != 0:
         x = _normalize(x, rows, cols, RSTD, MEAN, WEIGHT, BIAS, num_rows, num_cols, NORM, OUT_DTYPE)
-
-    if COL_SUMS:  # a Linear's bias gradient from the read that quantizes its output gradient
-        parts = tl.sum(tl.reshape(x, (TILE_R // SUM_ROWS, SUM_ROWS, TILE_C)), axis=1)
-        part_rows = pid_r * (TILE_R // SUM_ROWS) + tl.arange(0, TILE_R // SUM_ROWS)
-        part_mask = (part_rows < tl.cdiv(num_rows, SUM_ROWS))[:, None] & (cols < num_cols)[None, :]
-        tl.store(PARTIAL + part_rows[:, None] * num_cols + cols[None, :], parts, mask=part_mask)
 
     if ROWS:
         if SQUARE:  # one scale for the whole 128 x 128 tile
@@ -296,8 +286,7 @@ def quantize_triton(
     norm: tuple[str, Tensor, Tensor | None, Tensor | None, Tensor | None] | None = None,
     norm_dtype: torch.dtype | None = None,
     one_pass: bool = True,
-    column_sums: bool = False,
-) -> tuple:
+) -> tuple[tuple[Tensor, Tensor] | None, tuple[Tensor, Tensor] | None]:
     """Quantize ``[R, C]`` ``x`` (contiguous) along ``C`` (``rows``) and/or along ``R`` transposed (``cols``).
 
     Args:
@@ -311,15 +300,11 @@ def quantize_triton(
         one_pass: ``rowwise`` rows alone (no ``cols``) of at most :data:`ONE_PASS_MAX_COLS` columns in one read
             of ``x``; False takes the two-pass path (line maxima, then quantization) every layout with ``cols``
             takes. Same results either way (benchmarks time both).
-        column_sums: also return ``[C]`` fp32 sums of ``x`` (of ``norm(x)`` with a norm) over its rows, from the
-            same read (a Linear's bias gradient): each program writes the sums of every :data:`SUM_ROWS` rows of
-            its tile, and those partial sums are added up after the launch.
 
     Returns:
         ``((q, scale) or None, (qt, scale_t) or None)``. Scales: uint8 E8M0 ``[R, C/32]`` for ``mx``; fp32
         column-major ``[R, C/128]`` for ``1x128`` (Hopper's GEMM reads them so); ``[R/128, C/128]`` for
         ``128x128``; ``[R, 1]`` for ``rowwise``; the transposed layout's likewise with ``R`` and ``C`` swapped.
-        With ``column_sums``, the ``[C]`` sums come third.
     """
     num_rows, num_cols = x.shape
     norm_dtype = norm_dtype or x.dtype
@@ -346,12 +331,8 @@ def quantize_triton(
     meta = dict(
         BLOCK=block if not rowwise else 128, ROWS=rows, COLS=cols, SQUARE=square, GIVEN_AMAX=rowwise, MX=mx,
         RCEIL=rounding == "rceil", NORM=norm_code, OUT_DTYPE=out_dtype, EXACT=is_interpreted(_quantize_kernel),
-        COL_SUMS=column_sums, SUM_ROWS=SUM_ROWS,
     )  # fmt: skip
-    partial = None
-    if column_sums:
-        partial = torch.empty(-(-num_rows // SUM_ROWS), num_cols, dtype=torch.float32, device=device)
-    elif rowwise and rows and not cols and one_pass and num_cols <= ONE_PASS_MAX_COLS:
+    if rowwise and rows and not cols and one_pass and num_cols <= ONE_PASS_MAX_COLS:
         if num_rows > 0:
             _rowwise_rows(x, q, s, meta, norm_args)
         return (q, s), None
@@ -362,17 +343,14 @@ def quantize_triton(
     args = (
         x, q if rows else placeholder, s if rows else placeholder,
         qt if cols else placeholder, st if cols else placeholder,
-        row_amax, col_amax, *norm_args, partial,
+        row_amax, col_amax, *norm_args,
         num_rows, num_cols, padded_rows // pad_block,
         *(s.stride() if rows else (0, 0)), *(st.stride() if cols else (0, 0)),
         size_class(grid_rows * num_cols),
     )  # fmt: skip
     if grid_rows > 0:  # no rows: nothing to launch
         _launch(args, meta, grid_rows, num_cols)
-    outputs = ((q, s) if rows else None), ((qt, st) if cols else None)
-    if column_sums:
-        return *outputs, partial.sum(0)
-    return outputs
+    return ((q, s) if rows else None), ((qt, st) if cols else None)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -386,8 +364,6 @@ _CONFIGS = [
 
 def _valid_tiles(tile_r: int, tile_c: int, meta: dict) -> bool:
     block, rows, cols = meta["BLOCK"], meta["ROWS"], meta["COLS"]
-    if meta["COL_SUMS"] and tile_r % SUM_ROWS:
-        return False
     if meta["SQUARE"]:
         return (tile_r, tile_c) == (128, 128)
     if not meta["GIVEN_AMAX"] and ((rows and tile_c % block) or (cols and tile_r % block)):
