@@ -128,15 +128,10 @@ def _candidates(case, kwargs: dict) -> None:  # noqa: ANN001
             print(f"    failed    {plan}: {type(error).__name__}")
 
 
-def profile_case(name: str, candidates: bool) -> None:
-    import triton.testing
-
-    workload = make_workload(name, tiny=False, seed=0)
-    label, options = workload.modes[0]
-    case = make_case(workload, label, options, torch.device("cuda"))
+def _calls(case, kwargs: dict) -> tuple:  # noqa: ANN001
+    """``(forward, forward under no_grad, backward, leaves)`` of one GDPA call on fresh leaves of ``case``'s q, k,
+    v; ``backward`` runs ``autograd.grad`` on a graph made once and kept."""
     kv_offsets = None if case.self_attention else case.kv_offsets
-    kwargs = dict(case.options, scale=case.scale, max_seq_len_q=int(case.q_lengths.max()),
-                  max_seq_len_kv=int(case.kv_lengths.max()), impl="triton", check_offsets=False)  # fmt: skip
     leaves = [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
 
     def forward() -> torch.Tensor:
@@ -147,10 +142,23 @@ def profile_case(name: str, candidates: bool) -> None:
             return forward()
 
     out = forward()
-    torch.autograd.grad(out, leaves, case.grad_out, retain_graph=True)  # compiles and tunes
 
     def backward() -> tuple[torch.Tensor, ...]:
         return torch.autograd.grad(out, leaves, case.grad_out, retain_graph=True)
+
+    return forward, forward_no_grad, backward, leaves
+
+
+def profile_case(name: str, candidates: bool) -> None:
+    import triton.testing
+
+    workload = make_workload(name, tiny=False, seed=0)
+    label, options = workload.modes[0]
+    case = make_case(workload, label, options, torch.device("cuda"))
+    hints = dict(max_seq_len_q=int(case.q_lengths.max()), max_seq_len_kv=int(case.kv_lengths.max()))
+    kwargs = dict(case.options, scale=case.scale, **hints, impl="triton", check_offsets=False)
+    forward, forward_no_grad, backward, _ = _calls(case, kwargs)
+    backward()  # compiles and tunes
 
     print(f"\n== {name}: {label} ==")
     # "forward" under no_grad, as before; "fwd+graph" with grad enabled, as in training (the graph is dropped).
@@ -283,22 +291,8 @@ def _profile_host_case(case, hints: dict, launches: Counter, calls: int, cprofil
     import lightning_gem.ops.attention.impl.triton as triton_impl
     from lightning_gem.ops.attention.impl.triton import backward, forward, ops
 
-    kv_offsets = None if case.self_attention else case.kv_offsets
     kwargs = dict(case.options, scale=case.scale, **hints, impl="triton", check_offsets=False)
-    leaves = [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
-
-    def forward_grad() -> torch.Tensor:
-        return gdpa(*leaves, case.q_offsets, kv_offsets, **kwargs)
-
-    def forward_no_grad() -> torch.Tensor:
-        with torch.no_grad():
-            return forward_grad()
-
-    out = forward_grad()
-
-    def backward_call() -> tuple[torch.Tensor, ...]:
-        return torch.autograd.grad(out, leaves, case.grad_out, retain_graph=True)
-
+    forward_grad, forward_no_grad, backward_call, leaves = _calls(case, kwargs)
     backward_call()
     launched = []
     for fn in (forward_grad, backward_call):
