@@ -2,7 +2,8 @@
 # Every GPU measurement behind docs/benchmarks.md and docs/results.md, in one command, each step under its
 # own time limit so one slow or failing step does not cost the others. Results and logs go to OUT.
 #
-# Usage (from the repository root, on a CUDA machine with torchrec and fbgemm-gpu installed):
+# Usage (from the repository root, on a CUDA machine with torchrec, fbgemm-gpu and the kit installed: the
+# package maps components/ and strategies/ into lightning_gem, so `pip install -e .` rather than PYTHONPATH=.):
 #   OUT=gpu-results ML1M=PATH/TO/ml-1m bash examples/benchmarks/run_gpu_suite.sh [STEP ...]
 # STEP: any of tests attention precision balance e2e scaling ml1m ml1m_reference (default: all, in that order).
 # ML1M: the MovieLens-1M folder from https://grouplens.org/datasets/movielens/1m/ (the ml1m step needs it).
