@@ -243,6 +243,13 @@ class _Stubs:
         self.patches.append((owner, name, getattr(owner, name)))
         setattr(owner, name, fake)
 
+    def replay(self, owner: object, name: str, call: Callable[[], object]) -> None:
+        """Stub ``owner.name`` with what it returned during one real ``call()``."""
+        real, fake = _remembering(getattr(owner, name))
+        self.replace(owner, name, real)
+        call()
+        setattr(owner, name, fake)  # restore() still puts back the original: the patch above recorded it
+
     def restore(self) -> None:
         for owner, name, real in reversed(self.patches):
             setattr(owner, name, real)
@@ -312,15 +319,9 @@ def _profile_host_case(case, hints: dict, launches: Counter, calls: int, cprofil
                       "args, tiles", "+ launch()")  # fmt: skip
     for phase, stub in zip(forward_phases, ("impl", "launcher", "launch", None), strict=True):
         if stub == "impl":
-            real, fake = _remembering(triton_impl.gdpa_triton)
-            stubs.replace(triton_impl, "gdpa_triton", real)
-            forward_grad()
-            stubs.replace(triton_impl, "gdpa_triton", fake)
+            stubs.replay(triton_impl, "gdpa_triton", forward_grad)
         elif stub == "launcher":
-            real, fake = _remembering(ops.gdpa_forward)
-            stubs.replace(ops, "gdpa_forward", real)
-            forward_grad()
-            stubs.replace(ops, "gdpa_forward", fake)
+            stubs.replay(ops, "gdpa_forward", forward_grad)
         elif stub == "launch":
             stubs.replace(forward, "launch", lambda *a, **kw: None)
         rows.append((phase, _median_us(forward_grad, calls), _median_us(forward_no_grad, calls)))
@@ -332,10 +333,7 @@ def _profile_host_case(case, hints: dict, launches: Counter, calls: int, cprofil
     backward_phases = ("autograd engine, Function.backward", "+ launcher", "+ launch()")
     for phase, stub in zip(backward_phases, ("launcher", "launch", None), strict=True):
         if stub == "launcher":
-            real, fake = _remembering(ops.gdpa_backward)
-            stubs.replace(ops, "gdpa_backward", real)
-            backward_call()
-            stubs.replace(ops, "gdpa_backward", fake)
+            stubs.replay(ops, "gdpa_backward", backward_call)
         elif stub == "launch":
             stubs.replace(backward, "launch", lambda *a, **kw: None)
         rows.append((phase, _median_us(backward_call, calls)))

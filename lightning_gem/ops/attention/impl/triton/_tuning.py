@@ -22,6 +22,7 @@ from typing import NamedTuple, TypeVar
 import torch
 
 from lightning_gem.ops._tuning import pick_fastest
+from lightning_gem.ops.attention.impl.triton._common import next_power_of_2
 
 __all__ = [
     "BackwardTiles",
@@ -71,7 +72,7 @@ _LAUNCHES: dict[tuple, tuple] = {}
 
 def length_bucket(length: int) -> int:
     """The power of two at or above ``length`` (16 at least): the tuner's key for a length hint."""
-    return 1 << max(int(length) - 1, 15).bit_length()  # next_power_of_2, from 16 up, in one expression
+    return max(16, next_power_of_2(max(int(length), 1)))
 
 
 def _block_tiles(block_size: int | None) -> int | None:

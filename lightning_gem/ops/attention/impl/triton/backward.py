@@ -510,8 +510,7 @@ def gdpa_backward(
 
     def dq_buffer(dtype: torch.dtype) -> Tensor:
         if dtype not in dq_buffers:
-            dq_buffers[dtype] = torch.empty_like(q) if dtype == q.dtype else torch.empty(q.shape, dtype=dtype,
-                                                                                          device=q.device)  # fmt: skip
+            dq_buffers[dtype] = torch.empty_like(q, dtype=dtype)
         return dq_buffers[dtype]
 
     def options(plan: BackwardTiles) -> dict[str, object]:
