@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "HSTULayer",
     "JaggedHistoryEncoder",
+    "RMSNorm",
     "RelativePositionBias",
     "make_norm",
     "pad_tokens_to_multiple",
@@ -39,10 +40,26 @@ __all__ = [
 NormKind = Literal["rms", "layer"]
 
 
+class RMSNorm(nn.RMSNorm):
+    """``nn.RMSNorm`` whose weight follows its input's dtype.
+
+    Under autocast a norm often gets a bf16 input (an attention output, a linear's) while its weight stays
+    fp32. ``torch.rms_norm`` then falls back to its unfused composite, about ten kernels forward and backward
+    instead of one each, a host-bound cost in every layer. Casting the weight to the input's dtype first, as
+    autocast does for a linear's weight, keeps the fused kernel (which accumulates in fp32).
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight = self.weight
+        if weight is not None and weight.dtype != x.dtype:
+            weight = weight.to(x.dtype)
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+
+
 def make_norm(kind: NormKind, dim: int, eps: float = 1e-6) -> nn.Module:
-    """``nn.RMSNorm`` (``"rms"``) or ``nn.LayerNorm`` (``"layer"``) over the last ``dim`` features."""
+    """:class:`RMSNorm` (``"rms"``) or ``nn.LayerNorm`` (``"layer"``) over the last ``dim`` features."""
     if kind == "rms":
-        return nn.RMSNorm(dim, eps=eps)
+        return RMSNorm(dim, eps=eps)
     if kind == "layer":
         return nn.LayerNorm(dim, eps=eps)
     raise ValueError(f"`norm` must be 'rms' or 'layer', got {kind!r}")

@@ -84,3 +84,13 @@ def test_gpu_suite_skips_what_the_machine_lacks(tmp_path: Path) -> None:
         f"scaling: skipped ({torch.cuda.device_count()} GPU)",
         "ml1m: skipped (set ML1M to the ml-1m folder)",
     ]
+
+
+def test_encoder_step_times_each_norm_variant(tmp_path: Path) -> None:
+    out = tmp_path / "encoder.json"
+    sizes = ["--dim", "32", "--num-layers", "2", "--num-heads", "2", "--batch-size", "3", "--max-history-length", "48"]
+    runs = ["--warmup", "1", "--reps", "1", "--variants", "torch-norm", "kit-norm"]
+    _run("encoder_step.py", "--device", "cpu", *sizes, *runs, "--out", str(out))
+    results = json.loads(out.read_text())["results"]
+    assert [r["variant"] for r in results] == ["torch-norm"] * 2 + ["kit-norm"] * 2
+    assert all(r["step_ms"] > 0 and r["tokens"] >= 3 * 16 for r in results)

@@ -77,6 +77,23 @@ def _timer(device: torch.device) -> Callable[[Callable[[], None]], float]:
     return cuda_time if device.type == "cuda" else cpu_time
 
 
+def _device_busy(fn: Callable[[], None], time_ms: Callable[[Callable[[], None]], float]) -> tuple[float, float, int]:
+    """``(step ms, ms of device kernels in it, kernels launched)`` of one call of ``fn``, by ``torch.profiler``: a
+    step that keeps the device busy far less than its length is bound by host time, which balancing cannot even
+    out. Prints the kernels that took longest."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        wall = time_ms(fn)
+    cuda = torch.autograd.DeviceType.CUDA  # device events, less the ranges user annotations (optimizer steps) add
+    kernels = [e for e in prof.events() if e.device_type == cuda and not getattr(e, "is_user_annotation", False)]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.device_time)
+    for name, times in sorted(by_name.items(), key=lambda item: -sum(item[1]))[:12]:
+        print(f"  {sum(times) / 1e3:8.2f} ms {len(times):5d}x  {name[:100]}")
+    return wall, sum(e.device_time for e in kernels) / 1e3, len(kernels)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -89,6 +106,9 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--num-heads", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    parser.add_argument(
+        "--profile", action="store_true", help="also print how busy the device is in the lightest and heaviest share"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -136,13 +156,13 @@ def main() -> None:
             batches = [source.collate([dataset[i] for i in share]).to(device) for share in ranks]
             for batch in batches:  # warm-up: autotune / allocator at every shape of this global batch
                 step(batch)
-            rank_ms = [
-                statistics.median(time_ms(lambda b=batch: step(b)) for _ in range(args.reps)) for batch in batches
-            ]
+            rep_ms = [[time_ms(lambda b=batch: step(b)) for _ in range(args.reps)] for batch in batches]
+            rank_ms = [statistics.median(reps) for reps in rep_ms]
             costs = [float(cost_model(lengths[share]).sum()) for share in ranks]
             rows.append(
                 {
                     "rank_ms": rank_ms,
+                    "rep_ms": rep_ms,
                     "rank_cost": costs,
                     "slowest_ms": max(rank_ms),
                     "mean_ms": statistics.fmean(rank_ms),
@@ -152,6 +172,14 @@ def main() -> None:
                 }
             )
         results[name] = rows
+        if args.profile and name == "plain":
+            first = _rank_shares(lengths, args.num_ranks, args.batch_size, 1, False, cost_model)[0]
+            for share in sorted(first, key=lambda share: cost_model(lengths[share]).sum())[:: len(first) - 1]:
+                batch = source.collate([dataset[i] for i in share]).to(device)
+                wall, busy, launches = _device_busy(lambda b=batch: step(b), time_ms)
+                tokens = int(lengths[share].sum())
+                busy_share = f"device busy {busy:.2f} ms ({busy / wall:.0%}), {launches} kernels"
+                print(f"plain share of {tokens} tokens: step {wall:.2f} ms (profiled), {busy_share}")
 
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(

@@ -10,7 +10,7 @@ from contextvars import ContextVar
 
 import torch
 
-__all__ = ["compile_only", "is_interpreted", "launch", "plain_eager"]
+__all__ = ["cdiv", "compile_only", "is_interpreted", "launch", "next_power_of_2", "plain_eager"]
 
 _COMPILE_ONLY: ContextVar[bool] = ContextVar("lightning_gem_compile_only", default=False)
 
@@ -30,6 +30,16 @@ def plain_eager(args: Sequence[object]) -> bool:
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # a weight passed as it is (FSDP2's unsharded ones too)
 _PLAIN_ARGS = frozenset((*_PLAIN, int, float, bool, str, type(None)))  # the types a launch passes, settled at once
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for a launch grid, in plain Python (Triton's own is a constexpr function: slower on the host)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The power of two at or above ``n`` (1 for ``n <= 1``), in plain Python."""
+    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def is_interpreted(kernel: object) -> bool:

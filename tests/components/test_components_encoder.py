@@ -7,6 +7,8 @@ import torch
 from lightning_gem.components.encoder import (
     HSTULayer,
     JaggedHistoryEncoder,
+    RMSNorm,
+    make_norm,
     pad_tokens_to_multiple,
     recency_positions,
     time_buckets,
@@ -27,6 +29,26 @@ def _randomized(module: nn.Module) -> nn.Module:
             if isinstance(sub, HSTULayer):
                 nn.init.normal_(sub.output.weight, std=0.3)
     return module
+
+
+def test_rms_norm_keeps_the_fused_kernel_for_an_input_of_another_dtype() -> None:
+    norm = make_norm("rms", 64)
+    assert type(norm) is RMSNorm and isinstance(norm, nn.RMSNorm)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(9, 64).to(torch.bfloat16).requires_grad_()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        y = norm(x)
+    assert "aten::_fused_rms_norm" in {e.name for e in prof.events()}  # not the composite fallback
+    # As the unfused norm with the weight in the input's dtype: the output in that dtype, the gradient reaching
+    # the fp32 weight.
+    want = nn.functional.rms_norm(x.float(), (64,), norm.weight.to(torch.bfloat16).float(), norm.eps)
+    assert y.dtype == torch.bfloat16 and norm.weight.dtype == torch.float32
+    torch.testing.assert_close(y.float(), want, rtol=1.6e-2, atol=1e-2)
+    y.float().sum().backward()
+    assert norm.weight.grad is not None and norm.weight.grad.dtype == torch.float32 and x.grad is not None
+    same = torch.randn(9, 64)  # matching dtypes: exactly nn.RMSNorm
+    torch.testing.assert_close(norm(same), nn.RMSNorm.forward(norm, same), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("activation", ["silu", "softmax"])

@@ -269,3 +269,22 @@ def test_untimed_launches_are_listed_with_why() -> None:
     listed = {key: entry for key, entry in untuned_configs().items() if key[0] == "quantize"}
     assert listed and all(key not in chosen_configs() for key in listed)
     assert {why for _, why in listed.values()} <= {"small", "interpreted", "one candidate", "not timeable"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="tuning times candidates on a CUDA GPU")
+@pytest.mark.parametrize("layout", ["mx", "1x128", "rowwise"])
+def test_tuned_launches_match_reference(layout: str) -> None:
+    """Above the tuning threshold every candidate (several tiles a program among them) runs once, and the one
+    chosen writes the reference's bits."""
+    from lightning_gem.ops.mx.impl.triton._common import TUNE_ABOVE
+
+    x = _input(8192, 1024, torch.bfloat16)
+    assert x.numel() >= TUNE_ABOVE
+    for rows, cols in ((True, False), (False, True), (True, True)):
+        got = quantize(x, layout, rows=rows, cols=cols, impl="triton")
+        want = quantize(x, layout, rows=rows, cols=cols, impl="reference")
+        for a, b in zip(got, want, strict=True):
+            assert (a is None) == (b is None) and (a is None or _equal(a, b))
+    weight = _input(1024, 1024, torch.bfloat16)
+    assert _equal(quantize(weight, "128x128", impl="triton")[0], quantize(weight, "128x128", impl="reference")[0])

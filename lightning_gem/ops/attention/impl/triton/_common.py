@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_gem.ops._launch import is_interpreted, launch
+from lightning_gem.ops._launch import cdiv, is_interpreted, launch, next_power_of_2
 
 __all__ = [
     "LOG2E",
@@ -282,16 +282,6 @@ def _load_tile(base, offs_r, stride_r, offs_c, rows_ok, NUM_COLS: tl.constexpr, 
         else:
             tile = tl.load(ptrs, mask=offs_c[None, :] < NUM_COLS, other=0.0)
     return tile
-
-
-def cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` for a launch grid, in plain Python (Triton's own is a constexpr function: slower on the host)."""
-    return -(-a // b)
-
-
-def next_power_of_2(n: int) -> int:
-    """The power of two at or above ``n`` (1 for ``n <= 1``), in plain Python."""
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 @triton.jit

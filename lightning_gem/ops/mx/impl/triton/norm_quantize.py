@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_gem.ops._launch import is_interpreted
+from lightning_gem.ops._launch import cdiv, is_interpreted, next_power_of_2
 from lightning_gem.ops.mx.impl.triton._common import _quantize_rows, _scale_value, launch_tuned, size_class
 from lightning_gem.ops.mx.impl.triton.quantize import _TL_DTYPES, scale_buffer
 
@@ -74,6 +74,9 @@ def _norm_quantize_kernel(
         rows += TILE_R
 
 
+_INTERPRETED = is_interpreted(_norm_quantize_kernel)
+
+
 def norm_quantize_triton(
     x: Tensor,
     weight: Tensor | None,
@@ -96,7 +99,7 @@ def norm_quantize_triton(
     out_dtype = out_dtype or x.dtype
     num_rows, dim = x.shape
     device = x.device
-    block_d = triton.next_power_of_2(dim)
+    block_d = next_power_of_2(dim)
     mx = layout == "mx"
     block = {"mx": 32, "1x128": 128, "rowwise": block_d}[layout]
     q = torch.empty(num_rows, dim, dtype=torch.float8_e4m3fn, device=device)
@@ -110,13 +113,13 @@ def norm_quantize_triton(
     )  # fmt: skip
     meta = dict(
         BLOCK_D=block_d, BLOCK=block, LAYER=kind == "layer", WRITE_Y=write_output, MX=mx,
-        RCEIL=rounding == "rceil", OUT_DTYPE=_TL_DTYPES[out_dtype], EXACT=is_interpreted(_norm_quantize_kernel),
+        RCEIL=rounding == "rceil", OUT_DTYPE=_TL_DTYPES[out_dtype], EXACT=_INTERPRETED,
     )  # fmt: skip
     if not num_rows:
         return q, scale, rstd, mean, y
     configs = [c for c in _CONFIGS if _valid_rows(c[0], c[1], meta)]
     key = ("norm_quantize", args[-1], x.dtype, block_d, block, meta["LAYER"], write_output, mx, out_dtype)
-    grid = lambda tile_r, num_tiles: (triton.cdiv(num_rows, tile_r * num_tiles),)  # noqa: E731
+    grid = lambda tile_r, num_tiles: (cdiv(num_rows, tile_r * num_tiles),)  # noqa: E731
     launch_tuned(_norm_quantize_kernel, configs, key, grid, args, meta, num_rows * dim, ("TILE_R", "NUM_TILES"))
     return q, scale, rstd, mean, y
 

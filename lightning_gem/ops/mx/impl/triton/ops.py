@@ -43,10 +43,10 @@ def mx_quantize_op(
 def _quantize(x, layout, rounding, rows, cols, norm_kind, rstd, mean, weight, bias, norm_dtype):  # noqa: ANN001, ANN202
     norm = (norm_kind, rstd, mean, weight, bias) if norm_kind is not None else None
     row_out, col_out = quantize_triton(x, layout, rounding, rows=rows, cols=cols, norm=norm, norm_dtype=norm_dtype)
-    empty_q, empty_s = x.new_empty(0, dtype=torch.float8_e4m3fn), x.new_empty(0, dtype=torch.float32)
-    q, s = row_out if row_out is not None else (empty_q, empty_s)
-    qt, st = col_out if col_out is not None else (empty_q, empty_s)
-    return q, s, qt, st
+    if row_out is None or col_out is None:  # the op's fixed outputs: empty where not asked for
+        empty = (x.new_empty(0, dtype=torch.float8_e4m3fn), x.new_empty(0, dtype=torch.float32))
+        row_out, col_out = row_out or empty, col_out or empty
+    return (*row_out, *col_out)
 
 
 @triton_op("lightning_gem::mx_norm_quantize", mutates_args=())

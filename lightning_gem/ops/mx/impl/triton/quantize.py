@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_gem.ops._launch import is_interpreted
+from lightning_gem.ops._launch import cdiv, is_interpreted, next_power_of_2
 from lightning_gem.ops.mx.impl.triton._common import (
     NONFINITE_BITS,
     _magnitude_bits,
@@ -105,13 +105,14 @@ def _quantize_kernel(
 
     if COLS:
         padded_rows = num_padded_blocks * BLOCK
-        xt = tl.trans(x)  # [TILE_C, TILE_R]: the tile's columns become rows of the transposed layout
-        qt = _quantize_lines(
-            xt, cols, pid_r, num_cols, num_padded_blocks, COL_AMAX, ST, stride_st_c, stride_st_r,
-            TILE_C, TILE_R, BLOCK, GIVEN_AMAX, MX, RCEIL, EXACT,
+        qc = _quantize_columns(
+            x, cols, pid_r, num_cols, num_padded_blocks, COL_AMAX, ST, stride_st_c, stride_st_r,
+            TILE_R, TILE_C, BLOCK, GIVEN_AMAX, MX, RCEIL, EXACT,
         )  # fmt: skip
+        # Only the FP8 codes are transposed (a quarter of the fp32 tile's bytes through shared memory): the
+        # tile's columns become rows of the transposed layout.
         t_mask = (cols < num_cols)[:, None] & (rows < padded_rows)[None, :]
-        tl.store(QT + cols[:, None] * padded_rows + rows[None, :], qt, mask=t_mask)
+        tl.store(QT + cols[:, None] * padded_rows + rows[None, :], tl.trans(qc), mask=t_mask)
 
 
 @triton.jit
@@ -139,6 +140,40 @@ def _quantize_lines(
         blocks = pid_blocks * (TILE_B // BLOCK) + tl.arange(0, TILE_B // BLOCK)
         scale_mask = (lines < num_lines)[:, None] & (blocks < num_blocks)[None, :]
         scale_ptrs = S + lines[:, None] * stride_line + blocks[None, :] * stride_block
+        tl.store(scale_ptrs, _scale_value(exponent, nonfinite, MX), mask=scale_mask)
+    return q
+
+
+@triton.jit
+def _quantize_columns(
+    x, cols, pid_r, num_cols, num_blocks, AMAX, ST, stride_line, stride_block,
+    TILE_R: tl.constexpr, TILE_C: tl.constexpr, BLOCK: tl.constexpr, GIVEN_AMAX: tl.constexpr, MX: tl.constexpr,
+    RCEIL: tl.constexpr, EXACT: tl.constexpr,
+):  # fmt: skip
+    """Quantize a ``[TILE_R, TILE_C]`` tile down its columns in ``BLOCK x 1`` blocks, in place: the FP8 tile in
+    ``x``'s layout, its scales stored as the transposed layout's (line = column, block = row block).
+
+    ``GIVEN_AMAX``: one block per column, whose maximum (magnitude bits) is read from ``AMAX``; the first tile
+    down the column stores its scale.
+    """
+    col_mask = cols < num_cols
+    if GIVEN_AMAX:
+        amax_bits = tl.load(AMAX + cols, mask=col_mask, other=0)
+        nonfinite = amax_bits >= NONFINITE_BITS
+        exponent = _shared_exponent(amax_bits, RCEIL)
+        q = _to_e4m3(x, exponent[None, :], nonfinite[None, :], not RCEIL, EXACT)
+        tl.store(ST + cols * stride_line, _scale_value(exponent, nonfinite, MX), mask=col_mask & (pid_r == 0))
+    else:
+        NUM_BLOCKS: tl.constexpr = TILE_R // BLOCK
+        blocks = tl.reshape(x, (NUM_BLOCKS, BLOCK, TILE_C))
+        amax_bits = tl.max(_magnitude_bits(blocks), axis=1)  # [NUM_BLOCKS, TILE_C]
+        nonfinite = amax_bits >= NONFINITE_BITS
+        exponent = _shared_exponent(amax_bits, RCEIL)
+        q = _to_e4m3(blocks, exponent[:, None, :], nonfinite[:, None, :], not RCEIL, EXACT)
+        q = tl.reshape(q, (TILE_R, TILE_C))
+        row_blocks = pid_r * NUM_BLOCKS + tl.arange(0, NUM_BLOCKS)
+        scale_mask = (row_blocks < num_blocks)[:, None] & col_mask[None, :]
+        scale_ptrs = ST + cols[None, :] * stride_line + row_blocks[:, None] * stride_block
         tl.store(scale_ptrs, _scale_value(exponent, nonfinite, MX), mask=scale_mask)
     return q
 
@@ -180,7 +215,7 @@ _ONE_PASS_CONFIGS = [(8192, 8), (4096, 4), (16384, 8), (16384, 16)]
 def _one_pass_configs(num_cols: int) -> list[tuple[int, int, int]]:
     """``(TILE_R, TILE_C, num_warps)`` of ``_rowwise_rows_kernel`` for rows of ``num_cols``, at most 64 fp32
     values per thread."""
-    tile_c = triton.next_power_of_2(num_cols)
+    tile_c = next_power_of_2(num_cols)
     configs = []
     for elements, warps in _ONE_PASS_CONFIGS:
         config = (max(1, elements // tile_c), tile_c, warps)
@@ -196,8 +231,11 @@ def _rowwise_rows(x: Tensor, q: Tensor, s: Tensor, meta: dict, norm_args: tuple)
     args = (x, q, s, *norm_args, num_rows, num_cols, size_class(elements))
     meta = {k: meta[k] for k in ("RCEIL", "NORM", "OUT_DTYPE", "EXACT")}
     key = ("rowwise_rows", size_class(elements), x.dtype, num_cols, meta["RCEIL"], meta["NORM"], meta["OUT_DTYPE"])
-    grid = lambda tile_r, tile_c: (triton.cdiv(num_rows, tile_r),)  # noqa: E731
+    grid = lambda tile_r, tile_c: (cdiv(num_rows, tile_r),)  # noqa: E731
     launch_tuned(_rowwise_rows_kernel, _one_pass_configs(num_cols), key, grid, args, meta, elements)
+
+
+_INTERPRETED = is_interpreted(_quantize_kernel)  # whether every kernel here rounds in fp32 first (EXACT)
 
 
 def scale_buffer(layout: str, num_lines: int, num_blocks: int, device: torch.device) -> Tensor:
@@ -263,15 +301,11 @@ def _line_maxima(
     num_rows, num_cols = x.shape
     row_amax = torch.empty(num_rows, dtype=torch.int32, device=x.device) if rows else None
     col_amax = torch.zeros(num_cols, dtype=torch.int32, device=x.device) if cols else None
-    placeholder = x.new_empty(0, dtype=torch.int32)
     elements = num_rows * num_cols
-    args = (
-        x, row_amax if rows else placeholder, col_amax if cols else placeholder, *norm_args,
-        num_rows, num_cols, size_class(elements),
-    )  # fmt: skip
+    args = (x, row_amax, col_amax, *norm_args, num_rows, num_cols, size_class(elements))
     meta = dict(ROWS=rows, COLS=cols, NORM=norm_code, OUT_DTYPE=out_dtype)
     key = ("line_amax", size_class(elements), x.dtype, rows, cols, norm_code, out_dtype)
-    grid = lambda tile_r, tile_c: (triton.cdiv(num_rows, tile_r),)  # noqa: E731
+    grid = lambda tile_r, tile_c: (cdiv(num_rows, tile_r),)  # noqa: E731
     launch_tuned(_line_amax_kernel, _AMAX_CONFIGS, key, grid, args, meta, elements)
     return row_amax, col_amax
 
@@ -325,12 +359,11 @@ def quantize_triton(
         qt = torch.empty(num_cols, padded_rows, dtype=torch.float8_e4m3fn, device=device)
         st = scale_buffer(layout, num_cols, padded_rows // block, device)
 
-    placeholder = x.new_empty(0)
     kind, rstd, mean, weight, bias = norm if norm is not None else (None, None, None, None, None)
     norm_args, norm_code, out_dtype = (rstd, mean, weight, bias), _NORM_CODES[kind], _TL_DTYPES[norm_dtype]
     meta = dict(
         BLOCK=block if not rowwise else 128, ROWS=rows, COLS=cols, SQUARE=square, GIVEN_AMAX=rowwise, MX=mx,
-        RCEIL=rounding == "rceil", NORM=norm_code, OUT_DTYPE=out_dtype, EXACT=is_interpreted(_quantize_kernel),
+        RCEIL=rounding == "rceil", NORM=norm_code, OUT_DTYPE=out_dtype, EXACT=_INTERPRETED,
     )  # fmt: skip
     if rowwise and rows and not cols and one_pass and num_cols <= ONE_PASS_MAX_COLS:
         if num_rows > 0:
@@ -341,9 +374,7 @@ def quantize_triton(
         row_amax, col_amax = _line_maxima(x, rows, cols, norm_args, norm_code, out_dtype)
     grid_rows = padded_rows if cols else num_rows
     args = (
-        x, q if rows else placeholder, s if rows else placeholder,
-        qt if cols else placeholder, st if cols else placeholder,
-        row_amax, col_amax, *norm_args,
+        x, q, s, qt, st, row_amax, col_amax, *norm_args,  # None where absent: the kernel never reads them
         num_rows, num_cols, padded_rows // pad_block,
         *(s.stride() if rows else (0, 0)), *(st.stride() if cols else (0, 0)),
         size_class(grid_rows * num_cols),
@@ -375,7 +406,13 @@ def _valid_tiles(tile_r: int, tile_c: int, meta: dict) -> bool:
 
 def _launch(args: tuple, meta: dict, grid_rows: int, num_cols: int) -> None:
     """Tuned launch for large inputs (once per size class and flags); the first valid config for small ones."""
-    configs = [c for c in _CONFIGS if _valid_tiles(c[0], c[1], meta)]
-    key = ("quantize", args[-1], args[0].dtype, *(meta[k] for k in _KEY_FLAGS), meta["OUT_DTYPE"])
-    grid = lambda tile_r, tile_c: (triton.cdiv(grid_rows, tile_r), triton.cdiv(num_cols, tile_c))  # noqa: E731
+    flags = (*(meta[k] for k in _KEY_FLAGS), meta["OUT_DTYPE"])
+    configs = _VALID_CONFIGS.get(flags)
+    if configs is None:
+        configs = _VALID_CONFIGS[flags] = [c for c in _CONFIGS if _valid_tiles(c[0], c[1], meta)]
+    key = ("quantize", args[-1], args[0].dtype, *flags)
+    grid = lambda tile_r, tile_c: (cdiv(grid_rows, tile_r), cdiv(num_cols, tile_c))  # noqa: E731
     launch_tuned(_quantize_kernel, configs, key, grid, args, meta, grid_rows * num_cols)
+
+
+_VALID_CONFIGS: dict[tuple, list[tuple[int, int, int]]] = {}  # the candidates of each set of flags, pruned once

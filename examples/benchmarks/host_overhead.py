@@ -1,0 +1,87 @@
+"""Host time per call of small GPU launches: torch ops, raw Triton launches and the kit's FP8 quantizers.
+
+Small layers, jagged batches and per-layer kernels make a training step bound by the time the host takes to
+issue its launches. This script measures that time per call on this machine: the median wall clock of a call
+that returns before its kernel has run (nothing waits on the device; inputs are tiny), over ``--calls`` calls
+after a warm-up. References: ``torch.empty`` and one elementwise torch op; a Triton kernel launched with 4 and
+with 28 arguments (the launcher's own cost); then ``lightning_gem.ops.mx.quantize`` in the layouts an FP8
+Linear uses, each one Triton launch plus the kit's Python (validation, allocation, tuning lookup).
+
+Usage (CUDA only):
+    python examples/benchmarks/host_overhead.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from lightning_gem.ops.mx import quantize
+
+
+@triton.jit
+def _copy4(X, Y, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Y + i, tl.load(X + i, mask=i < n), mask=i < n)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _copy28(
+    X, Y, A0, A1, A2, A3, A4, A5, n, s0, s1, s2, s3, s4, s5, s6, s7, s8, s9,
+    B0: tl.constexpr, B1: tl.constexpr, B2: tl.constexpr, B3: tl.constexpr, B4: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Y + i, tl.load(X + i, mask=i < n), mask=i < n)
+
+
+def host_us(fn: Callable[[], object], calls: int) -> float:
+    """Median host microseconds of one call of ``fn`` (issued, not waited on)."""
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=3000)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("host_overhead.py measures CUDA launches: no CUDA device here")
+    x = torch.randn(4096, device="cuda")
+    y = torch.empty_like(x)
+    extra = [torch.empty(16, device="cuda") for _ in range(6)]
+    a = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    cases: list[tuple[str, Callable[[], object]]] = [
+        ("torch.empty", lambda: torch.empty(256, 512, device="cuda")),
+        ("torch add", lambda: x.add(1)),
+        ("Triton launch, 4 arguments", lambda: _copy4[(4,)](x, y, 4096, BLOCK=1024)),
+        (
+            "Triton launch, 28 arguments",
+            lambda: _copy28[(4,)](x, y, *extra, 4096, *range(1, 11), B0=1, B1=2, B2=3, B3=4, B4=5, BLOCK=1024),
+        ),
+        ("quantize 1x128 rows", lambda: quantize(a, "1x128")),
+        ("quantize 1x128 rows+cols", lambda: quantize(a, "1x128", cols=True)),
+        ("quantize rowwise rows", lambda: quantize(a, "rowwise")),
+        ("quantize 128x128 (weight)", lambda: quantize(a, "128x128")),
+    ]
+    print(f"host time per call on {torch.cuda.get_device_name()}, median of {args.calls}")
+    print("| call | host us |\n| --- | --- |")
+    for name, fn in cases:
+        print(f"| {name} | {host_us(fn, args.calls):.1f} |")
+
+
+if __name__ == "__main__":
+    main()
