@@ -33,6 +33,7 @@ def _norm_quantize_kernel(
     size_class,  # autotuning key only
     BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, LAYER: tl.constexpr, WRITE_Y: tl.constexpr, MX: tl.constexpr,
     RCEIL: tl.constexpr, OUT_DTYPE: tl.constexpr, EXACT: tl.constexpr, TILE_R: tl.constexpr, NUM_TILES: tl.constexpr,
+    EVEN_D: tl.constexpr,  # dim == BLOCK_D: no padding columns to zero (rows past the end are never stored)
 ):  # fmt: skip
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < dim
@@ -48,14 +49,14 @@ def _norm_quantize_kernel(
         row_mask = rows < num_rows
         mask = row_mask[:, None] & col_mask[None, :]
         offsets = rows[:, None] * dim + cols[None, :]
-        x = tl.where(mask, x_next.to(tl.float32), 0.0)
+        x = x_next.to(tl.float32) if EVEN_D else tl.where(mask, x_next.to(tl.float32), 0.0)
         if NUM_TILES > 1:  # the next tile's load is in flight while this one is computed
             next_rows = rows + TILE_R
             next_mask = ((next_rows < num_rows) & (tile + 1 < NUM_TILES))[:, None] & col_mask[None, :]
             x_next = tl.load(X + next_rows[:, None] * dim + cols[None, :], mask=next_mask)
         if LAYER:
             mean = tl.sum(x, axis=1) / dim
-            x = tl.where(mask, x - mean[:, None], 0.0)
+            x = x - mean[:, None] if EVEN_D else tl.where(mask, x - mean[:, None], 0.0)
             tl.store(MEAN + rows, mean, mask=row_mask)
         rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / dim + eps)
         tl.store(RSTD + rows, rstd, mask=row_mask)
@@ -64,7 +65,9 @@ def _norm_quantize_kernel(
             y = y * weight[None, :]
         if BIAS is not None:
             y = y + bias[None, :]
-        y = tl.where(mask, y, 0.0).to(OUT_DTYPE)
+        if not EVEN_D:
+            y = tl.where(mask, y, 0.0)
+        y = y.to(OUT_DTYPE)
         if WRITE_Y:
             tl.store(Y + offsets, y, mask=mask)
         q, exponent, nonfinite = _quantize_rows(y.to(tl.float32), TILE_R, BLOCK_D, BLOCK, RCEIL, EXACT)
@@ -113,7 +116,7 @@ def norm_quantize_triton(
     )  # fmt: skip
     meta = dict(
         BLOCK_D=block_d, BLOCK=block, LAYER=kind == "layer", WRITE_Y=write_output, MX=mx,
-        RCEIL=rounding == "rceil", OUT_DTYPE=_TL_DTYPES[out_dtype], EXACT=_INTERPRETED,
+        RCEIL=rounding == "rceil", OUT_DTYPE=_TL_DTYPES[out_dtype], EXACT=_INTERPRETED, EVEN_D=dim == block_d,
     )  # fmt: skip
     if not num_rows:
         return q, scale, rstd, mean, y
