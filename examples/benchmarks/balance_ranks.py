@@ -149,37 +149,44 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
 
     time_ms = _timer(device)
-    results: dict[str, list[dict[str, float]]] = {}
-    for name, balanced in (("plain", False), ("balanced", True)):
-        rows = []
-        for ranks in _rank_shares(lengths, args.num_ranks, args.batch_size, args.num_batches, balanced, cost_model):
-            batches = [source.collate([dataset[i] for i in share]).to(device) for share in ranks]
-            for batch in batches:  # warm-up: autotune / allocator at every shape of this global batch
-                step(batch)
-            rep_ms = [[time_ms(lambda b=batch: step(b)) for _ in range(args.reps)] for batch in batches]
-            rank_ms = [statistics.median(reps) for reps in rep_ms]
-            costs = [float(cost_model(lengths[share]).sum()) for share in ranks]
-            rows.append(
-                {
-                    "rank_ms": rank_ms,
-                    "rep_ms": rep_ms,
-                    "rank_cost": costs,
-                    "slowest_ms": max(rank_ms),
-                    "mean_ms": statistics.fmean(rank_ms),
-                    "time_imbalance": max(rank_ms) / statistics.fmean(rank_ms),
-                    "cost_imbalance": max(costs) / statistics.fmean(costs),
-                    "tokens": int(sum(lengths[i] for share in ranks for i in share)),
-                }
-            )
-        results[name] = rows
-        if args.profile and name == "plain":
-            first = _rank_shares(lengths, args.num_ranks, args.batch_size, 1, False, cost_model)[0]
-            for share in sorted(first, key=lambda share: cost_model(lengths[share]).sum())[:: len(first) - 1]:
-                batch = source.collate([dataset[i] for i in share]).to(device)
-                wall, busy, launches = _device_busy(lambda b=batch: step(b), time_ms)
-                tokens = int(lengths[share].sum())
-                busy_share = f"device busy {busy:.2f} ms ({busy / wall:.0%}), {launches} kernels"
-                print(f"plain share of {tokens} tokens: step {wall:.2f} ms (profiled), {busy_share}")
+
+    def measure(ranks: list[list[int]]) -> dict[str, object]:
+        """Warm up and time every rank's share of one global batch split."""
+        batches = [source.collate([dataset[i] for i in share]).to(device) for share in ranks]
+        for batch in batches:  # warm-up: autotune / allocator at every shape of this global batch
+            step(batch)
+        rep_ms = [[time_ms(lambda b=batch: step(b)) for _ in range(args.reps)] for batch in batches]
+        rank_ms = [statistics.median(reps) for reps in rep_ms]
+        costs = [float(cost_model(lengths[share]).sum()) for share in ranks]
+        return {
+            "rank_ms": rank_ms,
+            "rep_ms": rep_ms,
+            "rank_cost": costs,
+            "slowest_ms": max(rank_ms),
+            "mean_ms": statistics.fmean(rank_ms),
+            "time_imbalance": max(rank_ms) / statistics.fmean(rank_ms),
+            "cost_imbalance": max(costs) / statistics.fmean(costs),
+            "tokens": int(sum(lengths[i] for share in ranks for i in share)),
+        }
+
+    # Each global batch is timed split both ways, back to back, the split that goes first alternating from batch
+    # to batch: a drift of the machine over the run (clocks, allocator, host caches) falls on both alike.
+    splits = {
+        name: _rank_shares(lengths, args.num_ranks, args.batch_size, args.num_batches, balanced, cost_model)
+        for name, balanced in (("plain", False), ("balanced", True))
+    }
+    results: dict[str, list[dict[str, object]]] = {"plain": [], "balanced": []}
+    for index in range(args.num_batches):
+        for name in ("plain", "balanced") if index % 2 == 0 else ("balanced", "plain"):
+            results[name].append(measure(splits[name][index]))
+    if args.profile:  # after all timing: a profiler run can leave the process slower for a while
+        first = splits["plain"][0]
+        for share in sorted(first, key=lambda share: cost_model(lengths[share]).sum())[:: len(first) - 1]:
+            batch = source.collate([dataset[i] for i in share]).to(device)
+            wall, busy, launches = _device_busy(lambda b=batch: step(b), time_ms)
+            tokens = int(lengths[share].sum())
+            busy_share = f"device busy {busy:.2f} ms ({busy / wall:.0%}), {launches} kernels"
+            print(f"plain share of {tokens} tokens: step {wall:.2f} ms (profiled), {busy_share}")
 
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
