@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from gem_example import device_kernels
 from lightning_gem.components import GEMRanker
 from torch.utils.data import DistributedSampler
 
@@ -84,8 +85,7 @@ def _device_busy(fn: Callable[[], None], time_ms: Callable[[Callable[[], None]],
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
         wall = time_ms(fn)
-    cuda = torch.autograd.DeviceType.CUDA  # device events, less the ranges user annotations (optimizer steps) add
-    kernels = [e for e in prof.events() if e.device_type == cuda and not getattr(e, "is_user_annotation", False)]
+    kernels = device_kernels(prof)
     by_name: dict[str, list[float]] = {}
     for e in kernels:
         by_name.setdefault(e.name, []).append(e.device_time)

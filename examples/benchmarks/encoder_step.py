@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gem_example import device_kernels
 from lightning_gem.components.encoder import JaggedHistoryEncoder, RMSNorm
 from torch import nn
 
@@ -67,8 +68,7 @@ def profile_step(step: Callable[[], None], device: torch.device) -> tuple[int, f
         step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    cuda = torch.autograd.DeviceType.CUDA  # device events, less the ranges user annotations (optimizer steps) add
-    kernels = [e for e in prof.events() if e.device_type == cuda and not getattr(e, "is_user_annotation", False)]
+    kernels = device_kernels(prof)
     return len(kernels), sum(e.device_time for e in kernels) / 1e3
 
 

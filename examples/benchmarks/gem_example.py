@@ -30,6 +30,7 @@ __all__ = [
     "StepClock",
     "SyncPoints",
     "add_shape_arguments",
+    "device_kernels",
     "gem_ranker",
     "synthetic_users",
     "use_tiny_shapes",
@@ -81,6 +82,13 @@ def gem_ranker(source: SyntheticRankingSource, args: argparse.Namespace, attenti
         attention_impl=attention_impl,
         lr=1e-4,
     )
+
+
+def device_kernels(prof: torch.profiler.profile) -> list[Any]:
+    """The kernels a finished ``torch.profiler`` run recorded on CUDA devices, without the device-side ranges of
+    user annotations (an optimizer step's), which would count their kernels twice."""
+    cuda = torch.autograd.DeviceType.CUDA
+    return [e for e in prof.events() if e.device_type == cuda and not getattr(e, "is_user_annotation", False)]
 
 
 class ProfileLastSteps(L.Callback):

@@ -13,6 +13,8 @@ norm=...)``, so no normalised activation is ever stored for backward.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -120,7 +122,7 @@ def norm_quantize_triton(
     )  # fmt: skip
     if not num_rows:
         return q, scale, rstd, mean, y
-    configs = [c for c in _CONFIGS if _valid_rows(c[0], c[1], meta)]
+    configs = _valid_configs(block_d)
     key = ("norm_quantize", args[-1], x.dtype, block_d, block, meta["LAYER"], write_output, mx, out_dtype)
     grid = lambda tile_r, num_tiles: (cdiv(num_rows, tile_r * num_tiles),)  # noqa: E731
     launch_tuned(_norm_quantize_kernel, configs, key, grid, args, meta, num_rows * dim, ("TILE_R", "NUM_TILES"))
@@ -132,5 +134,11 @@ def norm_quantize_triton(
 _CONFIGS = [(2, 1, 8), (1, 1, 4), (2, 8, 8), (1, 8, 4), (4, 1, 8), (8, 1, 8), (16, 1, 8)]
 
 
-def _valid_rows(tile_r: int, _: int, meta: dict) -> bool:
-    return tile_r * meta["BLOCK_D"] <= 16384 and (tile_r >= 4 or meta["BLOCK_D"] >= 1024 or tile_r * 32 >= 64)
+@functools.cache
+def _valid_configs(block_d: int) -> tuple[tuple[int, int, int], ...]:
+    """The candidates for rows padded to ``block_d`` (pruned once per width)."""
+    return tuple(c for c in _CONFIGS if _valid_rows(c[0], block_d))
+
+
+def _valid_rows(tile_r: int, block_d: int) -> bool:
+    return tile_r * block_d <= 16384 and (tile_r >= 4 or block_d >= 1024 or tile_r * 32 >= 64)

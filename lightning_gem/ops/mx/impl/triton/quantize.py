@@ -22,6 +22,8 @@ first, so a norm's output is quantized straight from its input without being wri
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -212,16 +214,17 @@ ONE_PASS_MAX_COLS = 16384
 _ONE_PASS_CONFIGS = [(8192, 8), (4096, 4), (16384, 8), (16384, 16)]
 
 
-def _one_pass_configs(num_cols: int) -> list[tuple[int, int, int]]:
+@functools.cache
+def _one_pass_configs(num_cols: int) -> tuple[tuple[int, int, int], ...]:
     """``(TILE_R, TILE_C, num_warps)`` of ``_rowwise_rows_kernel`` for rows of ``num_cols``, at most 64 fp32
-    values per thread."""
+    values per thread (listed once per width)."""
     tile_c = next_power_of_2(num_cols)
-    configs = []
+    configs: list[tuple[int, int, int]] = []
     for elements, warps in _ONE_PASS_CONFIGS:
         config = (max(1, elements // tile_c), tile_c, warps)
         if config[0] * tile_c <= 64 * 32 * warps and config not in configs:
             configs.append(config)
-    return configs
+    return tuple(configs)
 
 
 def _rowwise_rows(x: Tensor, q: Tensor, s: Tensor, meta: dict, norm_args: tuple) -> None:
@@ -393,11 +396,18 @@ _CONFIGS = [
 ]  # fmt: skip
 
 
-def _valid_tiles(tile_r: int, tile_c: int, meta: dict) -> bool:
-    block, rows, cols = meta["BLOCK"], meta["ROWS"], meta["COLS"]
-    if meta["SQUARE"]:
+@functools.cache
+def _valid_configs(
+    block: int, rows: bool, cols: bool, square: bool, given_amax: bool
+) -> tuple[tuple[int, int, int], ...]:
+    """The candidates whose tiles hold whole scale blocks for these flags (pruned once per set of flags)."""
+    return tuple(c for c in _CONFIGS if _valid_tiles(c[0], c[1], block, rows, cols, square, given_amax))
+
+
+def _valid_tiles(tile_r: int, tile_c: int, block: int, rows: bool, cols: bool, square: bool, given_amax: bool) -> bool:
+    if square:
         return (tile_r, tile_c) == (128, 128)
-    if not meta["GIVEN_AMAX"] and ((rows and tile_c % block) or (cols and tile_r % block)):
+    if not given_amax and ((rows and tile_c % block) or (cols and tile_r % block)):
         return False
     if not cols:
         return tile_r <= 64  # rows only: short, wide tiles
@@ -406,13 +416,7 @@ def _valid_tiles(tile_r: int, tile_c: int, meta: dict) -> bool:
 
 def _launch(args: tuple, meta: dict, grid_rows: int, num_cols: int) -> None:
     """Tuned launch for large inputs (once per size class and flags); the first valid config for small ones."""
-    flags = (*(meta[k] for k in _KEY_FLAGS), meta["OUT_DTYPE"])
-    configs = _VALID_CONFIGS.get(flags)
-    if configs is None:
-        configs = _VALID_CONFIGS[flags] = [c for c in _CONFIGS if _valid_tiles(c[0], c[1], meta)]
-    key = ("quantize", args[-1], args[0].dtype, *flags)
+    configs = _valid_configs(meta["BLOCK"], meta["ROWS"], meta["COLS"], meta["SQUARE"], meta["GIVEN_AMAX"])
+    key = ("quantize", args[-1], args[0].dtype, *(meta[k] for k in _KEY_FLAGS), meta["OUT_DTYPE"])
     grid = lambda tile_r, tile_c: (cdiv(grid_rows, tile_r), cdiv(num_cols, tile_c))  # noqa: E731
     launch_tuned(_quantize_kernel, configs, key, grid, args, meta, grid_rows * num_cols)
-
-
-_VALID_CONFIGS: dict[tuple, list[tuple[int, int, int]]] = {}  # the candidates of each set of flags, pruned once
