@@ -93,6 +93,27 @@ def time_step(step: Callable[[], None], device: torch.device, reps: int) -> tupl
     return statistics.median(step_ms), statistics.median(host_ms)
 
 
+def host_profile(step: Callable[[], None], device: torch.device, steps: int, label: str) -> None:
+    """Print the 25 functions with the most own host time over ``steps`` steps (cProfile), and their callers'
+    totals: where a host-bound step's time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    profiler.disable()
+    for key in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(25)
+        print(f"== {label}: cProfile over {steps} steps, by {key} ==")
+        print("\n".join(line[:180] for line in text.getvalue().splitlines()[6:] if line.strip()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -106,6 +127,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
+    parser.add_argument(
+        "--cprofile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print the host functions with the most own time over "
+        "N steps of each variant's first share (Python's cProfile)",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     rng = np.random.default_rng(0)
@@ -145,6 +174,8 @@ def main() -> None:
             warmup_s = time.perf_counter() - started
             step_ms, host_ms = time_step(step, device, args.reps)
             kernels, device_ms = profile_step(step, device)
+            if args.cprofile and lengths is shares[0]:
+                host_profile(step, device, args.cprofile, variant)
             row = dict(variant=variant, tokens=int(lengths.sum()), step_ms=step_ms, host_ms=host_ms)
             results.append({**row, "kernels": kernels, "device_ms": device_ms, "warmup_s": warmup_s})
             print(

@@ -5,7 +5,9 @@ issue its launches. This script measures that time per call on this machine: the
 that returns before its kernel has run (nothing waits on the device; inputs are tiny), over ``--calls`` calls
 after a warm-up. References: ``torch.empty`` and one elementwise torch op; a Triton kernel launched with 4 and
 with 28 arguments (the launcher's own cost); then ``lightning_gem.ops.mx.quantize`` in the layouts an FP8
-Linear uses, each one Triton launch plus the kit's Python (validation, allocation, tuning lookup).
+Linear uses, each one Triton launch plus the kit's Python (validation, allocation, tuning lookup); then GDPA's
+forward, and its forward and backward, on a tiny jagged batch (an HSTU layer makes one such call), beside
+SDPA's on a padded batch of the same size.
 
 Usage (CUDA only):
     python examples/benchmarks/host_overhead.py
@@ -22,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lightning_gem.ops import gdpa
 from lightning_gem.ops.mx import quantize
 
 
@@ -54,9 +57,78 @@ def host_us(fn: Callable[[], object], calls: int) -> float:
     return statistics.median(times) * 1e6
 
 
+def device_syncs(fn: Callable[[], object]) -> int:
+    """How many times one call of ``fn`` makes the host wait for the device (``torch.cuda.set_sync_debug_mode``)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def host_profile(name: str, fn: Callable[[], object], calls: int) -> None:
+    """Print the 30 functions with the most own host time over ``calls`` calls of ``fn`` (cProfile)."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+    print(f"== {name}: cProfile over {calls} calls, by own time ==")
+    print("\n".join(line[:180] for line in text.getvalue().splitlines()[4:] if line.strip()))
+
+
+def _attention_cases() -> list[tuple[str, Callable[[], object]]]:
+    """GDPA (Triton) and SDPA (padded) forward, and forward + backward, on 8 sequences of 64 tokens, 4 heads x 128."""
+    segments, length, heads, dim = 8, 64, 4, 128
+    q, k, v = (
+        torch.randn(segments * length, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    offsets = torch.arange(0, segments * length + 1, length, device="cuda", dtype=torch.int32)
+    qp, kp, vp = (
+        torch.randn(segments, heads, length, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+
+    def gdpa_forward(activation: str) -> torch.Tensor:
+        return gdpa(
+            q, k, v, offsets, activation=activation, causal=True, max_seq_len_q=length, impl="triton",
+            check_offsets=False,
+        )  # fmt: skip
+
+    def sdpa_forward() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, is_causal=True)
+
+    return [
+        ("GDPA softmax forward", lambda: gdpa_forward("softmax")),
+        ("GDPA softmax forward + backward", lambda: gdpa_forward("softmax").sum().backward()),
+        ("GDPA silu forward + backward", lambda: gdpa_forward("silu").sum().backward()),
+        ("SDPA forward (padded)", sdpa_forward),
+        ("SDPA forward + backward (padded)", lambda: sdpa_forward().sum().backward()),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument(
+        "--cprofile", nargs="*", default=[], metavar="CALL",
+        help="also print where the host time of these calls goes (cProfile over --calls calls; a prefix of the name)",
+    )  # fmt: skip
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("host_overhead.py measures CUDA launches: no CUDA device here")
@@ -76,11 +148,15 @@ def main() -> None:
         ("quantize 1x128 rows+cols", lambda: quantize(a, "1x128", cols=True)),
         ("quantize rowwise rows", lambda: quantize(a, "rowwise")),
         ("quantize 128x128 (weight)", lambda: quantize(a, "128x128")),
+        *_attention_cases(),
     ]
     print(f"host time per call on {torch.cuda.get_device_name()}, median of {args.calls}")
-    print("| call | host us |\n| --- | --- |")
+    print("| call | host us | device syncs |\n| --- | --- | --- |")
     for name, fn in cases:
-        print(f"| {name} | {host_us(fn, args.calls):.1f} |")
+        print(f"| {name} | {host_us(fn, args.calls):.1f} | {device_syncs(fn)} |")
+    for name, fn in cases:
+        if any(name.startswith(prefix) for prefix in args.cprofile):
+            host_profile(name, fn, args.calls)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,36 @@ def test_floor_rounding_matches_reference(layout: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 64), (37, 256), (300, 96)], ids=str)
+@pytest.mark.parametrize("layout", ["mx", "1x128"])
+def test_columns_alone_match_reference(layout: str, shape: tuple[int, int], dtype: torch.dtype) -> None:
+    """The transposed layout without the row layout (for ``mx`` its own launch: columns of 3-D slabs)."""
+    if layout == "1x128" and shape[1] % 128:
+        shape = (shape[0], 128)
+    x = _input(*shape, dtype)
+    rows_t, cols_t = quantize(x, layout, rows=False, cols=True, impl="triton")
+    assert rows_t is None and _equal(cols_t, quantize(x, layout, cols=True, impl="reference")[1])
+
+
+@pytest.mark.parametrize("config", [(2, 512, 4), (1, 256, 4)], ids=str)
+def test_wide_row_tiles_match_reference(config: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The short, wide tiles rows alone may take (here wider than the rows, and over a ragged last tile)."""
+    from lightning_gem.ops.mx.impl.triton import quantize as triton_quantize
+
+    x = _input(37, 384, torch.float16)
+    monkeypatch.setattr(triton_quantize, "_CONFIGS", [config])
+    triton_quantize._valid_configs.cache_clear()  # the candidates are pruned once per set of flags: prune these
+    try:
+        for layout in ("mx", "1x128", "rowwise"):
+            got = triton_quantize.quantize_triton(x, layout, one_pass=False)[0]
+            want = quantize(x, layout, impl="reference")[0]
+            assert _equal(QuantizedTensor(*got, layout), want), layout
+    finally:
+        monkeypatch.undo()
+        triton_quantize._valid_configs.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 @pytest.mark.parametrize("layout", ["mx", "1x128", "rowwise"])
 @pytest.mark.parametrize("dim", [384, 256])  # padded to a power of two in the kernel, or not

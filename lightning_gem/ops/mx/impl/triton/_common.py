@@ -83,6 +83,16 @@ def _to_e4m3(x, exponent, nonfinite, SATURATE: tl.constexpr, EXACT: tl.constexpr
 
 
 @triton.jit
+def _magnitude_bits_of(x):
+    """``_magnitude_bits`` of ``x`` in its own dtype's values: a bf16 tile's from its 16-bit patterns (the fp32
+    pattern of a bf16 value is its own shifted up 16 bits), so the tile need not be held widened to fp32."""
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) & 0x7FFF) << 16
+    else:
+        return _magnitude_bits(x.to(tl.float32))
+
+
+@triton.jit
 def _scale_value(exponent, nonfinite, MX: tl.constexpr):
     """What a scale tensor stores: biased E8M0 (``0xFF`` NaN) for ``MX``, else fp32 ``2^e`` (NaN)."""
     if MX:
@@ -143,7 +153,7 @@ def launch_tuned(
     kernel: object,
     configs: list[tuple[int, ...]],
     key: tuple,
-    grid: Callable[[int, int], tuple[int, ...]],
+    grid: Callable[..., tuple[int, ...]],
     args: tuple,
     meta: dict,
     elements: int,
@@ -165,7 +175,7 @@ def launch_tuned(
 
     def run(config: tuple[int, ...]) -> None:
         *tiles, warps = config
-        launch(kernel, grid(*tiles[:2]), args, {**meta, **dict(zip(names, tiles, strict=True)), "num_warps": warps})
+        launch(kernel, grid(*tiles), args, {**meta, **dict(zip(names, tiles, strict=True)), "num_warps": warps})
 
     config = pick_fastest(_CHOSEN, key, configs, run, args)
     _note_untuned(key, config, why or ("one candidate" if len(configs) == 1 else "not timeable"))
