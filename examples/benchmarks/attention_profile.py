@@ -49,6 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from attention import WORKLOAD_NAMES, make_case, make_workload  # noqa: E402
+from gem_example import cprofile_table  # noqa: E402
 
 from lightning_gem.ops import gdpa  # noqa: E402
 
@@ -349,7 +350,6 @@ def _profile_host_case(case, hints: dict, launches: Counter, calls: int, cprofil
 
 def _print_cprofile(forward_call: Callable, backward_call: Callable, calls: int) -> None:
     import cProfile
-    import pstats
 
     for part, fn in (("forward", forward_call), ("backward", backward_call)):
         profiler = cProfile.Profile()
@@ -357,8 +357,7 @@ def _print_cprofile(forward_call: Callable, backward_call: Callable, calls: int)
         for _ in range(calls):
             fn()
         profiler.disable()
-        print(f"cProfile, {part} ({calls} calls), by own time:")
-        pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(20)
+        print(cprofile_table(profiler, f"cProfile, {part} ({calls} calls)", rows=20, keys=("tottime",)))
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gem_example import device_kernels
+from gem_example import cprofile_table, device_kernels
 from lightning_gem.components.encoder import JaggedHistoryEncoder, RMSNorm
 from torch import nn
 
@@ -94,11 +94,9 @@ def time_step(step: Callable[[], None], device: torch.device, reps: int) -> tupl
 
 
 def host_profile(step: Callable[[], None], device: torch.device, steps: int, label: str) -> None:
-    """Print the 25 functions with the most own host time over ``steps`` steps (cProfile), and their callers'
-    totals: where a host-bound step's time goes."""
+    """Print the 25 functions with the most own host time over ``steps`` steps (cProfile), and the 25 with the most
+    time with callees: where a host-bound step's time goes."""
     import cProfile
-    import io
-    import pstats
 
     profiler = cProfile.Profile()
     profiler.enable()
@@ -107,11 +105,7 @@ def host_profile(step: Callable[[], None], device: torch.device, steps: int, lab
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     profiler.disable()
-    for key in ("tottime", "cumulative"):
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(25)
-        print(f"== {label}: cProfile over {steps} steps, by {key} ==")
-        print("\n".join(line[:180] for line in text.getvalue().splitlines()[6:] if line.strip()))
+    print(cprofile_table(profiler, f"{label}: cProfile over {steps} steps", rows=25))
 
 
 def main() -> None:

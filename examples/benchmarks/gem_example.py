@@ -4,6 +4,9 @@ and model.
 ``GEMRanker`` (torchrec embedding tables, an HSTU history encoder, GDPA candidate interaction, multi-task
 head) on synthetic GEM-like users: histories ``clip(L u^3, 16, L)`` up to ``--max-history`` events with
 several features per event and pooled user features, hundreds of candidates per user.
+
+Also the profiling helpers the benchmarks share. The model and the data load when first used, so scripts that
+time only ops (``host_overhead.py``, ``attention_profile.py``) import this module without torchrec.
 """
 
 from __future__ import annotations
@@ -16,13 +19,15 @@ import time
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
-from lightning_gem.components import GEMRanker
 
-from lightning_gem.data import SyntheticRankingSource
+if TYPE_CHECKING:
+    from lightning_gem.components import GEMRanker
+
+    from lightning_gem.data import SyntheticRankingSource
 
 __all__ = [
     "CProfileLastSteps",
@@ -30,6 +35,7 @@ __all__ = [
     "StepClock",
     "SyncPoints",
     "add_shape_arguments",
+    "cprofile_table",
     "device_kernels",
     "gem_ranker",
     "synthetic_users",
@@ -57,6 +63,8 @@ def use_tiny_shapes(args: argparse.Namespace) -> None:
 
 def synthetic_users(args: argparse.Namespace, num_users: int) -> SyntheticRankingSource:
     """``num_users`` training users of the shape arguments' sizes (one validation and one test user)."""
+    from lightning_gem.data import SyntheticRankingSource
+
     return SyntheticRankingSource(
         num_items=args.num_items,
         num_train_users=num_users,
@@ -72,6 +80,8 @@ def synthetic_users(args: argparse.Namespace, num_users: int) -> SyntheticRankin
 
 def gem_ranker(source: SyntheticRankingSource, args: argparse.Namespace, attention_impl: str = "auto") -> GEMRanker:
     """The GEM example at the shape arguments' widths (AdamW, lr 1e-4)."""
+    from lightning_gem.components import GEMRanker
+
     return GEMRanker(
         source.schema,
         embedding_dim=args.embedding_dim,
@@ -139,16 +149,22 @@ class CProfileLastSteps(L.Callback):
         if not self.on:
             return
         self.profiler.disable()
-        import io
-        import pstats
+        _emit(cprofile_table(self.profiler, f"{self.label}: cProfile of the last steps", rows=40), self.path)
 
-        lines = []
-        for key in ("tottime", "cumulative"):
-            text = io.StringIO()
-            pstats.Stats(self.profiler, stream=text).sort_stats(key).print_stats(40)
-            lines.append(f"== {self.label}: cProfile of the last steps, by {key} ==")
-            lines.extend(line[:200] for line in text.getvalue().splitlines()[6:])
-        _emit("\n".join(lines), self.path)
+
+def cprofile_table(profiler: Any, title: str, rows: int, keys: tuple[str, ...] = ("tottime", "cumulative")) -> str:
+    """A finished ``cProfile.Profile``'s ``rows`` costliest functions by each of ``keys`` (own time, then time with
+    callees), each table headed ``== title, by key ==``."""
+    import io
+    import pstats
+
+    lines = []
+    for key in keys:
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(rows)
+        lines.append(f"== {title}, by {key} ==")
+        lines.extend(line[:200] for line in text.getvalue().splitlines()[4:] if line.strip())  # from the column header
+    return "\n".join(lines)
 
 
 class StepClock(L.Callback):

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.language as tl
+from gem_example import cprofile_table
 
 from lightning_gem.ops import gdpa
 from lightning_gem.ops.mx import quantize
@@ -75,8 +76,6 @@ def device_syncs(fn: Callable[[], object]) -> int:
 def host_profile(name: str, fn: Callable[[], object], calls: int) -> None:
     """Print the 30 functions with the most own host time over ``calls`` calls of ``fn`` (cProfile)."""
     import cProfile
-    import io
-    import pstats
 
     torch.cuda.synchronize()
     profiler = cProfile.Profile()
@@ -85,10 +84,7 @@ def host_profile(name: str, fn: Callable[[], object], calls: int) -> None:
         fn()
     profiler.disable()
     torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
-    print(f"== {name}: cProfile over {calls} calls, by own time ==")
-    print("\n".join(line[:180] for line in text.getvalue().splitlines()[4:] if line.strip()))
+    print(cprofile_table(profiler, f"{name}: cProfile over {calls} calls", rows=30, keys=("tottime",)))
 
 
 def _attention_cases() -> list[tuple[str, Callable[[], object]]]:

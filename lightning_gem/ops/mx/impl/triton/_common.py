@@ -103,6 +103,18 @@ def _scale_value(exponent, nonfinite, MX: tl.constexpr):
 
 
 @triton.jit
+def _quantize_blocks(x, AXIS: tl.constexpr, RCEIL: tl.constexpr, EXACT: tl.constexpr):
+    """Quantize ``x`` in blocks that run along ``AXIS``: ``(e4m3 codes, exponents, nonfinite)``, the last two with
+    ``AXIS`` reduced away. A block's maximum comes from ``x``'s own dtype (``_magnitude_bits_of``); masked
+    elements loaded as zeros lower no maximum."""
+    amax_bits = tl.max(_magnitude_bits_of(x), axis=AXIS)
+    nonfinite = amax_bits >= NONFINITE_BITS
+    exponent = _shared_exponent(amax_bits, RCEIL)
+    exponents, flags = tl.expand_dims(exponent, AXIS), tl.expand_dims(nonfinite, AXIS)
+    return _to_e4m3(x.to(tl.float32), exponents, flags, not RCEIL, EXACT), exponent, nonfinite
+
+
+@triton.jit
 def _quantize_rows(
     x,
     TILE_R: tl.constexpr,
@@ -115,12 +127,7 @@ def _quantize_rows(
 
     The exponents and NaN flags are ``[TILE_R, TILE_C // BLOCK]``, one per block.
     """
-    NUM_BLOCKS: tl.constexpr = TILE_C // BLOCK
-    blocks = tl.reshape(x, (TILE_R, NUM_BLOCKS, BLOCK))
-    amax_bits = tl.max(_magnitude_bits(blocks), axis=2)
-    nonfinite = amax_bits >= NONFINITE_BITS
-    exponent = _shared_exponent(amax_bits, RCEIL)
-    q = _to_e4m3(blocks, exponent[:, :, None], nonfinite[:, :, None], not RCEIL, EXACT)
+    q, exponent, nonfinite = _quantize_blocks(tl.reshape(x, (TILE_R, TILE_C // BLOCK, BLOCK)), 2, RCEIL, EXACT)
     return tl.reshape(q, (TILE_R, TILE_C)), exponent, nonfinite
 
 

@@ -36,7 +36,7 @@ from lightning_gem.ops._launch import cdiv, is_interpreted, next_power_of_2
 from lightning_gem.ops.mx.impl.triton._common import (
     NONFINITE_BITS,
     _magnitude_bits,
-    _magnitude_bits_of,
+    _quantize_blocks,
     _quantize_rows,
     _scale_value,
     _shared_exponent,
@@ -171,11 +171,8 @@ def _quantize_columns(
         tl.store(ST + cols * stride_line, _scale_value(exponent, nonfinite, MX), mask=col_mask & (pid_r == 0))
     else:
         NUM_BLOCKS: tl.constexpr = TILE_R // BLOCK
-        blocks = tl.reshape(x, (NUM_BLOCKS, BLOCK, TILE_C))
-        amax_bits = tl.max(_magnitude_bits(blocks), axis=1)  # [NUM_BLOCKS, TILE_C]
-        nonfinite = amax_bits >= NONFINITE_BITS
-        exponent = _shared_exponent(amax_bits, RCEIL)
-        q = _to_e4m3(blocks, exponent[:, None, :], nonfinite[:, None, :], not RCEIL, EXACT)
+        # exponent, nonfinite: [NUM_BLOCKS, TILE_C]
+        q, exponent, nonfinite = _quantize_blocks(tl.reshape(x, (NUM_BLOCKS, BLOCK, TILE_C)), 1, RCEIL, EXACT)
         q = tl.reshape(q, (TILE_R, TILE_C))
         row_blocks = pid_r * NUM_BLOCKS + tl.arange(0, NUM_BLOCKS)
         scale_mask = (row_blocks < num_blocks)[:, None] & col_mask[None, :]
@@ -199,10 +196,7 @@ def _split_columns(
     cols = region_c * REGION_C + part * COL_TILE_C + tl.arange(0, COL_TILE_C)
     mask = (rows < num_rows) & (cols < num_cols)[None, None, :]
     x = tl.load(X + rows * num_cols + cols[None, None, :], mask=mask, other=0.0)  # zeros: no maximum, zero codes
-    amax_bits = tl.max(_magnitude_bits_of(x), axis=1)  # [NUM_BLOCKS, COL_TILE_C]; masked elements are zeros
-    nonfinite = amax_bits >= NONFINITE_BITS
-    exponent = _shared_exponent(amax_bits, RCEIL)
-    q = _to_e4m3(x.to(tl.float32), exponent[:, None, :], nonfinite[:, None, :], not RCEIL, EXACT)
+    q, exponent, nonfinite = _quantize_blocks(x, 1, RCEIL, EXACT)  # exponent: [NUM_BLOCKS, COL_TILE_C]
     scale_mask = (row_blocks < padded_rows // BLOCK)[:, None] & (cols < num_cols)[None, :]
     scale_ptrs = ST + cols[None, :] * stride_st_c + row_blocks[:, None] * stride_st_r
     tl.store(scale_ptrs, _scale_value(exponent, nonfinite, MX), mask=scale_mask)
@@ -226,10 +220,7 @@ def _split_rows(
     offsets = rows[:, None, None] * num_cols + blocks[None, :, None] * BLOCK + within[None, None, :]
     mask = (rows < num_rows)[:, None, None] & (blocks < num_cols // BLOCK)[None, :, None]
     x = tl.load(X + offsets, mask=mask, other=0.0)
-    amax_bits = tl.max(_magnitude_bits_of(x), axis=2)  # [ROW_TILE_R, NUM_BLOCKS]
-    nonfinite = amax_bits >= NONFINITE_BITS
-    exponent = _shared_exponent(amax_bits, RCEIL)
-    q = _to_e4m3(x.to(tl.float32), exponent[:, :, None], nonfinite[:, :, None], not RCEIL, EXACT)
+    q, exponent, nonfinite = _quantize_blocks(x, 2, RCEIL, EXACT)  # exponent: [ROW_TILE_R, NUM_BLOCKS]
     tl.store(Q + offsets, q, mask=mask)
     scale_mask = (rows < num_rows)[:, None] & (blocks < num_cols // BLOCK)[None, :]
     scale_ptrs = S + rows[:, None] * stride_s_r + blocks[None, :] * stride_s_c
@@ -326,10 +317,7 @@ def _rowwise_rows_kernel(
     x = tl.load(X + offsets, mask=in_bounds, other=0.0).to(tl.float32)
     if NORM != 0:
         x = _normalize(x, rows, cols, RSTD, MEAN, WEIGHT, BIAS, num_rows, num_cols, NORM, OUT_DTYPE)
-    amax_bits = tl.max(_magnitude_bits(x), axis=1)  # masked elements are zeros: no maximum falls below them
-    nonfinite = amax_bits >= NONFINITE_BITS
-    exponent = _shared_exponent(amax_bits, RCEIL)
-    q = _to_e4m3(x, exponent[:, None], nonfinite[:, None], not RCEIL, EXACT)
+    q, exponent, nonfinite = _quantize_blocks(x, 1, RCEIL, EXACT)  # one block a row
     tl.store(Q + offsets, q, mask=in_bounds)
     tl.store(S + rows, _scale_value(exponent, nonfinite, False), mask=row_mask)
 
