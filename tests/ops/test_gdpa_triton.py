@@ -386,3 +386,37 @@ def test_short_query_backward_bf16_gpu(activation: str) -> None:
             return out, grads
 
         _check_against_reference(inputs, options, f"short {activation} {plan.dkdv}", run=run)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", [(True, None, None), (True, 6, 8)], ids=["causal", "causal-w6-bs8"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bulk_reduced_dq_gpu(layout: str, mask: tuple) -> None:
+    """dQ added through bulk tensor reductions (sm_90+): every layout, a plain causal mask and one with every mask
+    rule, bf16 at head dim 64 on two tile shapes, within the bf16 budget of the float64 reference. Segments end inside
+    tiles, so the rows a tile adds past its segment's end land on the next segment's rows (zeros) and, for the last,
+    past the buffer (clipped)."""
+    if not torch.cuda.is_available() or _triton_device() != "cuda":
+        pytest.skip("needs a CUDA GPU with compiled (not interpreted) Triton kernels")
+    from lightning_gem.ops.attention.impl.triton._tuning import Tiles
+    from lightning_gem.ops.attention.impl.triton.backward import bulk_reduction_ok, gdpa_backward
+    from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
+
+    inputs = _inputs(layout, 13, torch.bfloat16, "cuda", q_lengths=[77, 0, 1, 64, 130, 3], max_len=140, dim=64,
+                     dim_v=64)  # fmt: skip
+    if not bulk_reduction_ok(inputs.q):
+        pytest.skip("bulk tensor reductions need an sm_90+ GPU")
+    options = {**_options("softmax", *mask), "scale": 1 / math.sqrt(64)}
+    kv_offsets = inputs.q_offsets if inputs.kv_offsets is None else inputs.kv_offsets
+    jagged = (inputs.q_offsets, kv_offsets, inputs.kv_index, inputs.num_targets)
+    lens = {"max_seq_len_q": max(inputs.q_lengths), "max_seq_len_kv": max(inputs.kv_lengths)}
+    for tiles in (Tiles(64, 128, 8, 3), Tiles(32, 64, 4, 2)):
+
+        def run(grad_out: torch.Tensor, tiles=tiles) -> tuple:  # noqa: ANN001
+            out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, *jagged, **options,
+                                    max_seq_len_q=lens["max_seq_len_q"])  # fmt: skip
+            grads = gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, *jagged, **options, **lens,
+                                  dkdv_tiles=tiles, bulk_dq=True)  # fmt: skip
+            return out, grads
+
+        _check_against_reference(inputs, options, f"{layout} bulk dQ {tiles}", run=run)

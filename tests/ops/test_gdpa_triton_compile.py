@@ -15,8 +15,9 @@ import sys
 
 import pytest
 
-# Two specializations that between them turn on every mode flag, a head dim below its block (96 of 128),
-# int32 and int64 offsets, the atomic-dQ dK/dV kernel, the one-launch dK/dV + dQ kernel and the short-query kernel.
+# Two specializations that between them turn on every mode flag, a head dim below its block (96 of 128), int32 and
+# int64 offsets, the atomic-dQ dK/dV kernel (dQ through bulk tensor reductions), the one-launch dK/dV + dQ kernel and
+# the short-query kernel.
 _COMPILE = r"""
 import inspect, json
 import triton
@@ -31,6 +32,9 @@ def compile_one(kernel, constexprs, offsets, num_warps, num_stages):
             signature[name] = "constexpr"
         elif name in ("LSE", "DELTA", "DQ"):
             signature[name] = "*fp32"
+        elif name == "DQ_DESC":  # bulk reductions of [BLOCK_M, HEAD_DIM] fp32 tiles, or a placeholder pointer
+            tile = (constexprs["BLOCK_M"], constexprs["HEAD_DIM"])
+            signature[name] = "tensordesc<fp32[%d,%d]>" % tile if constexprs["DQ_TMA"] else "*fp32"
         elif name in ("Q_OFFSETS", "KV_OFFSETS", "KV_INDEX", "NUM_TARGETS", "SEG_OFFSETS", "SEG_ORDER"):
             signature[name] = offsets
         elif name.isupper():
@@ -56,8 +60,9 @@ for flags, offsets, (bm, bn, warps, stages), fused in modes:
     short = {k: v for k, v in common.items() if k not in ("HAS_KV_INDEX", "HAS_TARGETS")}
     sizes[f"short {name}"] = compile_one(backward_short._gdpa_bwd_short_kernel, dict(short, BLOCK_M=32), offsets, 4,
                                          stages)
-    sizes[f"dkdv {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(common, FUSED_DQ=fused), offsets,
-                                        warps, stages)
+    # The fused-dQ mode adds its tiles through bulk tensor reductions (its head dim is a power of two).
+    sizes[f"dkdv {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(common, FUSED_DQ=fused, DQ_TMA=fused),
+                                        offsets, warps, stages)
     sizes[f"bwd {name}"] = compile_one(backward._gdpa_bwd_kernel, dict(common, DQ_BLOCK_M=bn, DQ_BLOCK_N=bm),
                                        offsets, warps, stages)
 sizes["delta"] = compile_one(backward._bwd_delta_kernel, dict(HEAD_DIM_V=96, BLOCK_DV=128, BLOCK_T=64),

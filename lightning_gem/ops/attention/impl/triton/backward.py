@@ -79,16 +79,19 @@ def _bwd_delta_kernel(
 
 @triton.jit
 def _dkdv_query_blocks(
-    dk_ND, dv_NDV, k_ND, v_NDV, offs_n, q_base, do_base, lse_base, delta_base, dq_base,
+    dk_ND, dv_NDV, k_ND, v_NDV, offs_n, q_base, do_base, lse_base, delta_base, dq_base, dq_desc, dq_row, dq_col,
     stride_qt, stride_dot, stride_dqt, m_lo, m_hi, row_end, shift, num_history, window, block_size,
     qk_scale, scale, inv_len_k,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, FUSED_DQ: tl.constexpr,
+    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
     """Query blocks ``[m_lo, m_hi)`` against one key tile; ``MASKED`` applies ``allowed``; ``FUSED_DQ`` adds
-    this tile's part of dQ (``scale dS K``) into the fp32 rows at ``dq_base`` atomically."""
+    this tile's part of dQ (``scale dS K``) into the fp32 rows at ``dq_base`` atomically: element by element, or with
+    ``DQ_TMA`` as one bulk reduction of the whole tile through ``dq_desc`` (rows ``dq_row + m``, columns from
+    ``dq_col``). Rows of the tile past ``row_end`` hold zeros there (nothing allowed), so adding them to the rows
+    that follow, another segment's or past the buffer's end (clipped by the descriptor), changes nothing."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for m_start in tl.range(m_lo, m_hi, BLOCK_M):
@@ -126,7 +129,9 @@ def _dkdv_query_blocks(
         if FUSED_DQ:
             dq_MD = tl.dot(tl.trans(ds_NM), k_ND, input_precision=DOT_PRECISION) * scale
             dq_ptrs = dq_base + offs_m[:, None] * stride_dqt + offs_d[None, :]
-            if MASKED:
+            if DQ_TMA:
+                dq_desc.atomic_add([dq_row + m_start, dq_col], dq_MD)
+            elif MASKED:
                 tl.atomic_add(dq_ptrs, dq_MD, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
             elif HEAD_DIM == BLOCK_D:
                 tl.atomic_add(dq_ptrs, dq_MD, sem="relaxed")
@@ -137,13 +142,13 @@ def _dkdv_query_blocks(
 
 @triton.jit
 def _dkdv_program(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_DESC,
     Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
     scale, window, block_size, kv_seg, head, n_start,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_DQ: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
     HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
@@ -196,10 +201,11 @@ def _dkdv_program(
             for stage in tl.static_range(3):  # masked edge, unmasked inside, masked edge
                 m_lo, m_hi = _stage_range(stage, i_lo, a, b, i_hi)
                 dk_ND, dv_NDV = _dkdv_query_blocks(
-                    dk_ND, dv_NDV, k_ND, v_NDV, offs_n, q_base, do_base, lse_base, delta_base, dq_base,
+                    dk_ND, dv_NDV, k_ND, v_NDV, offs_n, q_base, do_base, lse_base, delta_base, dq_base, DQ_DESC,
+                    q_start.to(tl.int32), (head * HEAD_DIM).to(tl.int32),
                     stride_qt, stride_dot, stride_dqt, m_lo, m_hi, i_hi, shift, num_history, window, block_size,
                     qk_scale, scale, inv_len_k, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, stage != 1, FUSED_DQ,
-                    ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
+                    DQ_TMA, ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
                 )  # fmt: skip
 
             # A target key t is seen by one query only: the target itself, row t of the segment. A run-time branch:
@@ -244,23 +250,25 @@ def _dkdv_program(
 @triton.jit
 def _gdpa_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ,  # [Tq, H, D], [Tk, H, D], [Tk, H, DV], [Tq, H, DV], [H, Tq] x2, like k v q
+    DQ_DESC,  # DQ as [Tq, H * D] in tiles of [BLOCK_M, D] (DQ_TMA), else unused
     Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,  # [B + 1], [Bkv + 1], [B], [Bkv + 1], [B]
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
     scale, window, block_size,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_DQ: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
     HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
-    """One program per (kv segment, head, key tile): dK/dV, plus dQ through fp32 atomics with ``FUSED_DQ``."""
+    """One program per (kv segment, head, key tile): dK/dV, plus dQ through fp32 atomics with ``FUSED_DQ`` (bulk
+    tensor reductions with ``DQ_TMA``)."""
     _dkdv_program(
-        Q, K, V, DO, LSE, DELTA, DK, DV, DQ, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
+        Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_DESC, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
         stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
         tl.cast(scale, tl.float32),  # Inductor passes Python floats as fp64 scalars
         window, block_size, tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2) * BLOCK_N,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, FUSED_DQ,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, FUSED_DQ, DQ_TMA,
         ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST,
     )  # fmt: skip
 
@@ -405,11 +413,11 @@ def _gdpa_bwd_kernel(
     else:
         if seg < num_kv_segments:
             _dkdv_program(
-                Q, K, V, DO, LSE, DELTA, DK, DV, DQ, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
+                Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
                 stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
                 scale, window, block_size, seg, head, index * BLOCK_N,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, False,
                 ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST,
             )  # fmt: skip
 
@@ -421,6 +429,23 @@ def _segments_by_kv(kv_index: Tensor, num_kv_segments: int) -> tuple[Tensor, Ten
     sorted_index, order = torch.sort(kv_index.to(torch.int64), stable=True)
     bounds = torch.arange(num_kv_segments + 1, dtype=torch.int64, device=kv_index.device)
     return torch.searchsorted(sorted_index, bounds), order
+
+
+def bulk_reduction_ok(q: Tensor) -> bool:
+    """Whether dQ tiles of ``q`` can be added through the copy engine's bulk tensor reductions: compiled kernels on
+    an sm_90+ GPU, a power-of-two head dim (one descriptor tile spans a head's row), ``q`` contiguous."""
+    if not q.is_cuda or q.shape[0] == 0 or q.shape[2] < 16 or q.shape[2] & (q.shape[2] - 1):
+        return False
+    return torch.cuda.get_device_capability(q.device)[0] >= 9
+
+
+def _row_tiles(dq: Tensor, block_m: int) -> object:
+    """A tensor descriptor over ``dq [Tq, H, D]`` (contiguous) seen as ``[Tq, H * D]``, in tiles of one head's
+    ``[block_m, D]``."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    num_q, heads, head_dim = dq.shape
+    return TensorDescriptor.from_tensor(dq.view(num_q, heads * head_dim), [block_m, head_dim])
 
 
 def _delta(out: Tensor, grad_out: Tensor) -> Tensor:
@@ -464,6 +489,7 @@ def gdpa_backward(
     dkdv_tiles: Tiles | None = None,
     dq_tiles: Tiles | None = None,
     short_tiles: Tiles | None = None,
+    bulk_dq: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Launch the backward kernels. ``out`` and ``lse`` (from :func:`gdpa_forward`) are needed for softmax
     only. ``deterministic`` keeps to the one-launch kernel whose dQ programs write each row once (bitwise
@@ -471,8 +497,9 @@ def gdpa_backward(
     the faster. Where every query segment is short (at most ``SHORT_QUERY_ROWS``, no shared kv segments, no
     targets) the tuner also tries the short-query kernel (:mod:`.backward_short`, deterministic). ``dkdv_tiles``
     (alone: the atomic kernel), both tiles (the one-launch kernel) or ``short_tiles`` (the short-query kernel,
-    whose ``block_m`` must hold the longest query segment) override the tuned choice. Returns ``(dq, dk, dv)`` in
-    the inputs' dtypes.
+    whose ``block_m`` must hold the longest query segment) override the tuned choice; ``bulk_dq`` with
+    ``dkdv_tiles`` alone adds dQ through bulk tensor reductions (:func:`bulk_reduction_ok`). Returns ``(dq, dk, dv)``
+    in the inputs' dtypes.
     """
     grad_out, do_strides = dense_rows(grad_out)
     (q, q_strides), (k, k_strides), (v, v_strides) = dense_rows(q), dense_rows(k), dense_rows(v)
@@ -509,8 +536,8 @@ def gdpa_backward(
     dq_buffers: dict[torch.dtype, Tensor] = {}
 
     def dq_buffer(dtype: torch.dtype) -> Tensor:
-        if dtype not in dq_buffers:
-            dq_buffers[dtype] = torch.empty_like(q, dtype=dtype)
+        if dtype not in dq_buffers:  # the fp32 one contiguous: bulk reductions see it as [Tq, H * D]
+            dq_buffers[dtype] = torch.empty_like(q, dtype=dtype, memory_format=torch.contiguous_format)
         return dq_buffers[dtype]
 
     def options(plan: BackwardTiles) -> dict[str, object]:
@@ -519,6 +546,7 @@ def gdpa_backward(
             del meta["HAS_KV_INDEX"], meta["HAS_TARGETS"]
         elif plan.dq is None:
             meta["FUSED_DQ"] = True
+            meta["DQ_TMA"] = plan.tma
         else:
             meta.update(DQ_BLOCK_M=plan.dq.block_m, DQ_BLOCK_N=plan.dq.block_n)
         meta.update(tile_meta(plan.dkdv))
@@ -537,8 +565,10 @@ def gdpa_backward(
         if plan.dq is None:
             dq32 = dq_buffer(torch.float32).zero_()  # zeroed before each run (the tuner runs a candidate several times)
             if num_key_tiles > 0:
-                args = (q, k, v, grad_out, lse, delta, dk, dv, dq32, q_offsets, kv_offsets, targets, seg_offsets,
-                        seg_order, *strides, *dq32.stride()[:2], scale, window or 0, block_size or 1)  # fmt: skip
+                dq_desc = _row_tiles(dq32, tiles.block_m) if plan.tma else dq32  # a placeholder without TMA
+                args = (q, k, v, grad_out, lse, delta, dk, dv, dq32, dq_desc, q_offsets, kv_offsets, targets,
+                        seg_offsets, seg_order, *strides, *dq32.stride()[:2], scale, window or 0,
+                        block_size or 1)  # fmt: skip
                 grid = (num_kv_segments, heads, num_key_tiles)
                 launch(_gdpa_bwd_dkdv_kernel, grid, args, meta)
             return
@@ -562,9 +592,11 @@ def gdpa_backward(
         plan = BackwardTiles(short_tiles, short=True)
         meta = options(plan)
     elif dkdv_tiles is not None:
-        plan = BackwardTiles(dkdv_tiles, dq_tiles)
+        plan = BackwardTiles(dkdv_tiles, dq_tiles, tma=bulk_dq)
         if dq_tiles is None and deterministic:
             raise ValueError("deterministic=True needs dq_tiles with dkdv_tiles")
+        if bulk_dq and (dq_tiles is not None or not bulk_reduction_ok(q)):
+            raise ValueError("bulk_dq needs dkdv_tiles alone, on an sm_90+ GPU with a power-of-two head dim")
         meta = options(plan)
     else:
         # The key fixes short_query too: the flags hold kv_index and targets, the bucket the longest query segment.
@@ -573,8 +605,8 @@ def gdpa_backward(
 
         def candidates() -> list[BackwardTiles]:
             return backward_candidates(q.dtype, q.device, head_dim, deterministic=deterministic,
-                                       block_size=block_size, max_len_q=max_seq_len_q,
-                                       short_query=short_query)  # fmt: skip
+                                       block_size=block_size, max_len_q=max_seq_len_q, short_query=short_query,
+                                       tma=bulk_reduction_ok(q))  # fmt: skip
 
         plan, meta = pick_launch(key, (q.device.type, fast), candidates, lambda p: run(p, options(p)),
                                  (q, k, v, grad_out), options)  # fmt: skip

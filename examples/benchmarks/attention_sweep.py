@@ -1,0 +1,169 @@
+"""Launch shapes and kernel variants of GDPA's Triton kernels, timed one against another on the same inputs.
+
+For each workload of ``attention.py`` (same shapes and seeds) and each of its modes, on a CUDA machine::
+
+    python examples/benchmarks/attention_sweep.py --workloads jagged4k,jagged1k --out sweep.json
+
+prints and saves:
+
+- ``forward``: every tile shape of a wider set than the tuner's candidates (query rows, key rows, warps,
+  stages), compiled at once, each timed alone (median of ``triton.testing.do_bench``), with useful TFLOP/s;
+- ``backward``: every backward plan (the tuner's candidates, dQ through element atomics or through bulk tensor
+  reductions on several tile shapes, the one-launch dK/dV + dQ kernel), each timed alone, with its largest
+  difference from the one-launch (bitwise reproducible) plan's gradients, relative to their largest value.
+
+The tuner picks among a subset of these at run time; this script shows what each variant costs, so candidate
+lists are chosen on measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from attention import WORKLOAD_NAMES, make_case, make_workload  # noqa: E402
+
+from lightning_gem.ops._tuning import _compile_all  # noqa: E402
+from lightning_gem.ops.attention.impl.triton._tuning import (  # noqa: E402
+    BackwardTiles,
+    Tiles,
+    backward_candidates,
+    candidate_tiles,
+)
+from lightning_gem.ops.attention.impl.triton.backward import bulk_reduction_ok, gdpa_backward  # noqa: E402
+from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward  # noqa: E402
+from lightning_gem.ops.attention.ops import gdpa_flops  # noqa: E402
+
+# Tile shapes beyond the tuner's: (block_m, block_n, warps, stages) by head dim.
+FORWARD_SHAPES = {
+    64: [(64, 32, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4), (64, 32, 8, 3), (32, 32, 4, 3), (64, 16, 4, 3),
+         (128, 32, 4, 3), (128, 32, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
+    128: [(64, 32, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4), (64, 32, 8, 3), (32, 32, 4, 3), (64, 16, 4, 3),
+          (128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
+}  # fmt: skip
+BACKWARD_SHAPES = {
+    64: [(64, 128, 8, 3), (64, 128, 8, 2), (64, 64, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 3),
+         (64, 128, 4, 3), (32, 128, 8, 3)],
+    128: [(64, 128, 8, 3), (64, 128, 8, 2), (64, 64, 8, 2), (64, 64, 8, 3), (64, 64, 4, 3), (32, 64, 8, 2),
+          (32, 128, 8, 2), (128, 128, 8, 2)],
+}  # fmt: skip
+
+
+def _bench(fn) -> float:  # noqa: ANN001
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _unique(items: list) -> list:
+    return list(dict.fromkeys(items))
+
+
+def sweep_case(case, quick: bool, parts: tuple[str, ...] = ("fwd", "bwd")) -> dict:  # noqa: ANN001
+    q, k, v = case.q, case.k, case.v
+    head_dim = q.shape[2]
+    jagged = (case.q_offsets, case.kv_offsets, None, None)
+    mode = dict(activation=case.activation, causal=case.causal, window=None, block_size=case.block_size,
+                scale=case.scale)  # fmt: skip
+    max_q, max_kv = int(case.q_lengths.max()), int(case.kv_lengths.max())
+    fwd_flops = gdpa_flops(q, k, v, *jagged, causal=case.causal, window=None, block_size=case.block_size)
+    bwd_flops = gdpa_flops(q, k, v, *jagged, causal=case.causal, window=None, block_size=case.block_size,
+                           backward=True)  # fmt: skip
+    result: dict = {"forward": [], "backward": []}
+
+    # Forward: the tuner's candidates and the wider set.
+    shapes = candidate_tiles("fwd", q.dtype, q.device, head_dim, block_size=case.block_size, max_len_q=max_q)
+    if not quick:
+        shapes = _unique(shapes + [Tiles(*s) for s in FORWARD_SHAPES.get(head_dim, [])])
+
+    def forward(tiles: Tiles, offsets: torch.Tensor = case.q_offsets) -> tuple:
+        return gdpa_forward(q, k, v, offsets, offsets if case.self_attention else case.kv_offsets, None, None,
+                            **mode, max_seq_len_q=max_q, tiles=tiles)  # fmt: skip
+
+    _compile_all(shapes, forward)
+    print("  forward:")
+    for tiles in shapes:
+        try:
+            ms = _bench(lambda t=tiles: forward(t))
+        except Exception as error:  # noqa: BLE001  (out of shared memory and kin)
+            print(f"    failed     {tuple(tiles)}: {type(error).__name__}")
+            continue
+        result["forward"].append({"tiles": list(tiles), "ms": ms, "tflops": fwd_flops / ms / 1e9})
+        print(f"    {ms * 1e3:8.1f} us {fwd_flops / ms / 1e9:7.1f} TF/s  {tuple(tiles)}")
+    best_tiles = Tiles(*min(result["forward"], key=lambda r: r["ms"])["tiles"])
+    if "bwd" not in parts:
+        return result
+
+    # Backward: plans against the one-launch plan's gradients.
+    out, lse = forward(best_tiles)
+    tma = bulk_reduction_ok(q)
+    plans = backward_candidates(q.dtype, q.device, head_dim, deterministic=False, block_size=case.block_size,
+                                max_len_q=max_q, tma=tma)  # fmt: skip
+    if not quick:
+        extra = [Tiles(*s) for s in BACKWARD_SHAPES.get(head_dim, [])]
+        plans += [BackwardTiles(t) for t in extra] + ([BackwardTiles(t, tma=True) for t in extra] if tma else [])
+    plans = _unique(plans)
+
+    def backward(plan: BackwardTiles) -> tuple:
+        tiles = {"short_tiles": plan.dkdv} if plan.short else {"dkdv_tiles": plan.dkdv, "dq_tiles": plan.dq,
+                                                              "bulk_dq": plan.tma}  # fmt: skip
+        return gdpa_backward(case.grad_out, q, k, v, out, lse, *jagged, **mode, max_seq_len_q=max_q,
+                             max_seq_len_kv=max_kv, **tiles)  # fmt: skip
+
+    reference = None
+    for plan in plans:
+        if plan.dq is not None:
+            reference = [g.float() for g in backward(plan)]
+            break
+    _compile_all(plans, backward)
+    print("  backward:")
+    for plan in plans:
+        label = "short" if plan.short else "bulk dQ" if plan.tma else "atomic dQ" if plan.dq is None else "one-launch"
+        try:
+            ms = _bench(lambda p=plan: backward(p))
+            grads = backward(plan)
+        except Exception as error:  # noqa: BLE001
+            print(f"    failed     {label} {plan}: {type(error).__name__}: {str(error)[:200]}")
+            continue
+        err = max(float((g.float() - r).abs().max() / r.abs().max().clamp_min(1e-30)) for g, r in
+                  zip(grads, reference, strict=True)) if reference is not None else float("nan")  # fmt: skip
+        dq_tiles = None if plan.dq is None else list(plan.dq)
+        result["backward"].append({"plan": label, "dkdv": list(plan.dkdv), "dq": dq_tiles, "ms": ms,
+                                   "tflops": bwd_flops / ms / 1e9, "rel_err": err})  # fmt: skip
+        dq = "" if plan.dq is None else f" dq {tuple(plan.dq)}"
+        print(f"    {ms * 1e3:8.1f} us {bwd_flops / ms / 1e9:7.1f} TF/s  err {err:.1e}  {label:10s} "
+              f"{tuple(plan.dkdv)}{dq}")  # fmt: skip
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="jagged4k,jagged1k", help=f"comma-separated, of {WORKLOAD_NAMES}")
+    parser.add_argument("--modes", default="", help="only modes whose label contains this (default: every mode)")
+    parser.add_argument("--quick", action="store_true", help="the tuner's candidates only")
+    parser.add_argument("--parts", default="fwd,bwd", help="fwd, bwd or both")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("attention_sweep.py needs a CUDA GPU")
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for name in args.workloads.split(","):
+        workload = make_workload(name.strip(), tiny=False, seed=0)
+        for label, options in workload.modes:
+            if args.modes not in label:
+                continue
+            case = make_case(workload, label, options, torch.device("cuda"))
+            print(f"\n== {name}: {label} (H={workload.heads}, D={workload.dim}) ==", flush=True)
+            results[f"{name}: {label}"] = sweep_case(case, args.quick, tuple(args.parts.split(",")))
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
