@@ -420,3 +420,33 @@ def test_bulk_reduced_dq_gpu(layout: str, mask: tuple) -> None:
             return out, grads
 
         _check_against_reference(inputs, options, f"{layout} bulk dQ {tiles}", run=run)
+
+
+def test_bulk_reduced_dq_falls_back_when_traced(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A traced launch (here under a dispatch mode) cannot take a tensor descriptor made inside the op: the bulk plan
+    then adds dQ element by element, with the same result."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lightning_gem.ops.attention.impl.triton import backward
+    from lightning_gem.ops.attention.impl.triton._tuning import Tiles
+    from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
+
+    monkeypatch.setattr(backward, "bulk_reduction_ok", lambda q: True)  # as on an sm_90 GPU
+    made = []
+    monkeypatch.setattr(backward, "_row_tiles", lambda *args: made.append(args))
+    inputs = _inputs("self_targets", 23, torch.float32, device)
+    options = _options("softmax", True, None, None)
+    jagged = (inputs.q_offsets, inputs.q_offsets, None, inputs.num_targets)
+    lens = {"max_seq_len_q": MAX_LEN, "max_seq_len_kv": MAX_LEN}
+    out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, *jagged, **options, max_seq_len_q=MAX_LEN)
+    grad_out = torch.randn_like(out)
+    tiles = Tiles(16, 16, 1, 1) if device == "cpu" else Tiles(64, 64, 4, 2)
+    with FlopCounterMode(display=False):
+        grads = backward.gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, *jagged, **options, **lens,
+                                       dkdv_tiles=tiles, bulk_dq=True)  # fmt: skip
+    assert not made, "a traced launch built a tensor descriptor"
+    cpu64 = [t.cpu().double() for t in (inputs.q, inputs.k, inputs.v)]
+    jagged = tuple(None if t is None else t.cpu() for t in jagged)
+    expected = gdpa_reference_backward(grad_out.cpu().double(), *cpu64, *jagged, **options)
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got.cpu().double(), want, rtol=0, atol=1e-5)

@@ -55,8 +55,8 @@ class BackwardTiles(NamedTuple):
     the launch); ``dq`` the dQ programs' query rows x key rows in the same launch, or None for dQ added through
     fp32 atomics by the dK/dV programs (not bitwise reproducible); ``tma`` (with ``dq`` None): those additions as
     one bulk tensor reduction per tile (the copy engine's ``cp.reduce.async.bulk``, sm_90+) instead of one atomic
-    per element. ``short``: the short-query kernel instead (:mod:`.backward_short`; ``dkdv`` then tiles its one
-    query tile per segment and its key tiles)."""
+    per element, in plain eager calls (traced ones add element by element). ``short``: the short-query kernel
+    instead (:mod:`.backward_short`; ``dkdv`` then tiles its one query tile per segment and its key tiles)."""
 
     dkdv: Tiles
     dq: Tiles | None = None

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightning_gem.ops._launch import plain_eager
 from lightning_gem.ops.attention.impl.triton._common import (
     LOG2E,
     _activation,
@@ -433,7 +434,8 @@ def _segments_by_kv(kv_index: Tensor, num_kv_segments: int) -> tuple[Tensor, Ten
 
 def bulk_reduction_ok(q: Tensor) -> bool:
     """Whether dQ tiles of ``q`` can be added through the copy engine's bulk tensor reductions: compiled kernels on
-    an sm_90+ GPU, a power-of-two head dim (one descriptor tile spans a head's row), ``q`` contiguous."""
+    an sm_90+ GPU and a power-of-two head dim (one descriptor tile spans a head's row of the fp32 dQ buffer, which
+    the backward allocates contiguous whatever ``q``'s strides). Only plain eager launches use them."""
     if not q.is_cuda or q.shape[0] == 0 or q.shape[2] < 16 or q.shape[2] & (q.shape[2] - 1):
         return False
     return torch.cuda.get_device_capability(q.device)[0] >= 9
@@ -565,12 +567,15 @@ def gdpa_backward(
         if plan.dq is None:
             dq32 = dq_buffer(torch.float32).zero_()  # zeroed before each run (the tuner runs a candidate several times)
             if num_key_tiles > 0:
-                dq_desc = _row_tiles(dq32, tiles.block_m) if plan.tma else dq32  # a placeholder without TMA
+                # Bulk reductions in plain eager calls only: a traced launch (torch.compile, dispatch modes) cannot
+                # take a tensor descriptor made inside the op, so there the same plan adds dQ element by element.
+                bulk = plan.tma and plain_eager((q, k, v, grad_out))
+                dq_desc = _row_tiles(dq32, tiles.block_m) if bulk else q_offsets  # a placeholder, never read
                 args = (q, k, v, grad_out, lse, delta, dk, dv, dq32, dq_desc, q_offsets, kv_offsets, targets,
                         seg_offsets, seg_order, *strides, *dq32.stride()[:2], scale, window or 0,
                         block_size or 1)  # fmt: skip
                 grid = (num_kv_segments, heads, num_key_tiles)
-                launch(_gdpa_bwd_dkdv_kernel, grid, args, meta)
+                launch(_gdpa_bwd_dkdv_kernel, grid, args, meta if bulk == plan.tma else {**meta, "DQ_TMA": False})
             return
         dq = dq_buffer(q.dtype)
         num_query_tiles = cdiv(max_seq_len_q, plan.dq.block_m) if num_q > 0 else 0
