@@ -82,9 +82,8 @@ def sweep_case(case, quick: bool, parts: tuple[str, ...] = ("fwd", "bwd")) -> di
     if not quick:
         shapes = _unique(shapes + [Tiles(*s) for s in FORWARD_SHAPES.get(head_dim, [])])
 
-    def forward(tiles: Tiles, offsets: torch.Tensor = case.q_offsets) -> tuple:
-        return gdpa_forward(q, k, v, offsets, offsets if case.self_attention else case.kv_offsets, None, None,
-                            **mode, max_seq_len_q=max_q, tiles=tiles)  # fmt: skip
+    def forward(tiles: Tiles) -> tuple:
+        return gdpa_forward(q, k, v, *jagged, **mode, max_seq_len_q=max_q, tiles=tiles)
 
     _compile_all(shapes, forward)
     print("  forward:")

@@ -32,9 +32,9 @@ def compile_one(kernel, constexprs, offsets, num_warps, num_stages):
             signature[name] = "constexpr"
         elif name in ("LSE", "DELTA", "DQ"):
             signature[name] = "*fp32"
-        elif name == "DQ_DESC":  # bulk reductions of [BLOCK_M, HEAD_DIM] fp32 tiles, or a placeholder pointer
+        elif name == "DQ_DESC":  # bulk reductions of [BLOCK_M, HEAD_DIM] fp32 tiles, or the offsets as a placeholder
             tile = (constexprs["BLOCK_M"], constexprs["HEAD_DIM"])
-            signature[name] = "tensordesc<fp32[%d,%d]>" % tile if constexprs["DQ_TMA"] else "*fp32"
+            signature[name] = "tensordesc<fp32[%d,%d]>" % tile if constexprs["DQ_TMA"] else offsets
         elif name in ("Q_OFFSETS", "KV_OFFSETS", "KV_INDEX", "NUM_TARGETS", "SEG_OFFSETS", "SEG_ORDER"):
             signature[name] = offsets
         elif name.isupper():

@@ -436,7 +436,8 @@ def bulk_reduction_ok(q: Tensor) -> bool:
     """Whether dQ tiles of ``q`` can be added through the copy engine's bulk tensor reductions: compiled kernels on
     an sm_90+ GPU and a power-of-two head dim (one descriptor tile spans a head's row of the fp32 dQ buffer, which
     the backward allocates contiguous whatever ``q``'s strides). Only plain eager launches use them."""
-    if not q.is_cuda or q.shape[0] == 0 or q.shape[2] < 16 or q.shape[2] & (q.shape[2] - 1):
+    head_dim = q.shape[2]
+    if not q.is_cuda or q.shape[0] == 0 or head_dim != max(16, next_power_of_2(head_dim)):  # the kernels' BLOCK_D
         return False
     return torch.cuda.get_device_capability(q.device)[0] >= 9
 
@@ -575,7 +576,7 @@ def gdpa_backward(
                         seg_offsets, seg_order, *strides, *dq32.stride()[:2], scale, window or 0,
                         block_size or 1)  # fmt: skip
                 grid = (num_kv_segments, heads, num_key_tiles)
-                launch(_gdpa_bwd_dkdv_kernel, grid, args, meta if bulk == plan.tma else {**meta, "DQ_TMA": False})
+                launch(_gdpa_bwd_dkdv_kernel, grid, args, meta if bulk or not plan.tma else {**meta, "DQ_TMA": False})
             return
         dq = dq_buffer(q.dtype)
         num_query_tiles = cdiv(max_seq_len_q, plan.dq.block_m) if num_q > 0 else 0
