@@ -5,8 +5,8 @@
 # Usage (from the repository root, on a CUDA machine with torchrec, fbgemm-gpu and the kit installed: the
 # package maps components/ and strategies/ into lightning_gem, so `pip install -e .` rather than PYTHONPATH=.):
 #   OUT=gpu-results ML1M=PATH/TO/ml-1m bash examples/benchmarks/run_gpu_suite.sh [STEP ...]
-# STEP: any of tests attention precision host encoder balance e2e scaling ml1m ml1m_reference (default: all, in
-# that order).
+# STEP: any of tests attention precision host encoder balance balance_wide e2e scaling ml1m ml1m_reference (default:
+# all, in that order).
 # ML1M: the MovieLens-1M folder from https://grouplens.org/datasets/movielens/1m/ (the ml1m step needs it).
 # PYTHON: the interpreter (default python3). The first process on a fresh machine compiles and tunes the Triton
 # kernels (minutes): the limits allow it.
@@ -16,7 +16,7 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests attention precision host encoder balance e2e scaling ml1m ml1m_reference)
+[ ${#steps[@]} -eq 0 ] && steps=(tests attention precision host encoder balance balance_wide e2e scaling ml1m ml1m_reference)
 gpus=$($PY -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi -L > "$OUT/gpus.txt" 2>&1
 
@@ -56,6 +56,9 @@ for s in "${steps[@]}"; do
         --out "$OUT/balance_ranks.json"
       step balance32 300 $PY examples/benchmarks/balance_ranks.py --num-batches 4 --reps 5 --batch-size 32 \
         --profile --out "$OUT/balance_ranks_32.json" ;;
+    balance_wide)  # width 1024 (8 heads of 128): a share's device work outlasts its host time
+      step balance_wide 400 $PY examples/benchmarks/balance_ranks.py --num-batches 8 --reps 5 --batch-size 32 \
+        --model-dim 1024 --num-heads 8 --out "$OUT/balance_ranks_wide.json" ;;
     e2e) step e2e 600 $PY examples/benchmarks/e2e.py --stacks kit,plain --sync-debug --root "$OUT/e2e" \
       --out "$OUT/e2e.json"
       # A wider dense part (the MFU question: how much of a wider step is device work)

@@ -66,6 +66,20 @@ def test_columns_alone_match_reference(layout: str, shape: tuple[int, int], dtyp
     assert rows_t is None and _equal(cols_t, quantize(x, layout, cols=True, impl="reference")[1])
 
 
+@pytest.mark.parametrize("plan", ["split", "apart"])
+@pytest.mark.parametrize(("layout", "shape"), [("mx", (37, 256)), ("mx", (300, 96)), ("1x128", (130, 384))], ids=str)
+def test_rows_and_columns_plans_match_reference(
+    plan: str, layout: str, shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows and columns together in one split launch, or the rows then the columns apart: the same bits."""
+    from lightning_gem.ops.mx.impl.triton import quantize as triton_quantize
+
+    monkeypatch.setattr(triton_quantize, "_ROWS_AND_COLUMNS_PLANS", {32: (plan,), 128: (plan,)})
+    x = _input(*shape, torch.float16)
+    got, want = quantize(x, layout, cols=True, impl="triton"), quantize(x, layout, cols=True, impl="reference")
+    assert _equal(got[0], want[0]) and _equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("config", [(2, 512, 4), (1, 256, 4)], ids=str)
 def test_wide_row_tiles_match_reference(config: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     """The short, wide tiles rows alone may take (here wider than the rows, and over a ragged last tile)."""
