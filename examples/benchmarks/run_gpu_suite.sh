@@ -56,14 +56,19 @@ for s in "${steps[@]}"; do
         --out "$OUT/balance_ranks.json"
       step balance32 300 $PY examples/benchmarks/balance_ranks.py --num-batches 4 --reps 5 --batch-size 32 \
         --profile --out "$OUT/balance_ranks_32.json" ;;
-    balance_wide)  # width 1024 (8 heads of 128): a share's device work outlasts its host time
-      step balance_wide 400 $PY examples/benchmarks/balance_ranks.py --num-batches 8 --reps 5 --batch-size 32 \
-        --model-dim 1024 --num-heads 8 --out "$OUT/balance_ranks_wide.json" ;;
+    balance_wide)  # widths 1024 and 2048 (heads of 128): from 2048 a share's time follows its work
+      step balance_1024 400 $PY examples/benchmarks/balance_ranks.py --num-batches 8 --reps 5 --batch-size 32 \
+        --model-dim 1024 --num-heads 8 --out "$OUT/balance_ranks_1024.json"
+      step balance_2048 580 $PY examples/benchmarks/balance_ranks.py --num-batches 40 --reps 3 --batch-size 32 \
+        --model-dim 2048 --num-heads 16 --out "$OUT/balance_ranks_2048.json" ;;
     e2e) step e2e 600 $PY examples/benchmarks/e2e.py --stacks kit,plain --sync-debug --root "$OUT/e2e" \
       --out "$OUT/e2e.json"
-      # A wider dense part (the MFU question: how much of a wider step is device work)
-      step e2e_wide 600 $PY examples/benchmarks/e2e.py --stacks kit --model-dim 1024 --num-layers 8 \
-        --batch-size 64 --root "$OUT/e2e_wide" --out "$OUT/e2e_wide.json" ;;
+      # Wider dense parts, the kit alone (the plain stack's padded scores do not fit at these head counts): from
+      # width 2048 a step is device work
+      for w in 1024 2048 4096; do
+        step e2e_$w 300 $PY examples/benchmarks/e2e.py --stacks kit --model-dim $w --num-heads $((w / 128)) \
+          --num-layers 8 --batch-size 32 --steps 10 --warmup 5 --root "$OUT/e2e_$w" --out "$OUT/e2e_$w.json"
+      done ;;
     scaling)
       if [ "$gpus" -ge 2 ]; then
         step scaling 900 $PY examples/benchmarks/scaling.py --steps 20 --warmup 5 --batch-size 64 --timeout 240 \
