@@ -28,8 +28,10 @@ def _run(script: str, *args: str) -> str:
 
 def test_e2e_trains_both_stacks(tmp_path: Path) -> None:
     out = tmp_path / "e2e.json"
-    printed = _run("e2e.py", "--device", "cpu", "--tiny", "--root", str(tmp_path), "--out", str(out))
-    assert "kit / plain step throughput" in printed
+    printed = _run(
+        "e2e.py", "--device", "cpu", "--tiny", "--plain-micro-batches", "2", "--root", str(tmp_path), "--out", str(out)
+    )
+    assert "kit / plain step throughput" in printed and "plain steps: 2 micro-batches of 2 users" in printed
     results = json.loads(out.read_text())
     assert results["useful_flops"] > 0
     for stack in ("plain", "kit"):

@@ -7,7 +7,9 @@ pooled user features, hundreds of candidates per user.
 
 - plain: attention on padded tensors (``attention_impl="padded"``: SDPA for softmax, eager for the
   pointwise HSTU attention, which SDPA lacks), ``precision="bf16-mixed"``, Lightning's default
-  single-device strategy, a plain shuffled sampler;
+  single-device strategy, a plain shuffled sampler; with ``--plain-micro-batches K`` each step is K
+  micro-batches of ``batch_size / K`` users with gradient accumulation (the padded scores of many heads do not
+  fit otherwise), timed as one step;
 - kit: the GDPA Triton kernels (``attention_impl="auto"``), ``MXFP8Precision()`` (its ``auto`` recipe
   picks what is fast on the device: fp8 on Hopper), ``GEM5DStrategy(train_pipeline=True)`` (world size 1:
   torchrec's sharded tables and gem5d's train step, without FSDP2 over a single rank; the next batch, pinned,
@@ -64,9 +66,11 @@ def run_stack(
     model = gem_ranker(source, args, "auto" if kit else "padded")
     cuda = args.device == "cuda"
     pinned = kit and cuda  # the kit's pipeline copies pinned batches asynchronously
-    data = GEMDataModule(source=source, batch_size=args.batch_size, seed=args.seed, balance=kit, pin_memory=pinned)
+    micro = 1 if kit else args.plain_micro_batches  # the plain stack may need several to fit in memory
+    batch_size = args.batch_size // micro
+    data = GEMDataModule(source=source, batch_size=batch_size, seed=args.seed, balance=kit, pin_memory=pinned)
     monitor = MFUMonitor(flops_every_n_steps=args.warmup + args.steps + 1, plot=False)  # counts step 0 only
-    clock = StepClock()
+    clock = StepClock(batches_per_step=micro)
     callbacks: list[L.Callback] = [monitor, clock]
     if args.profile_steps:
         callbacks.append(ProfileLastSteps(args.profile_steps, args.warmup + args.steps, stack))
@@ -81,6 +85,7 @@ def run_stack(
         precision=None if kit else ("bf16-mixed" if cuda else "32-true"),
         plugins=[MXFP8Precision()] if kit else None,
         max_steps=args.warmup + args.steps,
+        accumulate_grad_batches=micro,
         limit_val_batches=0,
         num_sanity_val_steps=0,
         logger=False,
@@ -136,6 +141,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compilation, autotuning)")
     parser.add_argument("--batch-size", type=int, default=32, help="users per step")
     add_shape_arguments(parser)
+    parser.add_argument(
+        "--plain-micro-batches",
+        type=int,
+        default=1,
+        help="the plain stack's step as this many micro-batches with gradient accumulation (its padded attention "
+        "scores grow with the heads: wide models fit only so); the step time covers them all",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--root", type=Path, default=Path("logs/e2e"), help="the Trainer's default_root_dir")
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
@@ -146,6 +158,8 @@ def main() -> None:
     if args.tiny:
         args.steps, args.warmup, args.batch_size = min(args.steps, 3), min(args.warmup, 1), min(args.batch_size, 4)
         use_tiny_shapes(args)
+    if args.batch_size % args.plain_micro_batches:
+        parser.error(f"--batch-size {args.batch_size} must be a multiple of --plain-micro-batches")
     stacks = [s.strip() for s in args.stacks.split(",")]
     if any(s not in STACKS for s in stacks):
         parser.error(f"--stacks must be from {STACKS}, got {args.stacks!r}")
@@ -165,6 +179,9 @@ def main() -> None:
         f"GEMRanker dim {args.model_dim} x {args.num_layers} layers x {args.num_heads} heads, {args.batch_size} users"
         f"/step, histories clip({args.max_history} u^3), ~{args.mean_candidates:.0f} candidates/user, on {device}"
     )
+    if args.plain_micro_batches > 1 and "plain" in results:
+        micro = args.plain_micro_batches
+        print(f"plain steps: {micro} micro-batches of {args.batch_size // micro} users")
     print(f"{'stack':<6} {'step ms':>9} {'tokens/s':>11} {'useful TFLOP/s':>14} {'MFU':>6} {'peak GiB':>9}")
     for stack, r in results.items():
         tflops = useful / (r["step_ms"] / 1e3) / 1e12

@@ -168,7 +168,8 @@ def cprofile_table(profiler: Any, title: str, rows: int, keys: tuple[str, ...] =
 
 
 class StepClock(L.Callback):
-    """The end of every training step on the device's timeline and its loss (the ranks' mean when ``mean_loss``).
+    """The end of every training batch on the device's timeline and its loss (the ranks' mean when ``mean_loss``);
+    with gradient accumulation, a step is ``batches_per_step`` batches.
 
     On CUDA each end is an event recorded on the current stream and each loss stays a device tensor until training
     ends: the clock adds no device sync per step, so the host runs ahead of the device as it would in a run
@@ -176,8 +177,9 @@ class StepClock(L.Callback):
     work between steps included). Elsewhere: wall-clock times.
     """
 
-    def __init__(self, mean_loss: bool = False) -> None:
+    def __init__(self, mean_loss: bool = False, batches_per_step: int = 1) -> None:
         self.mean_loss = mean_loss
+        self.batches_per_step = batches_per_step  # micro-batches of one optimizer step (gradient accumulation)
         self.ends: list[float] = []  # seconds from the first step's end, filled when training ends
         self.losses: list[float] = []
         self._marks: list[Any] = []
@@ -205,8 +207,10 @@ class StepClock(L.Callback):
         self.losses = [float(loss) for loss in self._losses]
 
     def median_interval(self, skip: int) -> float:
-        """Median seconds between consecutive step ends, after the first ``skip`` steps."""
-        ends = self.ends[skip:]
+        """Median seconds between consecutive step ends, after the first ``skip`` steps (a step ends with its last
+        micro-batch)."""
+        k = self.batches_per_step
+        ends = self.ends[k - 1 :: k][skip:]
         return statistics.median(b - a for a, b in zip(ends, ends[1:], strict=False)) if len(ends) > 1 else math.nan
 
 

@@ -68,7 +68,11 @@ for s in "${steps[@]}"; do
       for w in 1024 2048 4096; do
         step e2e_$w 300 $PY examples/benchmarks/e2e.py --stacks kit --model-dim $w --num-heads $((w / 128)) \
           --num-layers 8 --batch-size 32 --steps 10 --warmup 5 --root "$OUT/e2e_$w" --out "$OUT/e2e_$w.json"
-      done ;;
+      done
+      # Both stacks at width 4096: the plain one in 16 micro-batches of 2 users (gradient accumulation)
+      step e2e_4096_both 600 $PY examples/benchmarks/e2e.py --stacks kit,plain --model-dim 4096 --num-heads 32 \
+        --num-layers 8 --batch-size 32 --plain-micro-batches 16 --steps 10 --warmup 3 --root "$OUT/e2e_4096_both" \
+        --out "$OUT/e2e_4096_both.json" ;;
     scaling)
       if [ "$gpus" -ge 2 ]; then
         step scaling 900 $PY examples/benchmarks/scaling.py --steps 20 --warmup 5 --batch-size 64 --timeout 240 \
