@@ -131,13 +131,13 @@ def _quantize_rows(
     return tl.reshape(q, (TILE_R, TILE_C)), exponent, nonfinite
 
 
-_CHOSEN: dict[tuple, tuple[int, ...]] = {}
+_CHOSEN: dict[tuple, tuple[int, ...] | str] = {}  # a str: which plan of several launches (quantize's rows+cols)
 _UNTUNED: dict[tuple, tuple[tuple[int, ...], str]] = {}
 
 
-def chosen_configs() -> dict[tuple, tuple[int, ...]]:
-    """The tile choices made so far in this process, ``{key: (TILE_R, TILE_C, ..., num_warps)}`` (one entry per
-    tuning: for logs and benchmarks)."""
+def chosen_configs() -> dict[tuple, tuple[int, ...] | str]:
+    """The tile choices made so far in this process, ``{key: (TILE_R, TILE_C, ..., num_warps)}``, and the plans
+    chosen where a launch has several (one entry per tuning: for logs and benchmarks)."""
     return dict(_CHOSEN)
 
 

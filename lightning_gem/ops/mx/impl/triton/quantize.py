@@ -11,7 +11,9 @@ contraction dim), ``B`` elements per scale block.
   its contraction dim is the tokens), zero-padded to ``Rp``.
 
 Rows and columns together (``mx``, ``1x128``, no norm), and ``mx`` columns alone, take ``_quantize_split_kernel``
-instead: one launch whose programs each do one part of a region, its columns or its rows, side by side.
+instead: one launch whose programs each do one part of a region, its columns or its rows, side by side. For rows
+and columns together the tuner also times the two parts as two launches (rows alone, then columns alone) and
+keeps the faster plan (``mx``'s on an H200).
 
 A ``rowwise`` line spans more than a tile. Rows alone of up to :data:`ONE_PASS_MAX_COLS` columns are quantized
 by ``_rowwise_rows_kernel`` in one pass, each program holding whole rows. Otherwise (columns wanted, or wider
