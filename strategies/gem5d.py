@@ -113,6 +113,10 @@ class GEM5DStrategy(ParallelStrategy):
             ``(0, 1]`` of the measured unconstrained peak; ``None``: no checkpointing.
         train_pipeline: overlap the embedding input all-to-all of the next batch with the current batch's
             compute (torchrec's sparse-dist pipelining inside Lightning's loop; see ``pipeline.py``).
+        compile_layers: ``torch.compile`` each HSTU layer of the model (the repeated blocks of every
+            ``JaggedHistoryEncoder``) in place, with dynamic shapes (one graph for every jagged batch size), after
+            activation checkpointing and tensor parallelism and before FSDP2, the order torchtitan compiles its
+            blocks in. Fewer kernel launches and less host time per layer; the first batches compile.
         embedding_comm_precision: the precision the embedding collectives (the lookups' all-to-alls and
             reduce-scatters, forward and backward) send, through torchrec's quantized comms: ``"bf16"`` or
             ``"fp16"`` halve their bytes, rounding the embeddings and their gradients on the way; ``"fp32"``:
@@ -128,7 +132,7 @@ class GEM5DStrategy(ParallelStrategy):
             ``sparse_replication`` of ``DMPCollection`` where it cannot run (saying why: not CUDA, ``adam``, ...);
             at construction, a bad size, optimizer, ``embedding_comm_precision`` or ``sparse_replication`` (or
             one the installed torchrec lacks).
-        TypeError: at construction, a size or ``sequence_parallel`` of the wrong type.
+        TypeError: at construction, a size, ``sequence_parallel`` or ``compile_layers`` of the wrong type.
     """
 
     strategy_name = "gem5d"
@@ -149,6 +153,7 @@ class GEM5DStrategy(ParallelStrategy):
         reshard_after_forward: bool = True,
         activation_memory_budget: int | float | None = None,
         train_pipeline: bool = False,
+        compile_layers: bool = False,
         embedding_comm_precision: str = "fp32",
         weights_from: str | None = None,
         process_group_backend: str | None = None,
@@ -173,8 +178,9 @@ class GEM5DStrategy(ParallelStrategy):
         ):
             if value is not None:
                 check_size(value, name)
-        if not isinstance(sequence_parallel, bool):
-            raise TypeError(f"`sequence_parallel` must be a bool, got {sequence_parallel!r}")
+        for name, flag in (("sequence_parallel", sequence_parallel), ("compile_layers", compile_layers)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"`{name}` must be a bool, got {flag!r}")
         if activation_memory_budget is not None and (
             isinstance(activation_memory_budget, bool)
             or activation_memory_budget <= 0
@@ -206,6 +212,7 @@ class GEM5DStrategy(ParallelStrategy):
         self.sequence_parallel = sequence_parallel
         self.activation_memory_budget = activation_memory_budget
         self.train_pipeline = bool(train_pipeline)
+        self.compile_layers = compile_layers
         self.embedding_comm_precision = check_comm_precision(embedding_comm_precision)
         self.weights_from = weights_from
         self._process_group_backend = process_group_backend
@@ -345,6 +352,7 @@ class GEM5DStrategy(ParallelStrategy):
             reshard_after_forward=self.reshard_after_forward,
             sequence_parallel=self.sequence_parallel,
             train_pipeline=self.train_pipeline,
+            compile_layers=self.compile_layers,
             sparse_replication=self.sparse_replication,
             embedding_comm_precision=self.embedding_comm_precision,
             move=lambda batch: _move_batch(batch, device, move_data_to_device),

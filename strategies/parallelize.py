@@ -22,7 +22,7 @@ from . import dense, sparse
 from .mesh import MeshLayout
 from .replication import SparseReplication
 
-__all__ = ["ParallelModel", "parallelize_model"]
+__all__ = ["ParallelModel", "compile_hstu_layers", "parallelize_model"]
 
 _ATTRIBUTE = "_gem5d_parallel"  # on the model: what parallelize_model did to it
 
@@ -62,6 +62,23 @@ class ParallelModel:
         }
 
 
+def compile_hstu_layers(module: nn.Module) -> list[str]:
+    """``torch.compile`` every ``HSTULayer`` in ``module`` in place, with dynamic shapes; returns their names.
+
+    ``nn.Module.compile`` keeps each layer's class, names, parameters and ``state_dict``, so activation
+    checkpointing (applied before) and FSDP2 (after) compose with it; with ``dynamic=True`` a new jagged token
+    count or longest length reuses the graph instead of recompiling. Idempotent.
+    """
+    from lightning_gem.components.encoder import HSTULayer  # the components import this package: not at the top
+
+    names = [name for name, sub in module.named_modules() if isinstance(sub, HSTULayer)]
+    for name in names:
+        layer = module.get_submodule(name)
+        if getattr(layer, "_compiled_call_impl", None) is None:
+            layer.compile(dynamic=True)
+    return names
+
+
 def parallelize_model(
     module: nn.Module,
     layout: MeshLayout,
@@ -75,6 +92,7 @@ def parallelize_model(
     reshard_after_forward: bool = True,
     sequence_parallel: bool = False,
     train_pipeline: bool = False,
+    compile_layers: bool = False,
     sparse_replication: SparseReplication = "auto",
     embedding_comm_precision: str = "fp32",
     move: Callable[[Any], Any] | None = None,
@@ -93,6 +111,8 @@ def parallelize_model(
         sequence_parallel: under tensor parallelism, run the components that can shard their tokens on
             token shards (see ``dense.py``); no effect when ``layout.tensor_parallel == 1``.
         train_pipeline: start each batch's embedding input all-to-all one batch ahead (needs ``move``).
+        compile_layers: ``torch.compile`` every HSTU layer (:func:`compile_hstu_layers`) after tensor parallelism,
+            before FSDP2.
         sparse_replication: how the embedding replicas are kept equal (``replication.py``).
         embedding_comm_precision: the precision of the embedding all-to-alls (``sparse.comm_codecs``).
         move: moves a batch to ``device`` (the train pipeline's prefetch).
@@ -139,6 +159,8 @@ def parallelize_model(
         partial_grads = dense.apply_tensor_parallel(
             module, dense_mesh["tensor_parallel"], sequence_parallel=sequence_parallel
         )
+    if compile_layers:
+        compile_hstu_layers(module)
     # Gradients of the mean loss over the global batch: the mean over the data-parallel ranks (sparse.py).
     if layout.dense_shard == 1 and layout.tensor_parallel == 1:
         # Nothing to shard (pure data parallelism, or one process): the dense parameters stay plain tensors,

@@ -13,7 +13,8 @@ pooled user features, hundreds of candidates per user.
 - kit: the GDPA Triton kernels (``attention_impl="auto"``), ``MXFP8Precision()`` (its ``auto`` recipe
   picks what is fast on the device: fp8 on Hopper), ``GEM5DStrategy(train_pipeline=True)`` (world size 1:
   torchrec's sharded tables and gem5d's train step, without FSDP2 over a single rank; the next batch, pinned,
-  copied and its embedding input path prepared on a side stream), Base Batch Shuffling in the DataModule.
+  copied and its embedding input path prepared on a side stream; ``--compile-layers``: each HSTU layer
+  compiled too), Base Batch Shuffling in the DataModule.
 
 Each stack runs ``--warmup + --steps`` training steps in ``Trainer.fit``; a step's time is the interval
 between the ends of consecutive steps on the device's timeline (CUDA events: no device sync is added, data
@@ -81,7 +82,7 @@ def run_stack(
     trainer = L.Trainer(
         accelerator="gpu" if cuda else "cpu",
         devices=1,
-        strategy=GEM5DStrategy(train_pipeline=True) if kit else "auto",
+        strategy=GEM5DStrategy(train_pipeline=True, compile_layers=args.compile_layers) if kit else "auto",
         precision=None if kit else ("bf16-mixed" if cuda else "32-true"),
         plugins=[MXFP8Precision()] if kit else None,
         max_steps=args.warmup + args.steps,
@@ -147,6 +148,9 @@ def main() -> None:
         default=1,
         help="the plain stack's step as this many micro-batches with gradient accumulation (its padded attention "
         "scores grow with the heads: wide models fit only so); the step time covers them all",
+    )
+    parser.add_argument(
+        "--compile-layers", action="store_true", help="the kit stack compiles each HSTU layer (gem5d's compile_layers)"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--root", type=Path, default=Path("logs/e2e"), help="the Trainer's default_root_dir")

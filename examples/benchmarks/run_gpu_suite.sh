@@ -69,6 +69,12 @@ for s in "${steps[@]}"; do
         step e2e_$w 300 $PY examples/benchmarks/e2e.py --stacks kit --model-dim $w --num-heads $((w / 128)) \
           --num-layers 8 --batch-size 32 --steps 10 --warmup 5 --root "$OUT/e2e_$w" --out "$OUT/e2e_$w.json"
       done
+      # The kit with its HSTU layers compiled, at the default width (host-bound) and at 4096
+      step e2e_compiled 600 $PY examples/benchmarks/e2e.py --stacks kit --compile-layers --root "$OUT/e2e_compiled" \
+        --out "$OUT/e2e_compiled.json"
+      step e2e_4096_compiled 300 $PY examples/benchmarks/e2e.py --stacks kit --compile-layers --model-dim 4096 \
+        --num-heads 32 --num-layers 8 --batch-size 32 --steps 10 --warmup 5 --root "$OUT/e2e_4096_compiled" \
+        --out "$OUT/e2e_4096_compiled.json"
       # Both stacks at width 4096: the plain one in 16 micro-batches of 2 users (gradient accumulation)
       step e2e_4096_both 600 $PY examples/benchmarks/e2e.py --stacks kit,plain --model-dim 4096 --num-heads 32 \
         --num-layers 8 --batch-size 32 --plain-micro-batches 16 --steps 10 --warmup 3 --root "$OUT/e2e_4096_both" \

@@ -157,6 +157,7 @@ def fit_gem(
         "losses": recorder.losses,
         "weights": full_weights(model),
         "checkpointed": sorted(checkpointed_modules(model)),
+        "compiled": sorted(n for n, m in model.named_modules() if getattr(m, "_compiled_call_impl", None) is not None),
         "prefetched": getattr(trainer.strategy.prefetcher, "hits", None),
         "replication": trainer.strategy.parallel.sparse.replication,
         "tested": tested,

@@ -315,6 +315,44 @@ def test_checkpoint_resumes_exactly_in_one_process(tmp_path) -> None:
         np.testing.assert_allclose(out["resumed"]["weights"][name], value, atol=1e-6, err_msg=name)
 
 
+def _compiled_against_eager(rank: int, world_size: int) -> dict[str, Any]:
+    runs = {}
+    for name, extra in (("eager", {}), ("compiled", {"compile_layers": True})):
+        for checkpointing in ({}, {"activation_memory_budget": 0.9}):
+            layout = {"embedding_optimizer": "rowwise_adagrad"} | extra | checkpointing
+            before = _dynamo_graphs()
+            runs[name, bool(checkpointing)] = fit_gem(world_size, layout, steps=STEPS, global_batch=GLOBAL_BATCH)
+            runs[name, bool(checkpointing)]["graphs"] = _dynamo_graphs() - before
+    return runs if rank == 0 else {}
+
+
+def _dynamo_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def test_compiled_layers_train_like_eager_ones_under_fsdp2_and_checkpointing() -> None:
+    """compile_layers: each HSTU layer compiled with dynamic shapes between activation checkpointing and FSDP2
+    over 2 ranks: the same losses and weights as the eager layers, without a graph per jagged batch size."""
+    runs = run_ranks(_compiled_against_eager, 2)[0]
+    for checkpointing in (False, True):
+        eager, compiled = runs["eager", checkpointing], runs["compiled", checkpointing]
+        assert compiled["compiled"] == ["encoder.layers.0", "encoder.layers.1"] and not eager["compiled"]
+        assert bool(compiled["checkpointed"]) == checkpointing
+        np.testing.assert_allclose(compiled["losses"], eager["losses"], rtol=LOSS_RTOL)
+        for name, value in compiled["weights"].items():
+            np.testing.assert_allclose(value, eager["weights"][name], atol=1e-5, err_msg=name)
+        assert eager["graphs"] == 0
+    # dynamic shapes: the first run's five batches (three token counts) took fewer graphs than steps; the second
+    # run's layers, checkpointed or not, reused them
+    assert 1 <= runs["compiled", False]["graphs"] < STEPS and runs["compiled", True]["graphs"] < STEPS
+    from lightning_gem.strategies import GEM5DStrategy
+
+    with pytest.raises(TypeError, match="compile_layers"):
+        GEM5DStrategy(compile_layers="yes")
+
+
 def _pipeline_across_epochs(rank: int, world_size: int, steps: int) -> dict[str, Any]:
     layout = {"embedding_optimizer": "rowwise_adagrad"}
     plain = fit_gem(world_size, layout, steps=steps, global_batch=GLOBAL_BATCH)
