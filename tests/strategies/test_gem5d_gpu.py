@@ -31,7 +31,14 @@ def _require_cuda() -> None:
 
 
 def _fit_on_gpu(
-    rank: int, world_size: int, budget: float | None, steps: int, replication: str = "auto", pipeline: bool = False
+    rank: int,
+    world_size: int,
+    budget: float | None,
+    steps: int,
+    replication: str = "auto",
+    pipeline: bool = False,
+    compile_layers: bool = False,
+    mxfp8: bool = False,
 ) -> dict[str, Any]:
     import lightning as L
     from lightning_gem.components import GEMRanker
@@ -65,11 +72,22 @@ def _fit_on_gpu(
     model = GEMRanker(data.schema, embedding_dim=64, model_dim=256, num_layers=4, num_heads=4)
     meter = StepMeter()
     paths = embedding_module_paths(model)
-    strategy = GEM5DStrategy(activation_memory_budget=budget, sparse_replication=replication, train_pipeline=pipeline)
+    strategy = GEM5DStrategy(
+        activation_memory_budget=budget,
+        sparse_replication=replication,
+        train_pipeline=pipeline,
+        compile_layers=compile_layers,
+    )
+    plugins = None
+    if mxfp8:
+        from lightning_gem.precision import MXFP8Precision
+
+        plugins = [MXFP8Precision()]
     trainer = L.Trainer(
         accelerator="gpu",
         devices=1,
         strategy=strategy,
+        plugins=plugins,
         max_steps=steps,
         limit_val_batches=0,
         num_sanity_val_steps=0,
@@ -131,6 +149,17 @@ def test_the_train_pipeline_trains_like_the_plain_loop_on_a_gpu() -> None:
     pipelined = run_ranks(_fit_on_gpu, 1, None, steps, "auto", True)[0]
     np.testing.assert_allclose(pipelined["losses"], plain["losses"], rtol=1e-3)
     assert pipelined["prefetched"] == 2 * steps and plain["prefetched"] is None
+
+
+def test_compiled_layers_train_like_eager_ones_on_a_gpu_in_fp8() -> None:
+    """``compile_layers`` with the kit's kernels (GDPA Triton, FP8 linears under ``MXFP8Precision``) traced into
+    the layers' graphs: the same losses as the eager layers, to the kernels' float-level differences."""
+    _require_cuda()
+    steps = 8
+    eager = run_ranks(_fit_on_gpu, 1, None, steps, "auto", False, False, True)[0]
+    compiled = run_ranks(_fit_on_gpu, 1, None, steps, "auto", False, True, True)[0]
+    assert all(np.isfinite(compiled["losses"]))
+    np.testing.assert_allclose(compiled["losses"], eager["losses"], rtol=2e-2)
 
 
 def test_world_size_one_trains_with_dmpcollection() -> None:
