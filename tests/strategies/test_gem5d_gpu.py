@@ -13,6 +13,7 @@ Run: ``python -m pytest -m gpu -s tests/strategies/test_gem5d_gpu.py``.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -156,8 +157,8 @@ def test_compiled_layers_train_like_eager_ones_on_a_gpu_in_fp8() -> None:
     the layers' graphs: the same losses as the eager layers, to the kernels' float-level differences."""
     _require_cuda()
     steps = 8
-    eager = run_ranks(_fit_on_gpu, 1, None, steps, "auto", False, False, True)[0]
-    compiled = run_ranks(_fit_on_gpu, 1, None, steps, "auto", False, True, True)[0]
+    eager = run_ranks(functools.partial(_fit_on_gpu, mxfp8=True), 1, None, steps)[0]
+    compiled = run_ranks(functools.partial(_fit_on_gpu, compile_layers=True, mxfp8=True), 1, None, steps)[0]
     assert all(np.isfinite(compiled["losses"]))
     np.testing.assert_allclose(compiled["losses"], eager["losses"], rtol=2e-2)
 

@@ -493,10 +493,9 @@ def quantize_triton(
             _rowwise_rows(x, q, s, meta, norm_args)
         return (q, s), None
     if cols and not rowwise and kind is None and (rows or mx):
-        if padded_rows > 0 and rows:
-            _rows_and_columns(x, q, s, qt, st, meta, num_rows, padded_rows)
-        elif padded_rows > 0:
-            _launch_split(x, None, None, qt, st, meta, num_rows, padded_rows)
+        if padded_rows > 0:
+            launch = _rows_and_columns if rows else _columns_alone
+            launch(x, q, s, qt, st, meta, num_rows, padded_rows)
         return ((q, s) if rows else None), (qt, st)
     _launch_general(x, q, s, qt, st, meta, norm_args, num_rows, padded_rows)
     return ((q, s) if rows else None), ((qt, st) if cols else None)
@@ -530,6 +529,14 @@ def _launch_general(
 _ROWS_AND_COLUMNS_PLANS = {32: ("apart", "split"), 128: ("split", "apart")}
 
 
+def _columns_alone(x: Tensor, q: None, s: None, qt: Tensor, st: Tensor, meta: dict, num_rows: int, padded: int) -> None:
+    """The transposed layout alone of ``mx`` (the split kernel's column slabs) or ``1x128`` (``_quantize_kernel``)."""
+    if meta["BLOCK"] == 32:
+        _launch_split(x, None, None, qt, st, meta, num_rows, padded)
+    else:
+        _launch_general(x, None, None, qt, st, {**meta, "ROWS": False}, (None,) * 4, num_rows, padded)
+
+
 def _rows_and_columns(
     x: Tensor, q: Tensor, s: Tensor, qt: Tensor, st: Tensor, meta: dict, num_rows: int, padded: int
 ) -> None:
@@ -542,16 +549,14 @@ def _rows_and_columns(
             _launch_split(x, q, s, qt, st, meta, num_rows, padded)
         else:
             _launch_general(x, q, s, None, None, {**meta, "COLS": False}, (None,) * 4, num_rows, padded)
-            if block == 32:  # mx columns alone take the split kernel's column slabs
-                _launch_split(x, None, None, qt, st, meta, num_rows, padded)
-            else:
-                _launch_general(x, None, None, qt, st, {**meta, "ROWS": False}, (None,) * 4, num_rows, padded)
+            _columns_alone(x, None, None, qt, st, meta, num_rows, padded)
 
     plans = list(_ROWS_AND_COLUMNS_PLANS[block])
-    if elements < TUNE_ABOVE or is_interpreted(_quantize_split_kernel):
+    if elements < TUNE_ABOVE or is_interpreted(_quantize_split_kernel):  # as launch_tuned: small or interpreted
         plans = plans[:1]
-    key = ("quantize_rows_and_columns", size_class(elements), next_power_of_2(x.shape[1]), x.dtype, block)
-    run(pick_fastest(_CHOSEN, (*key, meta["RCEIL"]), plans, run, (x, q, qt)))
+    width = next_power_of_2(x.shape[1])
+    key = ("quantize_rows_and_columns", size_class(elements), width, x.dtype, block, meta["RCEIL"])
+    run(pick_fastest(_CHOSEN, key, plans, run, (x, q, qt)))
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
