@@ -14,6 +14,10 @@ Legend: ``T`` events over the batch, ``B`` sequences, ``N`` negatives, ``I`` ite
 
 from __future__ import annotations
 
+import functools
+import math
+from typing import Any
+
 import lightning as L
 import torch
 import torch.nn.functional as F
@@ -146,6 +150,12 @@ class SequentialRecommender(L.LightningModule):
         weight_decay: AdamW weight decay of the Linear weights.
         embedding_init_scale: item rows uniform in ``[-s, s]``; None: torchrec's default.
         attention_impl: GDPA ``impl``.
+        compile_layers: ``torch.compile`` every HSTU layer in place (dynamic shapes: one graph for every batch's
+            token count and longest sequence). Short histories make a step bound by the host's kernel launches;
+            a compiled layer issues a few fused kernels instead of dozens.
+        lr_schedule: ``"constant"`` or ``"cosine"`` (after ``warmup_steps`` of linear warm-up, the learning rate
+            decays to 0 at the last step, ``trainer.estimated_stepping_batches``).
+        warmup_steps: linear warm-up steps of the learning rate (both schedules).
 
     Example:
         >>> from lightning_gem.data.schema import RetrievalSchema
@@ -183,8 +193,15 @@ class SequentialRecommender(L.LightningModule):
         weight_decay: float = 0.0,
         embedding_init_scale: float | None = 0.05,
         attention_impl: str = "auto",
+        compile_layers: bool = False,
+        lr_schedule: str = "constant",
+        warmup_steps: int = 0,
     ) -> None:
         super().__init__()
+        if lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"`lr_schedule` must be 'constant' or 'cosine', got {lr_schedule!r}")
+        if warmup_steps < 0:
+            raise ValueError(f"`warmup_steps` must be >= 0, got {warmup_steps}")
         if num_negatives < 1:
             raise ValueError(f"`num_negatives` must be >= 1, got {num_negatives}")
         if temperature <= 0:
@@ -247,6 +264,9 @@ class SequentialRecommender(L.LightningModule):
             use_time=hp.use_time,
             attention_impl=hp.attention_impl,
         )
+        if hp.get("compile_layers", False):
+            for layer in self.encoder.layers:
+                layer.compile(dynamic=True)
         self.metrics = nn.ModuleDict(
             {
                 f"{stage}_{kind}_{k}": HitRate(k) if kind == "hr" else NDCG(k)
@@ -406,10 +426,30 @@ class SequentialRecommender(L.LightningModule):
         self._evaluate(batch, "test")
 
     @override
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def configure_optimizers(self) -> Any:
         self._require_schema()
         hp = self.hparams
-        return torch.optim.AdamW(adamw_param_groups(self, hp.weight_decay), lr=hp.lr, betas=tuple(hp.betas))
+        optimizer = torch.optim.AdamW(adamw_param_groups(self, hp.weight_decay), lr=hp.lr, betas=tuple(hp.betas))
+        schedule, warmup = hp.get("lr_schedule", "constant"), hp.get("warmup_steps", 0)
+        if schedule == "constant" and warmup == 0:
+            return optimizer
+        total = self.trainer.estimated_stepping_batches if schedule == "cosine" else 0
+        if schedule == "cosine" and not 0 < total < math.inf:
+            raise ValueError(f"lr_schedule='cosine' needs a finite number of training steps, got {total}")
+        factor = functools.partial(_lr_factor, warmup=warmup, total=int(total))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _lr_factor(step: int, *, warmup: int, total: int) -> float:
+    """The learning rate's factor at optimizer step ``step``: linear warm-up over ``warmup`` steps, then constant
+    (``total == 0``) or a cosine decay reaching 0 at step ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if total == 0:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def _gap_to_previous(timestamps: Tensor, offsets: Tensor) -> Tensor:

@@ -313,7 +313,11 @@ class RetrievalSource(_ArraySource):
 
 
 def leave_one_out_windows(
-    sequence_offsets: np.ndarray, split: str, max_history_length: int, train_on_validation_item: bool = False
+    sequence_offsets: np.ndarray,
+    split: str,
+    max_history_length: int,
+    train_on_validation_item: bool = False,
+    train_windows: str = "last",
 ) -> tuple[np.ndarray, np.ndarray]:
     """Input windows of the leave-one-out protocol over user sequences stored back to back.
 
@@ -327,19 +331,32 @@ def leave_one_out_windows(
     - ``"test"``: inputs ``s[:-1]``, targets ``s[1:]`` (the last target ``s[-1]`` is held out).
 
     Inputs keep the most recent ``max_history_length`` events; users with no input in a split are left
-    out of it (so every user with ``n >= 4`` is in all three).
+    out of it (so every user with ``n >= 4`` is in all three). With ``train_windows="all"``, a training
+    sequence longer than that also yields the windows before its most recent one, back to its start
+    (consecutive, not overlapping, each ``max_history_length`` inputs but the first), so every training
+    target of every user is trained on once per epoch instead of only the most recent ones.
 
     Args:
         sequence_offsets: ``[U + 1]`` int64 offsets of the users' sequences.
         split: ``"train"``, ``"val"`` or ``"test"``.
         max_history_length: longest input window.
         train_on_validation_item: train on the validation item too (see ``"train"``).
+        train_windows: ``"last"`` (each user's most recent window) or ``"all"`` (see above); ``"train"`` only.
 
     Returns:
-        ``(starts, ends)``, ``[N]`` int64 each, for :class:`RetrievalArrays`.
+        ``(starts, ends)``, ``[N]`` int64 each, for :class:`RetrievalArrays` (a user's windows are adjacent,
+        oldest first).
     """
+    if train_windows not in ("last", "all"):
+        raise ValueError(f"`train_windows` must be 'last' or 'all', got {train_windows!r}")
     drop = {"train": 2 if train_on_validation_item else 3, "val": 2, "test": 1}[check_split(split)]
     begins, ends = sequence_offsets[:-1].astype(np.int64), sequence_offsets[1:].astype(np.int64) - drop
     keep = ends > begins
     begins, ends = begins[keep], ends[keep]
-    return np.maximum(begins, ends - max_history_length), ends
+    if split != "train" or train_windows == "last":
+        return np.maximum(begins, ends - max_history_length), ends
+    counts = -((begins - ends) // max_history_length)  # windows per user: ceil(inputs / max_history_length)
+    user = np.repeat(np.arange(len(ends)), counts)
+    back = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)  # 0 = the most recent
+    window_ends = ends[user] - (counts[user] - 1 - back) * max_history_length
+    return np.maximum(begins[user], window_ends - max_history_length), window_ends

@@ -159,3 +159,69 @@ def test_checkpoint_round_trip_rebuilds_the_model(batches, tmp_path) -> None:
     loaded = SequentialRecommender.load_from_checkpoint(tmp_path / "model.ckpt")
     assert loaded.schema == schema
     torch.testing.assert_close(loaded.eval()(batch), model.eval()(batch))
+
+
+def test_compiled_layers_match_eager_layers(batches) -> None:
+    """compile_layers=True compiles every HSTU layer (one graph over batches of other shapes) and changes neither
+    the parameter names nor the loss and gradients of a training step."""
+    torch.manual_seed(0)
+    schema = batches.retrieval_schema()
+    kwargs = {"embedding_dim": 16, "num_layers": 2, "num_negatives": 8, "dropout": 0.0, "relative_attention_bias": True}
+    eager = SequentialRecommender(schema, **kwargs)
+    for layer in eager.encoder.layers:  # a fresh residual branch is zero: give it weights
+        torch.nn.init.normal_(layer.output.weight, std=0.1)
+    compiled = SequentialRecommender(schema, **kwargs, compile_layers=True)
+    compiled.load_state_dict(eager.state_dict())
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+    assert all(layer._compiled_call_impl is not None for layer in compiled.encoder.layers)
+    torch._dynamo.reset()
+    for lengths in ([0, 1, 5, 3], [7, 2], [4, 4, 4, 1, 6]):
+        batch = batches.make_retrieval_batch(schema, lengths)
+        losses = []
+        for model in (eager, compiled):
+            model.zero_grad()
+            torch.manual_seed(1)  # the same negatives
+            loss = model.training_step(batch, 0)
+            loss.backward()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+        for (name, p_eager), p_compiled in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+            assert torch.allclose(p_compiled.grad, p_eager.grad, rtol=1e-4, atol=1e-5), name
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2  # forward of a layer (+ one recompile at most)
+
+
+def test_cosine_schedule_warms_up_then_decays_to_zero(batches) -> None:
+    from lightning_gem.components.retrieval import _lr_factor
+
+    assert [_lr_factor(s, warmup=2, total=0) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    cosine = [round(_lr_factor(s, warmup=2, total=6), 6) for s in range(7)]
+    assert cosine == [0.5, 1.0, 1.0, 0.853553, 0.5, 0.146447, 0.0]
+    schema = batches.retrieval_schema()
+    model = SequentialRecommender(
+        schema, embedding_dim=8, num_layers=1, num_negatives=4, lr=0.01, lr_schedule="cosine", warmup_steps=2
+    )
+    seen = []
+
+    class Record(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+            seen.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    trainer = L.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Record()],
+    )
+    trainer.fit(model, _loader([batches.make_retrieval_batch(schema, [3, 2]) for _ in range(4)]))
+    expected = [0.01 * _lr_factor(s, warmup=2, total=8) for s in range(8)]
+    assert seen == pytest.approx(expected)
+    with pytest.raises(ValueError, match="lr_schedule"):
+        SequentialRecommender(schema, lr_schedule="linear")
+    with pytest.raises(ValueError, match="finite"):
+        L.Trainer(max_steps=-1, max_epochs=-1, accelerator="cpu", logger=False, enable_progress_bar=False).fit(
+            SequentialRecommender(schema, embedding_dim=8, num_layers=1, lr_schedule="cosine"),
+            _loader([batches.make_retrieval_batch(schema, [3, 2])]),
+        )

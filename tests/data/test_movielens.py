@@ -195,3 +195,44 @@ def test_ml1m_train_on_validation_item(tmp_path: Path) -> None:
         assert split(reference, name) == split(default, name)
     with pytest.raises(TypeError, match="train_on_validation_item"):
         MovieLens1MSource(path=str(tmp_path), train_on_validation_item="yes")
+
+
+def test_ml1m_train_windows_all_trains_every_target_once(tmp_path: Path) -> None:
+    """With train_windows='all' a history longer than the window yields its earlier windows too: every training
+    target exactly once, consecutive windows, the most recent one as with 'last'; evaluation does not change."""
+    (tmp_path / "movies.dat").write_text("".join(f"{m}::M{m}::Drama\n" for m in range(1, 13)))
+    (tmp_path / "sequences.txt").write_text("1 1 2 3 4 5 6 7 8 9 10 11 12\n2 3 4 5\n3 7 8 9 10 11 12 1\n")
+    kwargs = {"path": str(tmp_path), "max_history_length": 3, "train_on_validation_item": True}
+    last = MovieLens1MSource(**kwargs)
+    every = MovieLens1MSource(**kwargs, train_windows="all")
+
+    def split(source: MovieLens1MSource, name: str) -> list[tuple[list[int], list[int]]]:
+        dataset = source.dataset(name)
+        samples = [dataset[i] for i in range(len(dataset))]
+        return [(source.movie_ids[s.history[:, 0]].tolist(), source.movie_ids[s.targets].tolist()) for s in samples]
+
+    # User 1 trains on 1..11 (inputs 1..10), user 2 on 3, 4 (input 3), user 3 on 7..12 (inputs 7..11).
+    assert split(last, "train") == [([8, 9, 10], [9, 10, 11]), ([3], [4]), ([9, 10, 11], [10, 11, 12])]
+    assert split(every, "train") == [
+        ([1], [2]),
+        ([2, 3, 4], [3, 4, 5]),
+        ([5, 6, 7], [6, 7, 8]),
+        ([8, 9, 10], [9, 10, 11]),
+        ([3], [4]),
+        ([7, 8], [8, 9]),
+        ([9, 10, 11], [10, 11, 12]),
+    ]
+    assert every.sample_users("train").tolist() == [1, 1, 1, 1, 2, 3, 3]
+    for name in ("val", "test"):
+        assert split(every, name) == split(last, name)
+    with pytest.raises(ValueError, match="train_windows"):
+        MovieLens1MSource(path=str(tmp_path), train_windows="random")
+
+
+def test_ml1m_train_windows_all_covers_every_rating(ml1m_dir: Path) -> None:
+    """On the real data: 'all' trains on every rating but each user's first and last (the test item)."""
+    source = MovieLens1MSource(path=str(ml1m_dir), train_on_validation_item=True, train_windows="all")
+    lengths = source.sample_lengths("train")
+    assert lengths.max() == 200
+    assert lengths.sum() == 1_000_209 - 2 * 6040
+    assert MovieLens1MSource(path=str(ml1m_dir), train_on_validation_item=True).sample_lengths("train").sum() < 700_000
