@@ -85,6 +85,9 @@ class MXLinear(nn.Linear):
     def _eligible(self, plan: Plan) -> bool:
         return self.in_features % plan.multiple == 0 and self.out_features % plan.multiple == 0
 
+    # Eager under torch.compile (a graph break): Dynamo in torch 2.11 fails to trace the tuned Triton launches
+    # with dynamic shapes (measured on an H200), and the fused norm hands its quantized output over as module state.
+    @torch.compiler.disable
     def forward(self, input: Tensor) -> Tensor:  # noqa: A002 (nn.Linear's name)
         handoff, self._handoff = self._handoff, None
         plan = resolve_plan(self.mx_config, input.device)

@@ -28,6 +28,7 @@ class _FusedNormMixin:
     norm_kind: str
     _consumer: weakref.ref
 
+    @torch.compiler.disable  # eager under torch.compile, as MXLinear.forward (whose input it hands over)
     def forward(self, input: Tensor) -> Tensor:  # noqa: A002
         consumer = self._consumer()
         if consumer is None or not torch.is_grad_enabled() or input.shape[-1] != consumer.in_features:

@@ -183,3 +183,35 @@ def test_native_gemms_match_emulated_ones_in_training(backend: str, rows: int, m
     for a, b in zip(native_results, step(emulated), strict=True):
         assert bool(torch.isfinite(a).all())
         assert float((a - b).norm() / b.norm()) < 2e-2
+
+
+def test_converted_layers_run_eagerly_inside_compiled_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``torch.compile`` (dynamic shapes, as compiled HSTU layers use) the fused norm and the FP8 Linear
+    run eagerly between graphs: the same outputs and gradients as without compiling, never traced."""
+    from lightning_gem.precision import linear, norm
+
+    traced = []
+    for fn in (linear._MXLinearFn, norm._FusedNormFn):
+        apply = fn.apply
+        monkeypatch.setattr(
+            fn, "apply", lambda *a, _apply=apply: traced.append(torch.compiler.is_compiling()) or _apply(*a)
+        )
+    torch.manual_seed(0)
+    eager = convert(nn.Sequential(nn.RMSNorm(64), nn.Linear(64, 64), nn.SiLU(), nn.Linear(64, 64)), MXConfig())
+    compiled = copy.deepcopy(eager)
+    compiled.compile(dynamic=True, backend="aot_eager")
+    torch.compiler.reset()
+    try:
+        for rows in (48, 80):
+            x = torch.randn(rows, 64)
+            outs = []
+            for model in (eager, compiled):
+                model.zero_grad()
+                out = model(x.clone().requires_grad_())
+                out.square().sum().backward()
+                outs.append((out.detach(), *(p.grad for p in model.parameters())))
+            for a, b in zip(*outs, strict=True):
+                torch.testing.assert_close(b, a)
+    finally:
+        torch.compiler.reset()
+    assert len(traced) == 2 * 2 * 3 and not any(traced)  # 2 models x 2 batches x (norm, 2 linears), all eager

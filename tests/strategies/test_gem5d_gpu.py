@@ -153,8 +153,9 @@ def test_the_train_pipeline_trains_like_the_plain_loop_on_a_gpu() -> None:
 
 
 def test_compiled_layers_train_like_eager_ones_on_a_gpu_in_fp8() -> None:
-    """``compile_layers`` with the kit's kernels (GDPA Triton, FP8 linears under ``MXFP8Precision``) traced into
-    the layers' graphs: the same losses as the eager layers, to the kernels' float-level differences."""
+    """``compile_layers`` with the kit's kernels: GDPA Triton traced into the layers' graphs, the FP8 linears and
+    fused norms of ``MXFP8Precision`` run eagerly between them; the same losses as the eager layers, to the
+    kernels' float-level differences."""
     _require_cuda()
     steps = 8
     eager = run_ranks(functools.partial(_fit_on_gpu, mxfp8=True), 1, None, steps)[0]
