@@ -5,8 +5,8 @@
 # Usage (from the repository root, on a CUDA machine with torchrec, fbgemm-gpu and the kit installed: the
 # package maps components/ and strategies/ into lightning_gem, so `pip install -e .` rather than PYTHONPATH=.):
 #   OUT=gpu-results ML1M=PATH/TO/ml-1m bash examples/benchmarks/run_gpu_suite.sh [STEP ...]
-# STEP: any of tests attention precision host encoder balance balance_wide e2e scaling ml1m ml1m_reference (default:
-# all, in that order).
+# STEP: any of tests attention precision host encoder balance balance_wide e2e scaling ml1m ml1m_reference
+# ml1m_all_windows (default: all, in that order).
 # ML1M: the MovieLens-1M folder from https://grouplens.org/datasets/movielens/1m/ (the ml1m step needs it).
 # PYTHON: the interpreter (default python3). The first process on a fresh machine compiles and tunes the Triton
 # kernels (minutes): the limits allow it.
@@ -16,7 +16,8 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests attention precision host encoder balance balance_wide e2e scaling ml1m ml1m_reference)
+[ ${#steps[@]} -eq 0 ] && steps=(tests attention precision host encoder balance balance_wide e2e scaling ml1m ml1m_reference
+  ml1m_all_windows)
 gpus=$($PY -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi -L > "$OUT/gpus.txt" 2>&1
 
@@ -97,6 +98,8 @@ for s in "${steps[@]}"; do
     ml1m) ml1m_step ml1m examples/configs/ml1m_hstu_h200.yaml "*.ckpt" ;;  # the best-on-validation checkpoint
     # The reference recipe trains on the validation item too: its last checkpoint is tested.
     ml1m_reference) ml1m_step ml1m_reference examples/configs/ml1m_hstu_h200_reference.yaml last.ckpt ;;
+    # The reference recipe trained on every window of a long history, compiled layers, a cosine schedule.
+    ml1m_all_windows) ml1m_step ml1m_all_windows examples/configs/ml1m_hstu_h200_all_windows.yaml last.ckpt ;;
     *) echo "unknown step $s" >&2 ;;
   esac
 done
