@@ -96,3 +96,10 @@ def test_encoder_step_times_each_norm_variant(tmp_path: Path) -> None:
     results = json.loads(out.read_text())["results"]
     assert [r["variant"] for r in results] == ["torch-norm"] * 2 + ["kit-norm"] * 2
     assert all(r["step_ms"] > 0 and r["tokens"] >= 3 * 16 for r in results)
+
+
+def test_compile_fp8_layers_runs_both_variants() -> None:
+    printed = _run("compile_fp8_layers.py", "--device", "cpu", "--dim", "128", "--max-length", "24", "--reps", "1")
+    for variant in ("bf16", "fp8"):
+        line = next(line for line in printed.splitlines() if line.startswith(f"{variant}:"))
+        assert line.startswith(f"{variant}: runs;"), line
