@@ -175,6 +175,7 @@ def test_compiled_layers_match_eager_layers(batches) -> None:
     assert list(compiled.state_dict()) == list(eager.state_dict())
     assert all(layer._compiled_call_impl is not None for layer in compiled.encoder.layers)
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     for lengths in ([0, 1, 5, 3], [7, 2], [4, 4, 4, 1, 6]):
         batch = batches.make_retrieval_batch(schema, lengths)
         losses = []
