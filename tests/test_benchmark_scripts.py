@@ -103,3 +103,24 @@ def test_compile_fp8_layers_runs_both_variants() -> None:
     for variant in ("bf16", "fp8"):
         line = next(line for line in printed.splitlines() if line.startswith(f"{variant}:"))
         assert line.startswith(f"{variant}: runs;"), line
+
+
+def test_ml1m_variants_fits_tests_and_tabulates(tmp_path: Path) -> None:
+    data = ROOT.parent / "shared" / "data" / "ml-1m"
+    if not data.is_dir():
+        pytest.skip(f"MovieLens data not found at {data}")
+    tiny = (
+        "--trainer.accelerator cpu --trainer.precision 32-true --trainer.max_epochs 1 --trainer.limit_train_batches 2"
+        " --trainer.limit_test_batches 1 --model.init_args.compile_layers false --model.init_args.num_layers 1"
+    )
+    variants = tmp_path / "variants.txt"
+    variants.write_text(f"a {tiny}\nb {tiny} --model.init_args.embedding_dim 16\n")
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "ML1M": str(data), "PYTHON": sys.executable}
+    script = ROOT / "examples" / "benchmarks" / "ml1m_variants.sh"
+    done = subprocess.run(
+        ["bash", str(script), str(variants)], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = [line for line in (tmp_path / "out" / "table.md").read_text().splitlines() if line.startswith("| a |")]
+    cells = rows[0].strip("|").split("|")
+    assert cells[1].strip() == "1" and all(0.0 <= float(c) <= 1.0 for c in cells[2:])
