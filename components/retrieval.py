@@ -51,6 +51,8 @@ def sampled_softmax_loss(
 
     ``loss_t = -log(exp(s(u_t, p_t) / tau) / (exp(s(u_t, p_t) / tau) + sum_n exp(s(u_t, e_tn) / tau)))`` with
     ``s`` the cosine similarity; a negative equal to the row's positive id is masked (an accidental hit).
+    Computed in fp32 whatever the autocast state: at ``tau = 0.05`` a bf16 cosine (a step of 2^-8 near 1) would
+    move a logit by up to 0.08.
 
     Args:
         queries: ``[T, D]`` sequence embeddings. positives: ``[T, D]`` target item embeddings.
@@ -63,20 +65,21 @@ def sampled_softmax_loss(
     """
     if queries.shape[0] == 0:
         return queries.sum() * 0.0
-    u = F.normalize(queries, dim=-1)
-    pos_logits = (u * F.normalize(positives, dim=-1)).sum(-1, keepdim=True) / temperature  # [T, 1]
-    negatives = F.normalize(negatives, dim=-1)
-    if negative_index is None:
-        neg_logits = u @ negatives.T / temperature  # [T, N]
-        negative_ids = negative_ids[None, :]
-    elif negatives.shape[0] <= negative_index.shape[1] * negatives.shape[1]:
-        # Few distinct negatives (a small catalogue): score them all with one matmul, then pick ([T, N] scores).
-        neg_logits = (u @ negatives.T).gather(1, negative_index) / temperature  # [T, K]
-    else:  # many: gather each row's K embeddings ([T, K, D])
-        neg_logits = torch.einsum("td,tkd->tk", u, negatives[negative_index]) / temperature
-    neg_logits = neg_logits.masked_fill(negative_ids == positive_ids[:, None], float("-inf"))
-    logits = torch.cat([pos_logits, neg_logits], dim=1)
-    return (torch.logsumexp(logits, dim=1) - logits[:, 0]).mean()
+    with torch.autocast(queries.device.type, enabled=False):
+        u = F.normalize(queries.float(), dim=-1)
+        pos_logits = (u * F.normalize(positives.float(), dim=-1)).sum(-1, keepdim=True) / temperature  # [T, 1]
+        negatives = F.normalize(negatives.float(), dim=-1)
+        if negative_index is None:
+            neg_logits = u @ negatives.T / temperature  # [T, N]
+            negative_ids = negative_ids[None, :]
+        elif negatives.shape[0] <= negative_index.shape[1] * negatives.shape[1]:
+            # Few distinct negatives (a small catalogue): score them all with one matmul, then pick ([T, N] scores).
+            neg_logits = (u @ negatives.T).gather(1, negative_index) / temperature  # [T, K]
+        else:  # many: gather each row's K embeddings ([T, K, D])
+            neg_logits = torch.einsum("td,tkd->tk", u, negatives[negative_index]) / temperature
+        neg_logits = neg_logits.masked_fill(negative_ids == positive_ids[:, None], float("-inf"))
+        logits = torch.cat([pos_logits, neg_logits], dim=1)
+        return (torch.logsumexp(logits, dim=1) - logits[:, 0]).mean()
 
 
 def catalogue_ranks(
@@ -89,9 +92,10 @@ def catalogue_ranks(
 ) -> Tensor:
     """1-based rank of each query's target among the full catalogue, excluding already-seen items.
 
-    Scores are ``queries @ catalogue.T``; the pairs ``(seen_rows[s], seen_items[s])`` are set to
-    ``-inf`` (entries with ``seen_rows < 0`` are skipped), except each row's own target, which keeps
-    its score. Ties count pessimistically (see :func:`lightning_gem.metrics.rank_of_target`).
+    Scores are ``queries @ catalogue.T`` in fp32, whatever the autocast state (bf16 scores, a step of 2^-8 near 1,
+    tie the target with its neighbours, and ties count against it); the pairs ``(seen_rows[s], seen_items[s])`` are
+    set to ``-inf`` (entries with ``seen_rows < 0`` are skipped), except each row's own target, which keeps its
+    score. Ties count pessimistically (see :func:`lightning_gem.metrics.rank_of_target`).
 
     Args:
         queries: ``[B, D]``. catalogue: ``[I, D]``. target: ``[B]`` ids in ``[0, I)``.
@@ -100,7 +104,8 @@ def catalogue_ranks(
     Returns:
         ``[B]`` int64 ranks in ``[1, I]``.
     """
-    scores = queries @ catalogue.T  # [B, I]
+    with torch.autocast(queries.device.type, enabled=False):
+        scores = queries.float() @ catalogue.float().T  # [B, I]
     target = target.to(torch.int64)
     if seen_rows is not None and seen_items is not None:
         target_score = scores.gather(1, target[:, None])

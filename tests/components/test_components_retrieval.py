@@ -11,6 +11,8 @@ from lightning_gem.components import SequentialRecommender
 from lightning_gem.components.retrieval import catalogue_ranks, sampled_softmax_loss
 from torch.utils.data import DataLoader
 
+from lightning_gem.metrics import rank_of_target
+
 
 def _loader(batches: list) -> DataLoader:
     return DataLoader(batches, batch_size=None, collate_fn=lambda batch: batch)
@@ -226,3 +228,30 @@ def test_cosine_schedule_warms_up_then_decays_to_zero(batches) -> None:
             SequentialRecommender(schema, embedding_dim=8, num_layers=1, lr_schedule="cosine"),
             _loader([batches.make_retrieval_batch(schema, [3, 2])]),
         )
+
+
+def test_scores_and_loss_are_fp32_under_bf16_autocast() -> None:
+    """Under bf16 autocast (``precision="bf16-mixed"`` wraps every step in it) the catalogue is still ranked and
+    the sampled softmax still computed in fp32: bf16 cosines (a step of 2^-8 near 1) tie close items, and ties
+    count against the target."""
+    g = torch.Generator().manual_seed(0)
+    queries, catalogue = torch.randn(64, 32, generator=g), torch.randn(500, 32, generator=g)
+    queries, catalogue = (
+        torch.nn.functional.normalize(queries, dim=-1),
+        torch.nn.functional.normalize(catalogue, dim=-1),
+    )
+    target = torch.randint(0, 500, (64,), generator=g)
+    fp32 = catalogue_ranks(queries, catalogue, target)
+    with torch.autocast("cpu", torch.bfloat16):
+        assert torch.equal(catalogue_ranks(queries, catalogue, target), fp32)
+        bf16 = rank_of_target(queries @ catalogue.T, target)  # what the ranking was before: bf16 scores
+    assert not torch.equal(bf16, fp32)
+    negatives = torch.randn(40, 32, generator=g)
+    ids = torch.randint(0, 40, (64, 8), generator=g)
+    loss = sampled_softmax_loss(queries, catalogue[target], negatives, target, ids, 0.05, negative_index=ids)
+    with torch.autocast("cpu", torch.bfloat16):
+        loss_autocast = sampled_softmax_loss(
+            queries, catalogue[target], negatives, target, ids, 0.05, negative_index=ids
+        )
+    assert loss_autocast.dtype == torch.float32
+    torch.testing.assert_close(loss_autocast, loss, rtol=0, atol=0)
