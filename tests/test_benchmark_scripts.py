@@ -124,3 +124,12 @@ def test_ml1m_variants_fits_tests_and_tabulates(tmp_path: Path) -> None:
     rows = [line for line in (tmp_path / "out" / "table.md").read_text().splitlines() if line.startswith("| a |")]
     cells = rows[0].strip("|").split("|")
     assert cells[1].strip() == "1" and all(0.0 <= float(c) <= 1.0 for c in cells[2:])
+
+
+def test_ml1m_score_precision_ranks_three_ways() -> None:
+    data = ROOT.parent / "shared" / "data" / "ml-1m"
+    if not data.is_dir():
+        pytest.skip(f"MovieLens data not found at {data}")
+    printed = _run("ml1m_score_precision.py", str(data), "--epochs", "0")
+    rows = {line.split("|")[1].strip(): line for line in printed.splitlines() if line.startswith("| ")}
+    assert {"fp32", "bf16", "bf16, optimistic ties"} <= set(rows)
