@@ -101,10 +101,19 @@ class MultiTaskHead(nn.Module):
         return nn.Sequential(*layers)
 
     def tower_logits(self, x: Tensor) -> Tensor:
-        """Raw tower logits ``[C, num_tasks]``; with ``esmm`` the cvr column is the post-click pCVR logit."""
+        """Raw tower logits ``[C, num_tasks]``; with ``esmm`` the cvr column is the post-click pCVR logit.
+
+        Each tower's last Linear runs in fp32 whatever the autocast state: bf16 logits (8 significant bits) would
+        tie many predictions in AUC and round the loss's logits; the layer is ``width x 1``, so it costs nothing.
+        """
         if x.dim() != 2:
             raise ValueError(f"`x` must be [C, input_dim], got shape {tuple(x.shape)}")
-        return torch.cat([tower(x) for tower in self.towers.values()], dim=1)
+        columns = []
+        for tower in self.towers.values():
+            hidden = tower[:-1](x)
+            with torch.autocast(hidden.device.type, enabled=False):
+                columns.append(tower[-1](hidden.float()))
+        return torch.cat(columns, dim=1)
 
     def forward(self, x: Tensor) -> Tensor:
         """Logits ``[C, num_tasks]`` to train with BCE against labels ``[C, num_tasks]`` (see class doc)."""

@@ -115,3 +115,20 @@ def test_multitask_head_shapes_and_esmm() -> None:
     assert torch.isfinite(out).all() and torch.isfinite(inputs.grad).all()
     with pytest.raises(ValueError, match="esmm"):
         MultiTaskHead(8, tasks=("click",), esmm=True)
+
+
+@pytest.mark.parametrize("esmm", [False, True])
+def test_head_logits_are_fp32_under_bf16_autocast(esmm: bool) -> None:
+    """The towers' hidden layers follow autocast; their last Linear (``width x 1``) does not, so logits keep fp32
+    resolution (bf16 ones would tie many predictions in AUC) and equal an fp32 last layer on the same hidden."""
+    torch.manual_seed(0)
+    head = MultiTaskHead(16, tasks=("ctr", "cvr"), hidden_dims=(32,), esmm=esmm)
+    x = torch.randn(4096, 16)
+    with torch.autocast("cpu", torch.bfloat16):
+        logits = head(x)
+        hidden = {task: tower[:-1](x) for task, tower in head.towers.items()}
+    assert logits.dtype == torch.float32
+    assert hidden["ctr"].dtype == torch.bfloat16  # the hidden layers still run in bf16
+    raw = torch.cat([tower[-1](hidden[task].float()) for task, tower in head.towers.items()], dim=1)
+    torch.testing.assert_close(raw[:, 0], logits[:, 0])
+    assert logits[:, 0].unique().numel() > 4000  # distinct predictions, not bf16's few thousand values
