@@ -111,8 +111,9 @@ class MultiTaskHead(nn.Module):
         columns = []
         for tower in self.towers.values():
             hidden = tower[:-1](x)
-            with torch.autocast(hidden.device.type, enabled=False):
-                columns.append(tower[-1](hidden.float()))
+            last = tower[-1]
+            with torch.autocast(hidden.device.type, enabled=False):  # the weight's dtype: fp32 unless cast (FSDP2)
+                columns.append(last(hidden.to(last.weight.dtype)))
         return torch.cat(columns, dim=1)
 
     def forward(self, x: Tensor) -> Tensor:
