@@ -8,7 +8,8 @@
 #   OUT=ml1m-variants ML1M=PATH/TO/ml-1m bash examples/benchmarks/ml1m_variants.sh [VARIANTS_FILE]
 # VARIANTS_FILE: one variant a line, `name overrides...` (CLI overrides of CONFIG); default: the list below.
 # CONFIG: the base config (default examples/configs/ml1m_hstu_h200_all_windows.yaml, which keeps last.ckpt).
-# MAX_TIME: each fit's limit, DD:HH:MM:SS (default 00:00:08:00). PYTHON: the interpreter (default python3).
+# MAX_TIME: each fit's limit, DD:HH:MM:SS (default 00:00:08:00). The default list: the config twice (run-to-run
+# spread), width 128 in bf16 and under MXFP8Precision (FP8 needs widths of multiples of 128), 16 layers. PYTHON: the interpreter (default python3).
 set -u
 OUT=${OUT:-ml1m-variants}
 PY=${PYTHON:-python3}
@@ -22,9 +23,9 @@ default_variants() {
   cat << 'LIST'
 as_configured
 seed1 --seed_everything 1
-width128_dropout05 --model.init_args.embedding_dim 128 --model.init_args.dropout 0.5
+width128 --model.init_args.embedding_dim 128
+width128_fp8 --model.init_args.embedding_dim 128 --trainer.precision null --trainer.plugins lightning_gem.precision.MXFP8Precision
 layers16 --model.init_args.num_layers 16
-epochs200 --trainer.max_epochs 200
 LIST
 }
 
