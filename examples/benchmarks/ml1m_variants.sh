@@ -9,7 +9,8 @@
 # VARIANTS_FILE: one variant a line, `name overrides...` (CLI overrides of CONFIG); default: the list below.
 # CONFIG: the base config (default examples/configs/ml1m_hstu_h200_all_windows.yaml, which keeps last.ckpt).
 # MAX_TIME: each fit's limit, DD:HH:MM:SS (default 00:00:08:00). The default list: the config twice (run-to-run
-# spread), width 128 in bf16 and under MXFP8Precision (FP8 needs widths of multiples of 128), 16 layers. PYTHON: the interpreter (default python3).
+# spread), width 128 in bf16 and under MXFP8Precision (FP8 needs widths of multiples of 128), 16 layers.
+# PYTHON: the interpreter (default python3).
 set -u
 OUT=${OUT:-ml1m-variants}
 PY=${PYTHON:-python3}
