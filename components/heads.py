@@ -110,8 +110,10 @@ class MultiTaskHead(nn.Module):
             raise ValueError(f"`x` must be [C, input_dim], got shape {tuple(x.shape)}")
         columns = []
         for tower in self.towers.values():
-            hidden = tower[:-1](x)
-            last = tower[-1]
+            *body, last = tower  # not tower[:-1], which builds a new Sequential every call
+            hidden = x
+            for layer in body:
+                hidden = layer(hidden)
             with torch.autocast(hidden.device.type, enabled=False):  # the weight's dtype: fp32 unless cast (FSDP2)
                 columns.append(last(hidden.to(last.weight.dtype)))
         return torch.cat(columns, dim=1)

@@ -21,6 +21,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning_gem.strategies.parallelize import compile_hstu_layers
 from torch import Tensor, nn
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from typing_extensions import override
@@ -35,7 +36,7 @@ from .embeddings import TableConfig, build_embedding_collection, concat_sequence
 from .encoder import JaggedHistoryEncoder, NormKind
 from .ranker import adamw_param_groups, schema_from_datamodule, schema_from_hparams, schema_to_hparams
 
-__all__ = ["SequentialRecommender", "catalogue_ranks", "sampled_softmax_loss"]
+__all__ = ["SequentialRecommender", "catalogue_ranks", "exclude_seen", "sampled_softmax_loss"]
 
 
 def sampled_softmax_loss(
@@ -108,12 +109,19 @@ def catalogue_ranks(
         scores = queries.float() @ catalogue.float().T  # [B, I]
     target = target.to(torch.int64)
     if seen_rows is not None and seen_items is not None:
-        target_score = scores.gather(1, target[:, None])
-        keep = seen_rows >= 0
-        rows, items = seen_rows[keep].to(torch.int64), seen_items[keep].to(torch.int64)
-        scores = scores.index_put((rows, items), scores.new_tensor(float("-inf")))
-        scores = scores.scatter(1, target[:, None], target_score)
+        scores = exclude_seen(scores, target, seen_rows, seen_items)
     return rank_of_target(scores, target)
+
+
+def exclude_seen(scores: Tensor, target: Tensor, seen_rows: Tensor, seen_items: Tensor) -> Tensor:
+    """``scores [B, I]`` with the pairs ``(seen_rows[s], seen_items[s])`` set to ``-inf`` (entries with
+    ``seen_rows < 0`` skipped), except each row's own ``target [B]``, which keeps its score (out of place)."""
+    target = target.to(torch.int64)
+    target_score = scores.gather(1, target[:, None])
+    keep = seen_rows >= 0
+    rows, items = seen_rows[keep].to(torch.int64), seen_items[keep].to(torch.int64)
+    scores = scores.index_put((rows, items), scores.new_tensor(float("-inf")))
+    return scores.scatter(1, target[:, None], target_score)
 
 
 class SequentialRecommender(L.LightningModule):
@@ -270,8 +278,7 @@ class SequentialRecommender(L.LightningModule):
             attention_impl=hp.attention_impl,
         )
         if hp.get("compile_layers", False):
-            for layer in self.encoder.layers:
-                layer.compile(dynamic=True)
+            compile_hstu_layers(self.encoder)
         self.metrics = nn.ModuleDict(
             {
                 f"{stage}_{kind}_{k}": HitRate(k) if kind == "hr" else NDCG(k)

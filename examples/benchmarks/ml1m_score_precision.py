@@ -22,7 +22,7 @@ import time
 import lightning as L
 import torch
 from lightning_gem.components import SequentialRecommender
-from lightning_gem.components.retrieval import catalogue_ranks
+from lightning_gem.components.retrieval import catalogue_ranks, exclude_seen
 
 from lightning_gem import jagged
 from lightning_gem.data import GEMDataModule, MovieLens1MSource
@@ -31,10 +31,7 @@ from lightning_gem.metrics import rank_of_target
 
 def bf16_ranks(queries: torch.Tensor, catalogue: torch.Tensor, target: torch.Tensor, seen_rows, seen_items, ties):  # noqa: ANN001
     scores = (queries.bfloat16() @ catalogue.bfloat16().T).float()
-    target_score = scores.gather(1, target[:, None])
-    keep = seen_rows >= 0
-    scores[seen_rows[keep], seen_items[keep].long()] = float("-inf")
-    return rank_of_target(scores.scatter(1, target[:, None], target_score), target, ties=ties)
+    return rank_of_target(exclude_seen(scores, target, seen_rows, seen_items), target, ties=ties)
 
 
 def main() -> None:
