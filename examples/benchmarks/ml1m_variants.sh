@@ -39,7 +39,8 @@ run() {  # name overrides...: fit, then test the last checkpoint with the same o
   echo "$name fit: exit $? after $((SECONDS - start)) s" >> "$OUT/summary.txt"
   ckpt=$(ls "$OUT/$name"/*/version_*/checkpoints/last.ckpt 2> /dev/null | tail -1)
   [ -n "$ckpt" ] || return
-  $PY -m lightning_gem.cli test "${common[@]}" --trainer.logger false --ckpt_path "$ckpt" > "$OUT/$name.test.log" 2>&1
+  $PY -m lightning_gem.cli test "${common[@]}" --trainer.logger false --trainer.default_root_dir "$OUT/$name" \
+    --ckpt_path "$ckpt" > "$OUT/$name.test.log" 2>&1
   echo "$name test: exit $? at $((SECONDS - start)) s" >> "$OUT/summary.txt"
 }
 

@@ -40,7 +40,7 @@ ml1m_step() {  # name config checkpoint-file-pattern: fit on MovieLens-1M, then 
     --trainer.logger.init_args.save_dir "$OUT/ml1m"
   ckpt=$(ls "$OUT"/ml1m/$(basename "$config" .yaml)/version_*/checkpoints/$pattern 2> /dev/null | tail -1)
   [ -n "$ckpt" ] && step "${name}_test" 300 $PY -m lightning_gem.cli test --config "$config" "${data[@]}" \
-    --trainer.logger false --ckpt_path "$ckpt"
+    --trainer.logger false --trainer.default_root_dir "$OUT/ml1m" --ckpt_path "$ckpt"
 }
 
 for s in "${steps[@]}"; do
