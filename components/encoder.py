@@ -417,12 +417,12 @@ class JaggedHistoryEncoder(nn.Module):
     """A stack of :class:`HSTULayer` over jagged history tokens, with recency and time encodings.
 
     ``x = dropout(input_proj(features) + position[p] (+ time[bucket(dt)]))``, then the layers, then a
-    final norm (``input_proj`` is the identity when ``input_dim`` is None). With ``position_encoding=
-    "recency"`` (default) positions count from the end of the history (the most recent event is 1, targets
-    0), capped at ``max_length``: what a ranker scoring targets after a history wants. ``"absolute"`` counts
-    from the start (the first event is 0), as causal next-item training wants: every position then predicts
-    from the encoding it will have at inference, whereas recency tells each training position how many
-    events follow it.
+    final norm (``input_proj`` is the identity when ``input_dim`` is None, the final norm when ``final_norm``
+    is False). With ``position_encoding="recency"`` (default) positions count from the end of the history (the
+    most recent event is 1, targets 0), capped at ``max_length``: what a ranker scoring targets after a
+    history wants. ``"absolute"`` counts from the start (the first event is 0), as causal next-item training
+    wants: every position then predicts from the encoding it will have at inference, whereas recency tells
+    each training position how many events follow it.
 
     Sequence parallelism (:meth:`enable_sequence_parallel`): the layers run on token shards of a
     tensor-parallel mesh.
@@ -445,6 +445,8 @@ class JaggedHistoryEncoder(nn.Module):
             sequence's own length (the HSTU reference's ``1 / N``; see :class:`HSTULayer`).
         use_time: add an embedding of ``time_buckets(time_deltas)``; ``forward`` then needs ``time_deltas``.
         num_time_buckets: buckets of the time encoding.
+        final_norm: normalise the last layer's output (False: return it as it is, as the HSTU reference,
+            whose retrieval head L2-normalises it anyway).
 
     Shapes:
         features: ``[T, input_dim]``; offsets ``[B + 1]``; time_deltas ``[T]``; num_targets ``[B]``.
@@ -481,6 +483,7 @@ class JaggedHistoryEncoder(nn.Module):
         use_time: bool = False,
         num_time_buckets: int = 64,
         attention_impl: str = "auto",
+        final_norm: bool = True,
     ) -> None:
         super().__init__()
         if position_encoding not in ("recency", "absolute"):
@@ -524,7 +527,7 @@ class JaggedHistoryEncoder(nn.Module):
             )
             for _ in range(num_layers)
         )
-        self.final_norm = make_norm(norm, dim)
+        self.final_norm = make_norm(norm, dim) if final_norm else nn.Identity()
         self._sequence_parallel_mesh: DeviceMesh | None = None
 
     def enable_sequence_parallel(self, tp_mesh: DeviceMesh) -> None:

@@ -169,6 +169,11 @@ class SequentialRecommender(L.LightningModule):
         lr_schedule: ``"constant"`` or ``"cosine"`` (after ``warmup_steps`` of linear warm-up, the learning rate
             decays to 0 at the last step, ``trainer.estimated_stepping_batches``).
         warmup_steps: linear warm-up steps of the learning rate (both schedules).
+        input_projection: project the item embedding through a Linear before the layers (False: the
+            embedding enters them directly, scaled by ``sqrt(embedding_dim)``, as in the HSTU reference, so the
+            input and output sides of the model share one item space; needs a schema without extra features).
+        final_norm: normalise the last layer's output before its L2 normalisation (False: as the HSTU
+            reference).
 
     Example:
         >>> from lightning_gem.data.schema import RetrievalSchema
@@ -209,6 +214,8 @@ class SequentialRecommender(L.LightningModule):
         compile_layers: bool = False,
         lr_schedule: str = "constant",
         warmup_steps: int = 0,
+        input_projection: bool = True,
+        final_norm: bool = True,
     ) -> None:
         super().__init__()
         if lr_schedule not in ("constant", "cosine"):
@@ -257,9 +264,15 @@ class SequentialRecommender(L.LightningModule):
             for name, size in schema.extra.items()
         ]
         self._input_keys = [schema.item_feature, *schema.extra]
+        input_projection = hp.get("input_projection", True)
+        if not input_projection and schema.extra:
+            raise ValueError(
+                f"`input_projection=False` feeds the item embedding to the layers as it is; the schema's extra "
+                f"features {sorted(schema.extra)} need the projection of their concatenation"
+            )
         self.embeddings = build_embedding_collection(tables)
         self.encoder = JaggedHistoryEncoder(
-            len(self._input_keys) * dim,
+            len(self._input_keys) * dim if input_projection else None,
             dim,
             hp.num_layers,
             hp.num_heads,
@@ -276,6 +289,7 @@ class SequentialRecommender(L.LightningModule):
             fixed_attention_normalization=hp.get("fixed_attention_normalization", False),
             use_time=hp.use_time,
             attention_impl=hp.attention_impl,
+            final_norm=hp.get("final_norm", True),
         )
         if hp.get("compile_layers", False):
             compile_hstu_layers(self.encoder)
@@ -333,6 +347,8 @@ class SequentialRecommender(L.LightningModule):
             if batch.timestamps is None:
                 raise ValueError("use_time=True needs `batch.timestamps` ([T] seconds)")
             time_deltas = _gap_to_previous(batch.timestamps, offsets)
+        if not self.hparams.get("input_projection", True):
+            features = features * math.sqrt(self.hparams.embedding_dim)
         return self.encoder(
             features, offsets, time_deltas=time_deltas, max_seq_len=self._require_schema().max_history_length
         )

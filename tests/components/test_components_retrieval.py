@@ -8,9 +8,11 @@ import lightning as L
 import pytest
 import torch
 from lightning_gem.components import SequentialRecommender
+from lightning_gem.components.encoder import HSTULayer, recency_positions
 from lightning_gem.components.retrieval import catalogue_ranks, sampled_softmax_loss
 from torch.utils.data import DataLoader
 
+from lightning_gem.data.schema import RetrievalSchema
 from lightning_gem.metrics import rank_of_target
 
 
@@ -96,6 +98,32 @@ def test_forward_training_step_and_gradients_with_empty_and_single_event_sequenc
     assert model.item_embeddings(torch.tensor([0, 3])).shape == (2, 16)
     if relative_bias:
         assert model.encoder.layers[0].relative_bias.weight.grad.abs().sum() > 0
+
+
+def test_without_input_projection_the_layers_read_the_scaled_item_embedding(batches) -> None:
+    """input_projection=False, final_norm=False (the HSTU reference's input and output): with no layers, a
+    position's encoding is ``normalize(sqrt(D) * item_row + position_row)``; with layers it trains, and a
+    schema with extra features is refused."""
+    torch.manual_seed(0)
+    schema = RetrievalSchema(num_items=batches.NUM_ITEMS, max_history_length=16)
+    kwargs = dict(embedding_dim=16, num_negatives=8, dropout=0.0, input_projection=False, final_norm=False)
+    model = SequentialRecommender(schema, num_layers=0, **kwargs)
+    assert isinstance(model.encoder.input_proj, torch.nn.Identity)
+    assert isinstance(model.encoder.final_norm, torch.nn.Identity)
+    batch = batches.make_retrieval_batch(schema, [3, 0, 5])
+    items = batch.history[schema.item_feature].values()
+    positions = recency_positions(batch.offsets(), schema.max_history_length)
+    rows = model.embeddings.embeddings["item"].weight[items]
+    expected = torch.nn.functional.normalize(4.0 * rows + model.encoder.position.weight[positions], dim=-1)
+    torch.testing.assert_close(model.eval()(batch), expected)
+
+    model = SequentialRecommender(schema, num_layers=2, **kwargs)
+    assert all(isinstance(layer, HSTULayer) for layer in model.encoder.layers)
+    loss = model.training_step(batch, 0)
+    loss.backward()
+    assert torch.isfinite(loss) and model.embeddings.embeddings["item"].weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="extra features"):
+        SequentialRecommender(batches.retrieval_schema(), **kwargs)
 
 
 def test_ignored_targets_and_schema_errors(batches) -> None:
