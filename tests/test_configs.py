@@ -60,6 +60,7 @@ ON_CPU = ["--trainer.accelerator=cpu", "--trainer.precision=32-true", "--trainer
         ("ml1m_hstu_h200.yaml", "ml-1m", ON_CPU),
         ("ml1m_hstu_h200_reference.yaml", "ml-1m", ON_CPU),
         ("ml1m_hstu_h200_all_windows.yaml", "ml-1m", [*ON_CPU, "--model.init_args.compile_layers=false"]),
+        ("ml1m_hstu_h200_best.yaml", "ml-1m", [*ON_CPU, "--model.init_args.compile_layers=false"]),
     ],
 )
 def test_movielens_config_trains(

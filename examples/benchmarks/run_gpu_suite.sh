@@ -6,7 +6,7 @@
 # package maps components/ and strategies/ into lightning_gem, so `pip install -e .` rather than PYTHONPATH=.):
 #   OUT=gpu-results ML1M=PATH/TO/ml-1m bash examples/benchmarks/run_gpu_suite.sh [STEP ...]
 # STEP: any of tests attention precision host encoder balance balance_wide e2e scaling ml1m ml1m_reference
-# ml1m_all_windows (default: all, in that order).
+# ml1m_all_windows ml1m_best (default: all, in that order).
 # ML1M: the MovieLens-1M folder from https://grouplens.org/datasets/movielens/1m/ (the ml1m step needs it).
 # PYTHON: the interpreter (default python3). The first process on a fresh machine compiles and tunes the Triton
 # kernels (minutes): the limits allow it.
@@ -17,7 +17,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests attention precision host encoder balance balance_wide e2e scaling ml1m ml1m_reference
-  ml1m_all_windows)
+  ml1m_all_windows ml1m_best)
 gpus=$($PY -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi -L > "$OUT/gpus.txt" 2>&1
 
@@ -100,6 +100,8 @@ for s in "${steps[@]}"; do
     ml1m_reference) ml1m_step ml1m_reference examples/configs/ml1m_hstu_h200_reference.yaml last.ckpt ;;
     # The reference recipe trained on every window of a long history, compiled layers, a cosine schedule.
     ml1m_all_windows) ml1m_step ml1m_all_windows examples/configs/ml1m_hstu_h200_all_windows.yaml last.ckpt ;;
+    # The same with the reference's input and output (no input projection, no final norm): the best recipe.
+    ml1m_best) ml1m_step ml1m_best examples/configs/ml1m_hstu_h200_best.yaml last.ckpt ;;
     *) echo "unknown step $s" >&2 ;;
   esac
 done
