@@ -119,15 +119,17 @@ class MXLinear(nn.Linear):
         return f"{super().extra_repr()}, recipe={self.mx_config.recipe}, hadamard={self.mx_hadamard}"
 
 
-_warned: set[int] = set()
+_warned: set[tuple[int, int, str, int]] = set()
 
 
 def _warn_ineligible(layer: MXLinear, plan: Plan) -> None:
-    if id(layer) not in _warned:
-        _warned.add(id(layer))
+    """One warning per shape and backend in a process (a model's layers share a few shapes)."""
+    key = (layer.in_features, layer.out_features, plan.backend, plan.multiple)
+    if key not in _warned:
+        _warned.add(key)
         log.warning(
-            f"Linear({layer.in_features}, {layer.out_features}) stays in high precision under {plan.backend}: "
-            f"its dims must be multiples of {plan.multiple}"
+            f"Linear({layer.in_features}, {layer.out_features}) layers stay in high precision under {plan.backend}: "
+            f"their dims must be multiples of {plan.multiple} (warned once per shape)"
         )
 
 

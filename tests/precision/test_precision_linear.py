@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+import lightning_gem.precision.linear as mx_linear
 from lightning_gem.precision import MXConfig, MXLinear, MXRMSNorm, convert, converted_layers, resolve_plan
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -129,13 +130,19 @@ def test_conversion_rules(caplog: pytest.LogCaptureFixture) -> None:
     assert isinstance(model[0], nn.Linear) and isinstance(model[0], MXLinear)
 
 
-def test_blockwise_dims_fall_back_at_run_time(caplog: pytest.LogCaptureFixture) -> None:
-    model = convert(nn.Sequential(nn.Linear(64, 96)).to(DEVICE), MXConfig(backend="mx_emulated"))
-    assert isinstance(model[0], MXLinear)
-    model[0].mx_config = MXConfig(backend="fp8_blockwise")  # 64/96 are not multiples of 128
+def test_blockwise_dims_fall_back_at_run_time(caplog: pytest.LogCaptureFixture, monkeypatch) -> None:
+    monkeypatch.setattr(mx_linear, "_warned", set())
+    model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 64), nn.Linear(64, 96)).to(DEVICE)
+    model = convert(model, MXConfig(backend="mx_emulated"))
+    assert all(isinstance(layer, MXLinear) for layer in model)
+    for layer in model:
+        layer.mx_config = MXConfig(backend="fp8_blockwise")  # 64/96 are not multiples of 128
     with caplog.at_level(logging.WARNING):
         out = model(torch.randn(4, 64, device=DEVICE))
-    assert out.shape == (4, 96) and "stays in high precision under fp8_blockwise" in caplog.text
+        model(torch.randn(4, 64, device=DEVICE))
+    assert out.shape == (4, 96) and "layers stay in high precision under fp8_blockwise" in caplog.text
+    # once per shape: Linear(64, 96) twice in the model and two forwards, Linear(96, 64) once
+    assert caplog.text.count("Linear(64, 96) layers stay") == 1 and caplog.text.count("Linear(96, 64) layers") == 1
 
 
 def test_plans(caplog: pytest.LogCaptureFixture) -> None:
