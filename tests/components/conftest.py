@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from types import SimpleNamespace
 
+import lightning as L
 import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -120,6 +121,24 @@ def make_retrieval_batch(
         item_key=schema.item_feature,
         timestamps=timestamps,
     )
+
+
+def _quiet_trainer(**kwargs) -> L.Trainer:
+    """A CPU Trainer that writes and prints nothing: no logger, checkpoints, progress bar or model summary."""
+    return L.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+@pytest.fixture
+def quiet_trainer():
+    """:func:`_quiet_trainer`, as a fixture (test modules do not import conftest)."""
+    return _quiet_trainer
 
 
 @pytest.fixture

@@ -97,7 +97,7 @@ def test_candidate_scores_do_not_depend_on_other_users(batches) -> None:
     torch.testing.assert_close(together[2:5], model(alone), atol=1e-5, rtol=1e-5)
 
 
-def test_schema_is_required_and_taken_from_the_datamodule(batches) -> None:
+def test_schema_is_required_and_taken_from_the_datamodule(batches, quiet_trainer) -> None:
     model = GEMRanker(embedding_dim=8, model_dim=16)
     with pytest.raises(ValueError, match="schema"):
         model.configure_model()
@@ -111,14 +111,7 @@ def test_schema_is_required_and_taken_from_the_datamodule(batches) -> None:
         def train_dataloader(self) -> DataLoader:
             return _loader([batches.make_ranking_batch(schema, [3, 2], [2, 1])])
 
-    trainer = L.Trainer(
-        max_steps=1,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(max_steps=1)
     trainer.fit(model, datamodule=_DataModule())
     assert model.schema is schema
     assert GEMRanker(**model.hparams).schema == schema  # hparams hold the schema as plain containers
@@ -136,7 +129,7 @@ def test_labels_shape_is_checked(batches) -> None:
 
 
 @pytest.mark.parametrize("esmm", [False, True])
-def test_fit_learns_and_logs_auc_and_ne(batches, esmm: bool) -> None:
+def test_fit_learns_and_logs_auc_and_ne(batches, esmm: bool, quiet_trainer) -> None:
     torch.manual_seed(0)
     schema = batches.ranking_schema(has_time=False)
     g = torch.Generator().manual_seed(1)
@@ -148,16 +141,7 @@ def test_fit_learns_and_logs_auc_and_ne(batches, esmm: bool) -> None:
 
     model = _tiny(schema, esmm=esmm, lr=1e-2)
     train, val = [batch(16) for _ in range(6)], [batch(32) for _ in range(2)]
-    trainer = L.Trainer(
-        max_steps=60,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        check_val_every_n_epoch=10,
-    )
+    trainer = quiet_trainer(max_steps=60, num_sanity_val_steps=0, check_val_every_n_epoch=10)
     trainer.fit(model, _loader(train), _loader(val))
     metrics = trainer.callback_metrics
     for name in model.metrics_names("val"):
@@ -168,20 +152,12 @@ def test_fit_learns_and_logs_auc_and_ne(batches, esmm: bool) -> None:
     assert trainer.predict(model, _loader(val[:1]))[0].shape[1] == 2
 
 
-def test_checkpoint_round_trip_rebuilds_the_model(batches, tmp_path) -> None:
+def test_checkpoint_round_trip_rebuilds_the_model(batches, tmp_path, quiet_trainer) -> None:
     torch.manual_seed(0)
     schema = batches.ranking_schema()
     model = _tiny(schema)
     batch = batches.make_ranking_batch(schema, [3, 0, 2], [1, 2, 2])
-    trainer = L.Trainer(
-        max_steps=1,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(max_steps=1, default_root_dir=tmp_path)
     trainer.fit(model, _loader([batch]))
     trainer.save_checkpoint(tmp_path / "model.ckpt")
     loaded = GEMRanker.load_from_checkpoint(tmp_path / "model.ckpt")  # weights_only: plain hparams only

@@ -139,7 +139,7 @@ def test_ignored_targets_and_schema_errors(batches) -> None:
         SequentialRecommender(batches.ranking_schema())
 
 
-def test_fit_learns_successors_and_logs_hr_and_ndcg(batches) -> None:
+def test_fit_learns_successors_and_logs_hr_and_ndcg(batches, quiet_trainer) -> None:
     torch.manual_seed(0)
     schema = batches.retrieval_schema()
     g = torch.Generator().manual_seed(0)
@@ -151,16 +151,7 @@ def test_fit_learns_successors_and_logs_hr_and_ndcg(batches) -> None:
     model = SequentialRecommender(
         schema, embedding_dim=16, num_layers=1, num_negatives=16, dropout=0.0, lr=1e-2, top_k=(1, 10)
     )
-    trainer = L.Trainer(
-        max_steps=60,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        check_val_every_n_epoch=10,
-    )
+    trainer = quiet_trainer(max_steps=60, num_sanity_val_steps=0, check_val_every_n_epoch=10)
     trainer.fit(model, _loader([batch(16) for _ in range(6)]), _loader([batch(32)]))
     metrics = trainer.callback_metrics
     for name in model.metrics_names("val"):
@@ -171,19 +162,11 @@ def test_fit_learns_successors_and_logs_hr_and_ndcg(batches) -> None:
     assert set(model.metrics_names("test")) <= set(results)
 
 
-def test_checkpoint_round_trip_rebuilds_the_model(batches, tmp_path) -> None:
+def test_checkpoint_round_trip_rebuilds_the_model(batches, tmp_path, quiet_trainer) -> None:
     schema = batches.retrieval_schema()
     model = SequentialRecommender(schema, embedding_dim=8, num_layers=1, num_negatives=4)
     batch = batches.make_retrieval_batch(schema, [3, 2])
-    trainer = L.Trainer(
-        max_steps=1,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(max_steps=1, default_root_dir=tmp_path)
     trainer.fit(model, _loader([batch]))
     trainer.save_checkpoint(tmp_path / "model.ckpt")
     loaded = SequentialRecommender.load_from_checkpoint(tmp_path / "model.ckpt")
@@ -221,7 +204,7 @@ def test_compiled_layers_match_eager_layers(batches) -> None:
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2  # forward of a layer (+ one recompile at most)
 
 
-def test_cosine_schedule_warms_up_then_decays_to_zero(batches) -> None:
+def test_cosine_schedule_warms_up_then_decays_to_zero(batches, quiet_trainer) -> None:
     from lightning_gem.components.retrieval import _lr_factor
 
     assert [_lr_factor(s, warmup=2, total=0) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
@@ -237,15 +220,7 @@ def test_cosine_schedule_warms_up_then_decays_to_zero(batches) -> None:
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
             seen.append(trainer.optimizers[0].param_groups[0]["lr"])
 
-    trainer = L.Trainer(
-        max_epochs=2,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Record()],
-    )
+    trainer = quiet_trainer(max_epochs=2, callbacks=[Record()])
     trainer.fit(model, _loader([batches.make_retrieval_batch(schema, [3, 2]) for _ in range(4)]))
     expected = [0.01 * _lr_factor(s, warmup=2, total=8) for s in range(8)]
     assert seen == pytest.approx(expected)
