@@ -270,6 +270,8 @@ class SequentialRecommender(L.LightningModule):
                 f"`input_projection=False` feeds the item embedding to the layers as it is; the schema's extra "
                 f"features {sorted(schema.extra)} need the projection of their concatenation"
             )
+        # Without the projection, the embedding enters the layers scaled as the reference's (sqrt(D)).
+        self._input_scale = None if input_projection else math.sqrt(dim)
         self.embeddings = build_embedding_collection(tables)
         self.encoder = JaggedHistoryEncoder(
             len(self._input_keys) * dim if input_projection else None,
@@ -347,8 +349,8 @@ class SequentialRecommender(L.LightningModule):
             if batch.timestamps is None:
                 raise ValueError("use_time=True needs `batch.timestamps` ([T] seconds)")
             time_deltas = _gap_to_previous(batch.timestamps, offsets)
-        if not self.hparams.get("input_projection", True):
-            features = features * math.sqrt(self.hparams.embedding_dim)
+        if self._input_scale is not None:
+            features = features * self._input_scale
         return self.encoder(
             features, offsets, time_deltas=time_deltas, max_seq_len=self._require_schema().max_history_length
         )
