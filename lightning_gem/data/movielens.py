@@ -30,6 +30,7 @@ from lightning_gem.data.sources import (
     RetrievalArrays,
     RetrievalSource,
     _check_int,
+    _check_train_windows,
     check_split,
     leave_one_out_windows,
 )
@@ -160,10 +161,8 @@ class MovieLens1MSource(RetrievalSource):
     ) -> None:
         if not isinstance(train_on_validation_item, bool):
             raise TypeError(f"`train_on_validation_item` must be a bool, got {train_on_validation_item!r}")
-        if train_windows not in ("last", "all"):
-            raise ValueError(f"`train_windows` must be 'last' or 'all', got {train_windows!r}")
         self.train_on_validation_item = train_on_validation_item
-        self.train_windows = train_windows
+        self.train_windows = _check_train_windows(train_windows)  # here too: fail before reading the data
         self.path = Path(path)
         movies = _data_file(self.path, "movies.dat", "MovieID::Title::Genres lines", ML1M_URL)
         if (self.path / "sequences.txt").is_file() or not (self.path / "ratings.dat").is_file():

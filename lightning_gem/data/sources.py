@@ -52,6 +52,13 @@ def check_split(split: object) -> str:
     return split  # type: ignore[return-value]
 
 
+def _check_train_windows(train_windows: object) -> str:
+    """Return ``train_windows`` if it is ``"last"`` or ``"all"`` (see :func:`leave_one_out_windows`)."""
+    if train_windows not in ("last", "all"):
+        raise ValueError(f"`train_windows` must be 'last' or 'all', got {train_windows!r}")
+    return train_windows  # type: ignore[return-value]
+
+
 def _check_int(value: object, name: str, low: int, high: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"`{name}` must be an int, got {type(value).__name__}")
@@ -347,8 +354,7 @@ def leave_one_out_windows(
         ``(starts, ends)``, ``[N]`` int64 each, for :class:`RetrievalArrays` (a user's windows are adjacent,
         oldest first).
     """
-    if train_windows not in ("last", "all"):
-        raise ValueError(f"`train_windows` must be 'last' or 'all', got {train_windows!r}")
+    _check_train_windows(train_windows)
     drop = {"train": 2 if train_on_validation_item else 3, "val": 2, "test": 1}[check_split(split)]
     begins, ends = sequence_offsets[:-1].astype(np.int64), sequence_offsets[1:].astype(np.int64) - drop
     keep = ends > begins
