@@ -399,23 +399,32 @@ class SequentialRecommender(L.LightningModule):
             self._catalogue = torch.cat([self.item_embeddings(chunk) for chunk in ids.split(65536)])
         return self._catalogue
 
-    def _evaluate(self, batch: RetrievalBatch, stage: str) -> None:
+    def ranking_inputs(self, batch: RetrievalBatch) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """What :func:`catalogue_ranks` takes to rank each sequence's held-out item (its last position's target).
+
+        Returns:
+            ``(queries [R, D], target [R], seen_rows [T], seen_items [T])``: one row per sequence with a position
+            and a target (``R`` may be 0, and then the encoder does not run); every history event of a ranked
+            sequence is a seen pair of its row, the others have ``seen_rows = -1``.
+        """
         offsets = batch.offsets()
         lengths = jagged.offsets_to_lengths(offsets)
         kept = torch.nonzero(lengths > 0).squeeze(1)  # an empty sequence has no position to predict from
         last = offsets[1:][kept] - 1
         target = batch.targets.to(torch.int64)[last]
         kept, last, target = kept[target >= 0], last[target >= 0], target[target >= 0]
-        if kept.numel():
-            # Row r of the ranking is sequence kept[r]; every history event of a kept sequence is excluded.
-            row_of_sequence = torch.full_like(lengths, -1, dtype=torch.int64)
-            row_of_sequence[kept] = torch.arange(kept.numel(), device=kept.device)
+        # Row r of the ranking is sequence kept[r].
+        row_of_sequence = torch.full_like(lengths, -1, dtype=torch.int64)
+        row_of_sequence[kept] = torch.arange(kept.numel(), device=kept.device)
+        queries = self(batch)[last] if kept.numel() else torch.zeros(0, self.hparams.embedding_dim, device=last.device)
+        seen_rows = row_of_sequence[jagged.segment_ids(offsets)]
+        return queries, target, seen_rows, batch.history[batch.item_key].values()
+
+    def _evaluate(self, batch: RetrievalBatch, stage: str) -> None:
+        queries, target, seen_rows, seen_items = self.ranking_inputs(batch)
+        if target.numel():
             ranks = catalogue_ranks(
-                self(batch)[last],
-                self._catalogue_embeddings(),
-                target,
-                seen_rows=row_of_sequence[jagged.segment_ids(offsets)],
-                seen_items=batch.history[batch.item_key].values(),
+                queries, self._catalogue_embeddings(), target, seen_rows=seen_rows, seen_items=seen_items
             )
             for k in self.hparams.top_k:
                 self.metrics[f"{stage}_hr_{k}"].update(ranks)
@@ -428,7 +437,7 @@ class SequentialRecommender(L.LightningModule):
                     on_step=False,
                     on_epoch=True,
                     prog_bar=k == self.hparams.top_k[0],
-                    batch_size=max(int(kept.numel()), 1),
+                    batch_size=max(int(target.numel()), 1),
                 )
 
     @override

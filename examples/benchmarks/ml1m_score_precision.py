@@ -24,9 +24,8 @@ import torch
 from lightning_gem.components import SequentialRecommender
 from lightning_gem.components.retrieval import catalogue_ranks, exclude_seen
 
-from lightning_gem import jagged
 from lightning_gem.data import GEMDataModule, MovieLens1MSource
-from lightning_gem.metrics import rank_of_target
+from lightning_gem.metrics import NDCG, HitRate, rank_of_target
 
 
 def bf16_ranks(queries: torch.Tensor, catalogue: torch.Tensor, target: torch.Tensor, seen_rows, seen_items, ties):  # noqa: ANN001
@@ -65,15 +64,7 @@ def main() -> None:
     with torch.no_grad():
         catalogue = model._catalogue_embeddings()
         for batch in datamodule.test_dataloader():
-            offsets = batch.offsets()
-            lengths = jagged.offsets_to_lengths(offsets)
-            kept = torch.nonzero(lengths > 0).squeeze(1)
-            last = offsets[1:][kept] - 1
-            target = batch.targets.to(torch.int64)[last]
-            row = torch.full_like(lengths, -1, dtype=torch.int64)
-            row[kept] = torch.arange(kept.numel())
-            seen_rows, seen_items = row[jagged.segment_ids(offsets)], batch.history[batch.item_key].values()
-            queries = model(batch)[last]
+            queries, target, seen_rows, seen_items = model.ranking_inputs(batch)
             ranks["fp32"].append(
                 catalogue_ranks(queries, catalogue, target, seen_rows=seen_rows, seen_items=seen_items)
             )
@@ -81,9 +72,8 @@ def main() -> None:
                 ranks[name].append(bf16_ranks(queries, catalogue, target, seen_rows, seen_items, ties))
     print("| scores | HR@10 | NDCG@10 | HR@50 |\n| --- | --- | --- | --- |")
     for name, values in ranks.items():
-        r = torch.cat(values).double()
-        hr10, hr50 = (r <= 10).double().mean(), (r <= 50).double().mean()
-        ndcg10 = ((r <= 10).double() / torch.log2(r + 1)).mean()
+        r = torch.cat(values)
+        hr10, ndcg10, hr50 = (metric(k)(r) for metric, k in ((HitRate, 10), (NDCG, 10), (HitRate, 50)))
         print(f"| {name} | {hr10:.4f} | {ndcg10:.4f} | {hr50:.4f} |")
 
 

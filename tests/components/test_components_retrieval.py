@@ -126,6 +126,23 @@ def test_without_input_projection_the_layers_read_the_scaled_item_embedding(batc
         SequentialRecommender(batches.retrieval_schema(), **kwargs)
 
 
+def test_ranking_inputs_take_each_sequences_last_position_and_its_history(batches) -> None:
+    """One ranking row per sequence with a position and a target: its last position's query and target, and its
+    history events as its seen pairs; empty sequences, and one whose last target is ignored, get no row."""
+    torch.manual_seed(0)
+    schema = batches.retrieval_schema()
+    model = SequentialRecommender(schema, embedding_dim=8, num_layers=1).eval()
+    batch = batches.make_retrieval_batch(schema, [0, 3, 2, 1])
+    batch.targets[-1] = -1  # the fourth sequence's only target is ignored
+    queries, target, seen_rows, seen_items = model.ranking_inputs(batch)
+    torch.testing.assert_close(queries, model(batch)[[2, 4]])
+    assert target.tolist() == batch.targets[[2, 4]].tolist()
+    assert seen_rows.tolist() == [0, 0, 0, 1, 1, -1]
+    assert seen_items.tolist() == batch.history[schema.item_feature].values().tolist()
+    queries, target, _, _ = model.ranking_inputs(batches.make_retrieval_batch(schema, [0, 0]))
+    assert queries.shape == (0, 8) and target.numel() == 0
+
+
 def test_ignored_targets_and_schema_errors(batches) -> None:
     schema = batches.retrieval_schema()
     model = SequentialRecommender(schema, embedding_dim=8, num_layers=1, num_negatives=4)
