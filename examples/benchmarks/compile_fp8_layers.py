@@ -1,7 +1,7 @@
 """HSTU layers compiled with dynamic shapes, in bf16 and with FP8 linears, against the same layers eager.
 
 Two ``HSTULayer`` s (GDPA attention: the Triton kernels on a GPU) train on jagged batches under bf16 autocast:
-forward, a scalar loss, backward. Variants, each compiled layer by layer (``layer.compile(dynamic=True)``, as
+forward, a scalar loss, backward. Variants, each compiled layer by layer (``compile_hstu_layers``, as
 ``GEM5DStrategy(compile_layers=True)`` and ``SequentialRecommender(compile_layers=True)`` do):
 
 - ``bf16``: the layers as built;
@@ -27,6 +27,7 @@ import time
 
 import torch
 from lightning_gem.components.encoder import HSTULayer
+from lightning_gem.strategies.parallelize import compile_hstu_layers
 from torch import nn
 
 from lightning_gem.precision import MXConfig, convert
@@ -92,8 +93,7 @@ def main() -> None:
         try:
             eager = _layers(args, fp8)
             compiled = copy.deepcopy(eager)
-            for layer in compiled:
-                layer.compile(dynamic=True)
+            compile_hstu_layers(compiled)
             torch.compiler.reset()
             errors = []
             for batch in batches:
