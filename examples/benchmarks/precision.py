@@ -6,6 +6,7 @@ Run on a CUDA machine from the repository root::
     python examples/benchmarks/precision.py --tokens 65536 --out precision.json
     python examples/benchmarks/precision.py --device cpu --tiny   # smoke test: tiny sizes, emulated recipes
     python examples/benchmarks/precision.py --kernels-only --out precision.json   # the kernel table alone
+    python examples/benchmarks/precision.py --kernels-only --sweep-norm   # and every fused norm kernel config
 
 **Linear forward + backward** at GEM MLP shapes (``tokens x in -> out``): ``y = layer(x); y.backward(dy)``
 with bf16 activations and parameters, quantization included (every operand quantized in every step, as in
@@ -17,7 +18,9 @@ on pre-quantized operands: the ceiling quantization eats into.
 **Kernel bandwidth**: bytes a kernel must move (its input read once, its FP8 outputs and scales written
 once) over its median time, against a device-to-device copy of the same input measured in the same run.
 On CUDA the table also times the alternatives the kernels choose between (rowwise rows in two passes, the
-line maxima pass alone) and lists the tile configs the tuner chose.
+line maxima pass alone) and lists the tile configs the tuner chose, per row those its first call chose.
+``--sweep-norm`` times every candidate config of the fused norm + quantize kernel alone (RMSNorm and
+LayerNorm, ``mx`` and ``1x128``), each checked against the tuned launch's output.
 
 **Quality** (``--quality-steps N``): a synthetic regression task (a frozen random teacher MLP), the same
 student (pre-norm residual blocks: RMSNorm -> Linear -> SiLU -> Linear) trained with AdamW for ``N`` steps
@@ -30,6 +33,7 @@ Times are medians of ``triton.testing.do_bench`` after a warm-up call (``time.pe
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -176,9 +180,12 @@ def bench_kernels(tokens: int, dim: int, device: str) -> list[dict]:
     rows = [dict(kernel="copy (bf16 -> bf16)", ms=copy_ms, gbs=copy_gbs, of_copy=1.0)]
 
     def add(name: str, fn: Callable[[], object], bytes_moved: float) -> None:
+        known = tuned_configs()
         ms = bench(fn, device)
         gbs = bytes_moved / ms / 1e6
-        rows.append(dict(kernel=name, ms=ms, gbs=gbs, of_copy=gbs / copy_gbs))
+        # the tile choices this row's first call made (none: an earlier row's launches were the same)
+        chosen = [f"{key.split()[0]} {config}" for key, config in tuned_configs().items() if key not in known]
+        rows.append(dict(kernel=name, ms=ms, gbs=gbs, of_copy=gbs / copy_gbs, config="; ".join(chosen)))
 
     scale_bytes = {"mx": numel / 32, "1x128": numel / 128 * 4, "rowwise": tokens * 4}
     for layout in ("mx", "1x128", "rowwise"):
@@ -212,6 +219,60 @@ def bench_kernels(tokens: int, dim: int, device: str) -> list[dict]:
         2 * numel + numel + scale_bytes["1x128"] + tokens * 4,
     )
     return rows
+
+
+def sweep_norm(tokens: int, dim: int, device: str) -> list[dict]:
+    """Every candidate tile config of the fused norm + quantize kernel, launched alone on ``tokens x dim`` bf16
+    with a NaN and an Inf in two rows (on CPU only under ``TRITON_INTERPRET=1``, as a smoke test): its time;
+    whether it writes the tuned launch's bits (else how many FP8 codes differ and the largest relative change of
+    ``rstd``: a config that spreads a row over other warps sums it in another order); and whether its FP8 codes
+    and scales are exactly those of the output it writes."""
+    from lightning_gem.ops._launch import next_power_of_2
+    from lightning_gem.ops.mx.impl.triton.norm_quantize import _valid_configs, norm_quantize_triton
+
+    x = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16)
+    x[3, 5], x[1, dim - 1] = float("nan"), float("inf")
+    weight, bias = torch.randn(dim, device=device), torch.randn(dim, device=device)
+    numel = x.numel()
+    copy_gbs = 2 * numel * 2 / bench(lambda: torch.empty_like(x).copy_(x), device) / 1e6
+    rows = []
+    for kind, layout in (("layer", "mx"), ("layer", "1x128"), ("rms", "mx"), ("rms", "1x128")):
+        name, b = f"{kind}norm+quantize {layout}", bias if kind == "layer" else None
+        scale_bytes = numel / 32 if layout == "mx" else numel / 128 * 4
+        moved = 3 * numel + scale_bytes + tokens * 4 * (2 if kind == "layer" else 1)
+        tuned = norm_quantize_triton(x, weight, b, 1e-6, kind, layout)
+        for config in _valid_configs(next_power_of_2(dim)):
+            run = functools.partial(norm_quantize_triton, x, weight, b, 1e-6, kind, layout, config=config)
+            try:
+                same = _difference(run(), tuned)
+                q, scale, _, _, y = run(write_output=True)
+                reference = quantize(y, layout, impl="reference")[0]
+                exact = _same_bits(q, reference.data) and _same_bits(scale, reference.scale)
+                ms = bench(run, device)
+            except Exception as error:  # noqa: BLE001  (a config this device cannot run: report it, go on)
+                rows.append(dict(kernel=name, config=config, error=repr(error)[:200]))
+                continue
+            of_copy = moved / ms / 1e6 / copy_gbs
+            rows.append(dict(kernel=name, config=config, ms=ms, of_copy=of_copy, vs_tuned=same, codes_exact=exact))
+    return rows
+
+
+def _same_bits(a: Tensor, b: Tensor) -> bool:
+    """Bit-identical tensors (NaN payloads included)."""
+    bits = {1: torch.uint8, 4: torch.int32}[a.element_size()]
+    return a.shape == b.shape and torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
+
+
+def _difference(out: tuple, tuned: tuple) -> str:
+    """``"identical"`` when two norm + quantize outputs ``(q, scale, rstd, mean, y)`` match bit for bit, else what
+    differs."""
+    (q, scale, rstd, mean, _), (q0, scale0, rstd0, mean0, _) = out, tuned
+    pairs = [(q, q0), (scale, scale0), (rstd, rstd0)] + ([(mean, mean0)] if mean is not None else [])
+    if all(_same_bits(a, b) for a, b in pairs):
+        return "identical"
+    codes = int((q.view(torch.uint8) != q0.view(torch.uint8)).sum())
+    change = float(((rstd - rstd0).abs() / rstd0.abs()).nan_to_num(0.0).max())
+    return f"{codes} of {q.numel()} codes differ, rstd up to {change:.1e} relative"
 
 
 def add_rowwise_variants(add: Callable[[str, Callable[[], object], float], None], x: Tensor, rows_bytes: float) -> None:
@@ -300,7 +361,9 @@ def _train(recipe: str, steps: int, device: str, dim: int, batch_of: Callable, e
         return float(torch.nn.functional.mse_loss(model(eval_x).float(), eval_y))
 
 
-def markdown(linear_rows: list[dict], kernel_rows: list[dict], quality_rows: list[dict]) -> str:
+def markdown(
+    linear_rows: list[dict], kernel_rows: list[dict], quality_rows: list[dict], sweep_rows: list[dict] | None = None
+) -> str:
     lines = [
         "| tokens | in -> out | recipe | f+b ms | TFLOP/s | x bf16 | gemm-only ms | gemm-only x |",
         "|" + "---|" * 8,
@@ -314,9 +377,18 @@ def markdown(linear_rows: list[dict], kernel_rows: list[dict], quality_rows: lis
             f"| {r['tokens']:,} | {r['shape'][0]} -> {r['shape'][1]} | {r['recipe']} | {r['ms']:.3f} | "
             f"{r['tflops']:.0f} | {r['x']:.2f} | {gemm[0]} | {gemm[1]} |"
         )
-    lines += ["", "| kernel | ms | GB/s | of copy |", "|---|---|---|---|"]
+    lines += ["", "| kernel | ms | GB/s | of copy | tiles chosen |", "|---|---|---|---|---|"]
     for r in kernel_rows:
-        lines.append(f"| {r['kernel']} | {r['ms']:.3f} | {r['gbs']:.0f} | {r['of_copy']:.0%} |")
+        lines.append(f"| {r['kernel']} | {r['ms']:.3f} | {r['gbs']:.0f} | {r['of_copy']:.0%} | {r.get('config', '')} |")
+    if sweep_rows:
+        lines += ["", "| kernel | (TILE_R, NUM_TILES, warps) | ms | of copy | vs tuned | codes exact |"]
+        lines.append("|---|---|---|---|---|---|")
+        for r in sweep_rows:
+            if "error" in r:
+                lines.append(f"| {r['kernel']} | {r['config']} | {r['error']} | | | |")
+                continue
+            cells = f"{r['ms']:.3f} | {r['of_copy']:.0%} | {r['vs_tuned']} | {r['codes_exact']}"
+            lines.append(f"| {r['kernel']} | {r['config']} | {cells} |")
     if quality_rows:
         lines += ["", "| recipe | steps | eval MSE | vs bf16 |", "|---|---|---|---|"]
         for r in quality_rows:
@@ -337,6 +409,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quality-batch", type=int, default=2048)
     parser.add_argument("--skip-speed", action="store_true", help="only the quality comparison")
     parser.add_argument("--kernels-only", action="store_true", help="only the kernel bandwidth table")
+    parser.add_argument("--sweep-norm", action="store_true", help="time every fused norm kernel config")
     parser.add_argument("--profile", action="store_true", help="print per-kernel GPU time of one FP8 step")
     parser.add_argument("--host-profile", action="store_true", help="print cProfile of FP8 steps (host time)")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (CPU smoke test)")
@@ -356,6 +429,7 @@ def main(argv: list[str] | None = None) -> dict:
                 for row in bench_linear(tokens, shape, args.device, args.recipes, args.emulated_max_tokens)
             ]
         kernel_rows = bench_kernels(args.kernel_tokens, args.kernel_dim, args.device)
+    sweep_rows = sweep_norm(args.kernel_tokens, args.kernel_dim, args.device) if args.sweep_norm else []
     quality_rows = []
     if args.quality_steps:
         quality_rows = quality(args.quality_steps, args.device, args.recipes, args.quality_dim, args.quality_batch)
@@ -367,7 +441,7 @@ def main(argv: list[str] | None = None) -> dict:
         for recipe in ("fp8-blockwise", "fp8-rowwise"):
             print(profile_step(max(args.tokens), SHAPES[-1], recipe))
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
-    table = markdown(linear_rows, kernel_rows, quality_rows)
+    table = markdown(linear_rows, kernel_rows, quality_rows, sweep_rows)
     print(f"{device_name}, torch {torch.__version__}, command: {' '.join(sys.argv)}\n\n{table}")
     configs = tuned_configs()
     if configs:
@@ -375,6 +449,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = dict(device=device_name, torch=torch.__version__, linear=linear_rows, kernels=kernel_rows)
     results["tuned_configs"] = configs
     results["quality"] = quality_rows
+    results["norm_sweep"] = sweep_rows
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

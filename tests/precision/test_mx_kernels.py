@@ -118,14 +118,15 @@ def test_norm_quantize(kind: str, layout: str, dtype: torch.dtype, dim: int) -> 
     assert _equal(transposed, quantize(out.y, layout, rows=False, cols=True, impl="reference")[1])
 
 
-@pytest.mark.parametrize("config", [(2, 4, 8), (4, 3, 8)], ids=str)
+@pytest.mark.parametrize("config", [(2, 4, 8), (4, 3, 8), (1, 3, 4)], ids=str)
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 def test_norm_quantize_several_tiles_per_program(kind: str, config: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     from lightning_gem.ops.mx.impl.triton import norm_quantize as triton_norm
 
-    x = (torch.randn(45, 256, device=DEVICE) * 2 + 0.5).to(torch.float16)  # 45 rows: the last program's tiles ragged
+    dim = 1024 if config[0] == 1 else 256  # one-row tiles are candidates for rows of 1024 and more
+    x = (torch.randn(45, dim, device=DEVICE) * 2 + 0.5).to(torch.float16)  # 45 rows: the last program's tiles ragged
     x[0], x[3, 5], x[9, 7] = 0.0, float("nan"), float("inf")
-    weight, bias = torch.randn(256, device=DEVICE), torch.randn(256, device=DEVICE) if kind == "layer" else None
+    weight, bias = torch.randn(dim, device=DEVICE), torch.randn(dim, device=DEVICE) if kind == "layer" else None
     for layout in ("mx", "1x128"):
         one_tile = norm_quantize(x, weight, bias, kind=kind, layout=layout, write_output=True, impl="triton")
         monkeypatch.setattr(triton_norm, "_CONFIGS", [config])
@@ -336,3 +337,25 @@ def test_tuned_launches_match_reference(layout: str) -> None:
             assert (a is None) == (b is None) and (a is None or _equal(a, b))
     weight = _input(1024, 1024, torch.bfloat16)
     assert _equal(quantize(weight, "128x128", impl="triton")[0], quantize(weight, "128x128", impl="reference")[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="tuning times candidates on a CUDA GPU")
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_tuned_norm_quantize_matches_reference(kind: str) -> None:
+    """Above the tuning threshold every norm candidate (one-row tiles among them) runs once; the chosen one writes a
+    correct norm and, bit for bit, the codes of that output (NaN blocks included)."""
+    from lightning_gem.ops.mx.impl.triton._common import TUNE_ABOVE
+
+    x = (torch.randn(8192, 1024, device=DEVICE) * 2 + 0.5).to(torch.bfloat16)
+    x[3, 5], x[9, 7] = float("nan"), float("inf")
+    assert x.numel() >= TUNE_ABOVE
+    weight = torch.randn(1024, device=DEVICE)
+    bias = torch.randn(1024, device=DEVICE) if kind == "layer" else None
+    finite = torch.isfinite(x).all(1)
+    oracle = norm_reference(x.double(), weight.double(), None if bias is None else bias.double(), 1e-6, kind)[0]
+    same_precision = norm_reference(x, weight, bias, 1e-6, kind)[0]
+    for layout in ("mx", "1x128"):
+        out = norm_quantize(x, weight, bias, kind=kind, layout=layout, write_output=True, impl="triton")
+        assert _same_bits(out.q, quantize(out.y, layout, impl="reference")[0]), layout
+        assert_within_budget(out.y[finite], oracle[finite], same_precision[finite], name=f"{kind}norm output")

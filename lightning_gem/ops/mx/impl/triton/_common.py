@@ -67,19 +67,25 @@ def _round_e4m3(v):
 
 @triton.jit
 def _to_e4m3(x, exponent, nonfinite, SATURATE: tl.constexpr, EXACT: tl.constexpr):
-    """``x * 2^-e`` rounded to E4M3 (nearest-even), saturated to +-448; NaN where ``nonfinite``.
+    """``x * 2^-e`` rounded to E4M3 (nearest-even), saturated to +-448; NaN (``0x7F``) where ``nonfinite``.
 
     ``SATURATE``: clamp first (FLOOR exponents can overshoot 448; RCEIL ones never do). ``EXACT``: round
     in fp32 arithmetic before the cast (the interpreter's cast is wrong; the hardware's is exact).
+
+    On GPUs NaN blocks are made in fp32, before the cast: the RCEIL path multiplies a NaN block by a NaN
+    factor (one select per block, none per element; a GPU's fp32 NaN results are the positive canonical
+    NaN, which the saturating cast writes as ``0x7F``). A select on the uint8 codes instead compiled to
+    unpacking and repacking the cast's byte pairs, about four instructions an element.
     """
-    scaled = x * _pow2(-exponent)
-    if SATURATE or EXACT:
-        scaled = tl.minimum(tl.maximum(scaled, -448.0), 448.0)
     if EXACT:
-        scaled = _round_e4m3(scaled)
-    code = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    code = tl.where(nonfinite, 0x7F, code)  # E4M3's NaN, written as bits (the interpreter mis-casts NaN)
-    return code.to(tl.float8e4nv, bitcast=True)
+        scaled = tl.minimum(tl.maximum(x * _pow2(-exponent), -448.0), 448.0)
+        code = _round_e4m3(scaled).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        code = tl.where(nonfinite, 0x7F, code)  # E4M3's NaN, written as bits (the interpreter mis-casts NaN)
+        return code.to(tl.float8e4nv, bitcast=True)
+    if SATURATE:  # after the clamp: min/max would turn NaN into +-448
+        scaled = tl.minimum(tl.maximum(x * _pow2(-exponent), -448.0), 448.0)
+        return tl.where(nonfinite, float("nan"), scaled).to(tl.float8e4nv)
+    return (x * tl.where(nonfinite, float("nan"), _pow2(-exponent))).to(tl.float8e4nv)
 
 
 @triton.jit

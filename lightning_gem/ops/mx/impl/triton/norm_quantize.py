@@ -39,10 +39,12 @@ def _norm_quantize_kernel(
 ):  # fmt: skip
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < dim
+    # Loaded as [1, D] rows: with TILE_R == 1 they take x's register layout, so they need no shared-memory
+    # round trip (a 1-D load got its own layout, converted through shared memory once a program).
     if WEIGHT is not None:
-        weight = tl.load(WEIGHT + cols, mask=col_mask, other=0.0).to(tl.float32)
+        weight = tl.load(WEIGHT + cols[None, :], mask=col_mask[None, :], other=0.0).to(tl.float32)
     if BIAS is not None:
-        bias = tl.load(BIAS + cols, mask=col_mask, other=0.0).to(tl.float32)
+        bias = tl.load(BIAS + cols[None, :], mask=col_mask[None, :], other=0.0).to(tl.float32)
     blocks = tl.arange(0, BLOCK_D // BLOCK)
     block_mask = blocks < tl.cdiv(dim, BLOCK)
     rows = tl.program_id(0).to(tl.int64) * (TILE_R * NUM_TILES) + tl.arange(0, TILE_R)
@@ -64,15 +66,16 @@ def _norm_quantize_kernel(
         tl.store(RSTD + rows, rstd, mask=row_mask)
         y = x * rstd[:, None]
         if WEIGHT is not None:
-            y = y * weight[None, :]
+            y = y * weight
         if BIAS is not None:
-            y = y + bias[None, :]
+            y = y + bias
         if not EVEN_D:
             y = tl.where(mask, y, 0.0)
         y = y.to(OUT_DTYPE)
         if WRITE_Y:
             tl.store(Y + offsets, y, mask=mask)
-        q, exponent, nonfinite = _quantize_rows(y.to(tl.float32), TILE_R, BLOCK_D, BLOCK, RCEIL, EXACT)
+        # y in its own dtype: a bf16 tile's block maxima come from its 16-bit patterns, two a register
+        q, exponent, nonfinite = _quantize_rows(y, TILE_R, BLOCK_D, BLOCK, RCEIL, EXACT)
         tl.store(Q + offsets, q, mask=mask)
         scale_ptrs = S + rows[:, None] * stride_s_r + blocks[None, :] * stride_s_c
         tl.store(scale_ptrs, _scale_value(exponent, nonfinite, MX), mask=row_mask[:, None] & block_mask[None, :])
@@ -93,8 +96,12 @@ def norm_quantize_triton(
     *,
     write_output: bool = False,
     out_dtype: torch.dtype | None = None,
+    config: tuple[int, int, int] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """Normalise ``[R, D]`` ``x`` and quantize the result along ``D``.
+
+    ``config``: ``(TILE_R, NUM_TILES, num_warps)`` to launch instead of the tuner's choice (benchmarks time each
+    candidate of :func:`_valid_configs` so).
 
     Returns:
         ``(q [R, D] fp8, scale, rstd [R] fp32, mean [R] fp32 or None, y [R, D] or None)``; scales as
@@ -122,7 +129,7 @@ def norm_quantize_triton(
     )  # fmt: skip
     if not num_rows:
         return q, scale, rstd, mean, y
-    configs = _valid_configs(block_d)
+    configs = _valid_configs(block_d) if config is None else (config,)
     key = ("norm_quantize", args[-1], x.dtype, block_d, block, meta["LAYER"], write_output, mx, out_dtype)
     grid = lambda tile_r, num_tiles: (cdiv(num_rows, tile_r * num_tiles),)  # noqa: E731
     launch_tuned(_norm_quantize_kernel, configs, key, grid, args, meta, num_rows * dim, ("TILE_R", "NUM_TILES"))
@@ -131,14 +138,22 @@ def norm_quantize_triton(
 
 # (rows per tile, tiles per program, num_warps): whole rows live in registers, so fewer rows for wider ones;
 # several tiles a program read the weight and bias once for all of them (one tile: once a tile, from L2).
-_CONFIGS = [(2, 1, 8), (1, 1, 4), (2, 8, 8), (1, 8, 4), (4, 1, 8), (8, 1, 8), (16, 1, 8)]
+# Only one-row tiles hold the weight and bias in x's register layout; taller ones convert them through shared
+# memory once a program. The second line: one-row tiles several a program (a 4096-wide row is 32 values a
+# thread over 4 warps), and 16-warp tiles.
+_CONFIGS = [
+    (2, 1, 8), (1, 1, 4), (2, 8, 8), (1, 8, 4), (4, 1, 8), (8, 1, 8), (16, 1, 8),
+    (1, 2, 4), (1, 4, 4), (1, 4, 8), (1, 8, 8), (2, 4, 8), (4, 2, 16), (2, 4, 16),
+]  # fmt: skip
 
 
 @functools.cache
 def _valid_configs(block_d: int) -> tuple[tuple[int, int, int], ...]:
     """The candidates for rows padded to ``block_d`` (pruned once per width)."""
-    return tuple(c for c in _CONFIGS if _valid_rows(c[0], block_d))
+    return tuple(c for c in _CONFIGS if _valid_rows(c[0], block_d, c[2]))
 
 
-def _valid_rows(tile_r: int, block_d: int) -> bool:
-    return tile_r * block_d <= 16384 and (tile_r >= 4 or block_d >= 1024 or tile_r * 32 >= 64)
+def _valid_rows(tile_r: int, block_d: int, num_warps: int) -> bool:
+    """At most 64 values of a tile a thread (more spill), and no tiny tiles."""
+    fits = tile_r * block_d <= min(16384, 2048 * num_warps)
+    return fits and (tile_r >= 4 or block_d >= 1024 or tile_r * 32 >= 64)
