@@ -80,6 +80,22 @@ def test_rows_and_columns_plans_match_reference(
     assert _equal(got[0], want[0]) and _equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("layout", ["mx", "1x128"])
+def test_every_split_config_matches_reference(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each candidate of the one-launch rows+cols kernel (the tuner times them only above a size) writes the
+    reference's bits, over ragged last regions."""
+    from lightning_gem.ops.mx.impl.triton import quantize as triton_quantize
+
+    block = {"mx": 32, "1x128": 128}[layout]
+    monkeypatch.setattr(triton_quantize, "_ROWS_AND_COLUMNS_PLANS", {block: ("split",)})
+    x = _input(300, 384, torch.float16)
+    want = quantize(x, layout, cols=True, impl="reference")
+    for config in triton_quantize._SPLIT_CONFIGS[block, True]:
+        monkeypatch.setitem(triton_quantize._SPLIT_CONFIGS, (block, True), [config])
+        got = quantize(x, layout, cols=True, impl="triton")
+        assert _equal(got[0], want[0]) and _equal(got[1], want[1]), config
+
+
 @pytest.mark.parametrize("config", [(2, 512, 4), (1, 256, 4)], ids=str)
 def test_wide_row_tiles_match_reference(config: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     """The short, wide tiles rows alone may take (here wider than the rows, and over a ragged last tile)."""
