@@ -30,10 +30,12 @@ __all__ = [
     "JaggedHistoryEncoder",
     "RMSNorm",
     "RelativePositionBias",
+    "RelativeTimeBias",
     "make_norm",
     "pad_tokens_to_multiple",
     "recency_positions",
     "relative_bias_attention",
+    "relative_time_buckets",
     "time_buckets",
 ]
 
@@ -104,6 +106,9 @@ class HSTULayer(nn.Module):
             last value). The GDPA kernels take no additive bias, so such a layer attends through
             :func:`relative_bias_attention`, a dense path over ``[B, H, L, L]`` meant for short sequences
             (a few hundred events); ``num_targets`` and tensor parallelism are not supported with it.
+        relative_time_buckets: add a learned bias of the time between the query's and the key's events to every
+            score, one value per bucket of :func:`relative_time_buckets` (the time half of HSTU's relative
+            attention bias); ``forward`` then needs ``time_buckets``. Dense path, as ``relative_bias_length``.
         attention_impl: GDPA ``impl`` (``"auto"``, ``"reference"``, ``"triton"``, or the ``"padded"`` baseline).
 
     Shapes:
@@ -134,6 +139,7 @@ class HSTULayer(nn.Module):
         attention_scale: float | None = None,
         normalization_length: int | None = None,
         relative_bias_length: int | None = None,
+        relative_time_buckets: int | None = None,
         attention_impl: str = "auto",
     ) -> None:
         super().__init__()
@@ -170,6 +176,7 @@ class HSTULayer(nn.Module):
         self.output = nn.Linear(num_heads * self.linear_dim, dim)
         self.dropout = nn.Dropout(dropout)
         self.relative_bias = None if relative_bias_length is None else RelativePositionBias(relative_bias_length)
+        self.time_bias = None if relative_time_buckets is None else RelativeTimeBias(relative_time_buckets)
         # The residual branch starts at zero: a fresh stack is the identity and learns as fast as a shallow one.
         nn.init.zeros_(self.output.weight)
         nn.init.zeros_(self.output.bias)
@@ -201,6 +208,7 @@ class HSTULayer(nn.Module):
         num_targets: Tensor | None = None,
         max_seq_len: int | None = None,
         check_offsets: bool = True,
+        time_buckets: Tensor | None = None,
     ) -> Tensor:
         """Encode ``x [T, dim]`` (sequences by ``offsets [B + 1]``) to ``[T, dim]``.
 
@@ -211,13 +219,18 @@ class HSTULayer(nn.Module):
                 themselves only (see :func:`lightning_gem.ops.gdpa`).
             max_seq_len: an upper bound of the sequence lengths (a kernel hint, avoids a device sync).
             check_offsets: let GDPA validate the offsets (pass False when validated upstream).
+            time_buckets: ``[B, L, L]`` bucket of each query-key pair's time gap, from
+                :func:`relative_time_buckets` with ``L`` the ``max_seq_len`` given here (required iff the layer
+                has ``relative_time_buckets``).
         """
         h, dv, dqk = self.num_heads, self.linear_dim, self.attention_dim
         uvqk_TX = self.uvqk(self.input_norm(x))  # every token, also when x holds a shard of them
         num_tokens = uvqk_TX.shape[0]
         uvqk_THX = F.silu(uvqk_TX).view(num_tokens, h, 2 * dv + 2 * dqk)
         u_THD, v_THD, q_THD, k_THD = uvqk_THX.split([dv, dv, dqk, dqk], dim=-1)
-        if self.relative_bias is not None:
+        if self.time_bias is not None and time_buckets is None:
+            raise ValueError("`time_buckets` is required: the layer was built with relative_time_buckets")
+        if self.relative_bias is not None or self.time_bias is not None:
             if num_targets is not None:
                 raise ValueError("`num_targets` is not supported with a relative attention bias")
             attn_THD = relative_bias_attention(
@@ -232,6 +245,8 @@ class HSTULayer(nn.Module):
                 window=self.window,
                 scale=self.attention_scale,
                 normalization_length=self.normalization_length,
+                time_bias=self.time_bias,
+                time_buckets=time_buckets,
             )
         else:
             attn_THD = gdpa(
@@ -279,12 +294,56 @@ class RelativePositionBias(nn.Module):
         return self.weight[distance + self.length - 1]
 
 
+class RelativeTimeBias(nn.Module):
+    """A learned score bias per bucket of the time between a query's and a key's events, the time half of HSTU's
+    relative attention bias: ``weight [num_buckets]``, initialised ``N(0, 0.02)``; buckets from
+    :func:`relative_time_buckets`."""
+
+    def __init__(self, num_buckets: int) -> None:
+        super().__init__()
+        if num_buckets < 1:
+            raise ValueError(f"`relative_time_buckets` must be >= 1, got {num_buckets}")
+        self.num_buckets = num_buckets
+        self.weight = nn.Parameter(torch.empty(num_buckets).normal_(std=0.02))
+
+    def forward(self, buckets: Tensor) -> Tensor:
+        """``[B, 1, L, L]``: the bias of each query (rows) and key (columns) of ``buckets [B, L, L]``."""
+        return self.weight[buckets.clamp(0, self.num_buckets - 1)][:, None]
+
+
+def relative_time_buckets(timestamps: Tensor, offsets: Tensor, size: int, num_buckets: int) -> Tensor:
+    """``[B, size, size]`` int64 :func:`time_buckets` of ``|t_query(i) - t(j)|`` for positions ``i`` (rows) and ``j``
+    (columns) of each sequence, as the HSTU reference's relative attention bias buckets them.
+
+    ``t(j)`` is event ``j``'s time; ``t_query(i)`` is the time of the event position ``i`` predicts, the next one
+    (``t(i + 1)``), and the last position's own time: at inference the next event's time is the request's, which
+    the history does not hold. Entries past a sequence's end are arbitrary (the attention masks them).
+
+    Args:
+        timestamps: ``[T]`` event times in seconds (any origin per sequence: only differences count).
+        offsets: ``[B + 1]`` offsets of the sequences.
+        size: ``L``, at least the longest sequence (the attention's padded length).
+        num_buckets: buckets (the last one takes every longer gap).
+    """
+    num_tokens = timestamps.shape[0]
+    lengths = jagged.offsets_to_lengths(offsets).to(torch.int64)
+    size = max(1, size)
+    positions = torch.arange(size, device=timestamps.device)
+    starts = offsets[:-1, None].to(torch.int64)
+    last = (lengths[:, None] - 1).clamp_min(0)
+    if num_tokens == 0:
+        return torch.zeros(lengths.shape[0], size, size, dtype=torch.int64, device=last.device)
+    key_BL = timestamps[(starts + positions[None, :].minimum(last)).clamp(max=num_tokens - 1)].float()
+    query_BL = timestamps[(starts + (positions[None, :] + 1).minimum(last)).clamp(max=num_tokens - 1)].float()
+    return time_buckets((query_BL[:, :, None] - key_BL[:, None, :]).abs(), num_buckets)
+
+
 def relative_bias_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
     offsets: Tensor,
-    bias: RelativePositionBias,
+    bias: RelativePositionBias | None,
     max_seq_len: int | None = None,
     *,
     activation: str = "silu",
@@ -292,8 +351,11 @@ def relative_bias_attention(
     window: int | None = None,
     scale: float | None = None,
     normalization_length: int | None = None,
+    time_bias: RelativeTimeBias | None = None,
+    time_buckets: Tensor | None = None,
 ) -> Tensor:
-    """GDPA self-attention with ``bias(t - i)`` added to every score, computed densely: ``[T, H, Dv]``.
+    """GDPA self-attention with ``bias(t - i)`` (and ``time_bias(time_buckets)``, ``[B, L, L]`` from
+    :func:`relative_time_buckets`) added to every score, computed densely: ``[T, H, Dv]``.
 
     The semantics of :func:`lightning_gem.ops.gdpa` (softmax, or a pointwise activation normalised by the
     sequence's length; causal and window masks), on ``[B, H, L, L]`` padded scores (``L`` = ``max_seq_len``,
@@ -302,7 +364,7 @@ def relative_bias_attention(
     divides pointwise weights by that fixed length instead of each sequence's own (see :class:`HSTULayer`).
 
     Raises:
-        ValueError: an unknown activation.
+        ValueError: an unknown activation, or ``time_buckets`` missing or not ``[B, L, L]``.
     """
     from lightning_gem.ops.attention.impl.reference import POINTWISE
 
@@ -313,6 +375,9 @@ def relative_bias_attention(
         return v.new_zeros(0, num_heads, v.shape[2])
     lengths = jagged.offsets_to_lengths(offsets).to(torch.int64)
     size = max(1, jagged.max_length(offsets) if max_seq_len is None else max_seq_len)
+    if time_bias is not None and (time_buckets is None or time_buckets.shape != (offsets.shape[0] - 1, size, size)):
+        got = None if time_buckets is None else tuple(time_buckets.shape)
+        raise ValueError(f"`time_buckets` must be [B, L, L] = [{offsets.shape[0] - 1}, {size}, {size}], got {got}")
     positions = torch.arange(size, device=q.device)
     valid_BL = positions[None, :] < lengths[:, None]
     rows_BL = (offsets[:-1, None].to(torch.int64) + positions[None, :]).clamp(max=max(num_tokens - 1, 0))
@@ -321,7 +386,11 @@ def relative_bias_attention(
         return (x[rows_BL] * valid_BL[:, :, None, None].to(x.dtype)).transpose(1, 2)
 
     scores = torch.einsum("bhid,bhtd->bhit", padded(q), padded(k)).float()
-    scores = scores * (1.0 / math.sqrt(dim) if scale is None else scale) + bias(size)
+    scores = scores * (1.0 / math.sqrt(dim) if scale is None else scale)
+    if bias is not None:
+        scores = scores + bias(size)
+    if time_bias is not None:
+        scores = scores + time_bias(time_buckets)
     allowed = valid_BL[:, None, :, None] & valid_BL[:, None, None, :]
     if causal:
         allowed = allowed & (positions[None, :] <= positions[:, None])
@@ -444,13 +513,16 @@ class JaggedHistoryEncoder(nn.Module):
         fixed_attention_normalization: pointwise attention divided by ``max_length`` instead of each
             sequence's own length (the HSTU reference's ``1 / N``; see :class:`HSTULayer`).
         use_time: add an embedding of ``time_buckets(time_deltas)``; ``forward`` then needs ``time_deltas``.
-        num_time_buckets: buckets of the time encoding.
+        relative_time_bias: every layer adds a learned bias of the time between the query's and the key's
+            events to its scores (:class:`RelativeTimeBias`, the time half of HSTU's relative attention bias; a
+            dense attention path, see :class:`HSTULayer`); ``forward`` then needs ``timestamps``.
+        num_time_buckets: buckets of the time encoding and of the relative time bias.
         final_norm: normalise the last layer's output (False: return it as it is, as the HSTU reference,
             whose retrieval head L2-normalises it anyway).
 
     Shapes:
-        features: ``[T, input_dim]``; offsets ``[B + 1]``; time_deltas ``[T]``; num_targets ``[B]``.
-        Output ``[T, dim]``.
+        features: ``[T, input_dim]``; offsets ``[B + 1]``; time_deltas ``[T]``; timestamps ``[T]``;
+        num_targets ``[B]``. Output ``[T, dim]``.
 
     Example:
         >>> import torch
@@ -481,6 +553,7 @@ class JaggedHistoryEncoder(nn.Module):
         position_encoding: Literal["recency", "absolute"] = "recency",
         fixed_attention_normalization: bool = False,
         use_time: bool = False,
+        relative_time_bias: bool = False,
         num_time_buckets: int = 64,
         attention_impl: str = "auto",
         final_norm: bool = True,
@@ -494,7 +567,7 @@ class JaggedHistoryEncoder(nn.Module):
             raise ValueError(f"`num_layers` must be >= 0, got {num_layers}")
         if max_length < 1:
             raise ValueError(f"`max_length` must be >= 1, got {max_length}")
-        if use_time and num_time_buckets < 1:
+        if (use_time or relative_time_bias) and num_time_buckets < 1:
             raise ValueError(f"`num_time_buckets` must be >= 1, got {num_time_buckets}")
         self.input_dim = dim if input_dim is None else input_dim
         self.dim = dim
@@ -523,11 +596,13 @@ class JaggedHistoryEncoder(nn.Module):
                 attention_scale=attention_scale,
                 normalization_length=max_length if fixed_attention_normalization else None,
                 relative_bias_length=max_length if relative_attention_bias else None,
+                relative_time_buckets=num_time_buckets if relative_time_bias else None,
                 attention_impl=attention_impl,
             )
             for _ in range(num_layers)
         )
         self.final_norm = make_norm(norm, dim) if final_norm else nn.Identity()
+        self.relative_time_bias = relative_time_bias
         self._sequence_parallel_mesh: DeviceMesh | None = None
 
     def enable_sequence_parallel(self, tp_mesh: DeviceMesh) -> None:
@@ -585,6 +660,7 @@ class JaggedHistoryEncoder(nn.Module):
         num_targets: Tensor | None = None,
         max_seq_len: int | None = None,
         check_offsets: bool = True,
+        timestamps: Tensor | None = None,
     ) -> Tensor:
         """Encode ``features [T, input_dim]`` to ``[T, dim]``.
 
@@ -592,6 +668,7 @@ class JaggedHistoryEncoder(nn.Module):
             features: ``[T, input_dim]`` per-token inputs.
             offsets: ``[B + 1]`` offsets of the sequences.
             time_deltas: ``[T]`` seconds between each event and the request (required iff ``use_time``).
+            timestamps: ``[T]`` each event's time in seconds (required iff ``relative_time_bias``).
             num_targets: ``[B]`` targets at the end of each sequence (see :class:`HSTULayer`).
             max_seq_len: an upper bound of the sequence lengths, passed to GDPA as a kernel hint.
             check_offsets: validate ``offsets`` and ``max_seq_len`` here, once (a device sync; ``num_targets``
@@ -616,6 +693,15 @@ class JaggedHistoryEncoder(nn.Module):
                 raise ValueError(f"`time_deltas` must be [T] = [{features.shape[0]}], got {tuple(time_deltas.shape)}")
             x = x + self.time(time_buckets(time_deltas, self.num_time_buckets))
         x = self.input_dropout(x)
+        time_buckets_BLL = None
+        if self.relative_time_bias and self.layers:
+            if timestamps is None or timestamps.shape != (features.shape[0],):
+                got = None if timestamps is None else tuple(timestamps.shape)
+                raise ValueError(f"`timestamps` must be [T] = [{features.shape[0]}] (relative_time_bias), got {got}")
+            if self._sequence_parallel_mesh is not None:
+                raise ValueError("relative_time_bias is not supported with sequence parallelism")
+            size = max(1, jagged.max_length(offsets) if max_seq_len is None else max_seq_len)
+            time_buckets_BLL = relative_time_buckets(timestamps, offsets, size, self.num_time_buckets)
         mesh = self._sequence_parallel_mesh
         if mesh is not None:
             x, offsets, num_targets, max_seq_len = pad_tokens_to_multiple(
@@ -626,7 +712,12 @@ class JaggedHistoryEncoder(nn.Module):
         check_targets = check_offsets and num_targets is not None
         for index, layer in enumerate(self.layers):
             x = layer(
-                x, offsets, num_targets=num_targets, max_seq_len=max_seq_len, check_offsets=check_targets and index == 0
+                x,
+                offsets,
+                num_targets=num_targets,
+                max_seq_len=max_seq_len,
+                check_offsets=check_targets and index == 0,
+                time_buckets=time_buckets_BLL,
             )
         if mesh is not None:
             x = _gather_tokens(x, mesh)[: features.shape[0]]

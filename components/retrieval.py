@@ -152,6 +152,10 @@ class SequentialRecommender(L.LightningModule):
         fixed_attention_normalization: pointwise attention divided by the history length cap instead of each
             sequence's own length (the HSTU reference's ``1 / N``).
         use_time: encode the gap to the previous event (``batch.timestamps``; causal: no future times).
+        relative_time_bias: a learned bias of the time between the query's and the key's events in every layer's
+            scores (the time half of HSTU's relative attention bias, with ``batch.timestamps``; each position's
+            query time is that of the event it predicts, as the reference's: see
+            :func:`~lightning_gem.components.encoder.relative_time_buckets`).
         num_negatives: uniform negatives of each position's sampled softmax.
         shared_negatives: draw one set of ``num_negatives`` for the whole batch instead of one per position
             (cheaper, but every position then sees the same few items as negatives: on ML-1M it learns
@@ -202,6 +206,7 @@ class SequentialRecommender(L.LightningModule):
         position_encoding: str = "recency",
         fixed_attention_normalization: bool = False,
         use_time: bool = False,
+        relative_time_bias: bool = False,
         num_negatives: int = 128,
         shared_negatives: bool = False,
         temperature: float = 0.05,
@@ -290,6 +295,7 @@ class SequentialRecommender(L.LightningModule):
             position_encoding=hp.get("position_encoding", "recency"),
             fixed_attention_normalization=hp.get("fixed_attention_normalization", False),
             use_time=hp.use_time,
+            relative_time_bias=hp.get("relative_time_bias", False),
             attention_impl=hp.attention_impl,
             final_norm=hp.get("final_norm", True),
         )
@@ -349,10 +355,19 @@ class SequentialRecommender(L.LightningModule):
             if batch.timestamps is None:
                 raise ValueError("use_time=True needs `batch.timestamps` ([T] seconds)")
             time_deltas = _gap_to_previous(batch.timestamps, offsets)
+        timestamps = None
+        if self.hparams.get("relative_time_bias", False):
+            if batch.timestamps is None:
+                raise ValueError("relative_time_bias=True needs `batch.timestamps` ([T] seconds)")
+            timestamps = batch.timestamps
         if self._input_scale is not None:
             features = features * self._input_scale
         return self.encoder(
-            features, offsets, time_deltas=time_deltas, max_seq_len=self._require_schema().max_history_length
+            features,
+            offsets,
+            time_deltas=time_deltas,
+            timestamps=timestamps,
+            max_seq_len=self._require_schema().max_history_length,
         )
 
     @override

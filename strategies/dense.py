@@ -147,7 +147,7 @@ def apply_tensor_parallel(module: nn.Module, tp_mesh: Any, *, sequence_parallel:
                 f"{label} normalises all heads together (per_head_norm=False): its tensor-parallel plan needs "
                 "per-head norms"
             )
-        if getattr(sub, "relative_bias", None) is not None:
+        if getattr(sub, "relative_bias", None) is not None or getattr(sub, "time_bias", None) is not None:
             raise ValueError(
                 f"{label} adds a relative attention bias (a dense attention path): its "
                 "tensor-parallel plan does not cover it"

@@ -138,7 +138,9 @@ class MovieLens1MSource(RetrievalSource):
 
     Removing seen items at evaluation: the items a user has seen before the held-out one are the
     sample's own inputs, so the batch's ``history`` KJT is the set to mask (within the
-    ``max_history_length`` window, as the reference implementations do). ``timestamps`` is ``None``.
+    ``max_history_length`` window, as the reference implementations do). Timestamps: read from ``ratings.dat``
+    as seconds since each user's first rating (float32: exact over the first 194 days, to a few seconds over
+    ML-1M's three years), for ``use_time`` and ``relative_time_bias``; ``sequences.txt`` has none (``None``).
 
     Args:
         path: folder with ``sequences.txt`` (or ``ratings.dat``) and ``movies.dat``.
@@ -189,8 +191,9 @@ class MovieLens1MSource(RetrievalSource):
         assert self._user_ids is not None
         return self._user_ids[np.searchsorted(self._offsets, arrays.starts, side="right") - 1]
 
-    def _read_events(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(user_ids [U], offsets [U + 1], movie_ids [T])`` with each user's events oldest first."""
+    def _read_events(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """``(user_ids [U], offsets [U + 1], movie_ids [T], timestamps [T] or None)`` with each user's events oldest
+        first; timestamps (``ratings.dat`` only) in seconds since the user's first event."""
         file = self._events_file
         if file.name == "sequences.txt":
             fmt = "'UserID MovieID MovieID ...' (integers, at least one movie per user)"
@@ -201,17 +204,20 @@ class MovieLens1MSource(RetrievalSource):
             users = np.array([row[0] for row in lines], dtype=np.int64)
             lengths = np.array([len(row) - 1 for row in lines], dtype=np.int64)
             movies = np.concatenate([row[1:] for row in lines])
+            timestamps = None
         else:
             table = _read_table(file, "::", 4, "'UserID::MovieID::Rating::Timestamp'", ML1M_URL)
             table = table[np.lexsort((np.arange(len(table)), table[:, 3], table[:, 0]))]
             users, lengths = np.unique(table[:, 0], return_counts=True)
             movies = table[:, 1]
+            first = np.repeat(table[np.cumsum(lengths) - lengths, 3], lengths)
+            timestamps = (table[:, 3] - first).astype(np.float32)
         if len(np.unique(users)) != len(users):
             raise ValueError(f"{file} lists a UserID twice: expected one line per user")
-        return users, np.concatenate([[0], np.cumsum(lengths)]), movies
+        return users, np.concatenate([[0], np.cumsum(lengths)]), movies, timestamps
 
     def _build(self) -> dict[str, RetrievalArrays]:
-        users, offsets, movies = self._read_events()
+        users, offsets, movies, timestamps = self._read_events()
         items = _dense_ids(movies, self.movie_ids, "MovieID", self._events_file, ML1M_URL)[:, None]
         self._user_ids, self._offsets = users, offsets
         built = {}
@@ -223,7 +229,7 @@ class MovieLens1MSource(RetrievalSource):
                 self.train_on_validation_item,
                 self.train_windows,
             )
-            built[split] = RetrievalArrays(items=items, starts=starts, ends=ends)
+            built[split] = RetrievalArrays(items=items, starts=starts, ends=ends, timestamps=timestamps)
         return built
 
 

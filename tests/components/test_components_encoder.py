@@ -279,6 +279,75 @@ def test_layers_with_a_relative_bias_train_and_refuse_targets() -> None:
         HSTULayer(dim=16, num_heads=2, relative_bias_length=0)
 
 
+def test_relative_time_buckets_pair_the_predicted_event_with_each_key() -> None:
+    """Row ``i`` takes the time of the event position ``i`` predicts (the next one; the last position its own)."""
+    from lightning_gem.components.encoder import relative_time_buckets, time_buckets
+
+    timestamps = torch.tensor([0.0, 10.0, 1000.0, 5.0, 7.0, 3.0])  # sequences of 3, 0, 2 and 1 events
+    offsets = _offsets([3, 0, 2, 1])
+    buckets = relative_time_buckets(timestamps, offsets, 4, 64)
+    assert buckets.shape == (4, 4, 4) and buckets.dtype == torch.int64
+    first = torch.tensor([[10.0, 0.0, 990.0], [1000.0, 990.0, 0.0], [1000.0, 990.0, 0.0]])  # |t(i + 1) - t(j)|
+    assert torch.equal(buckets[0, :3, :3], time_buckets(first, 64))
+    assert torch.equal(buckets[2, :2, :2], time_buckets(torch.tensor([[2.0, 0.0], [2.0, 0.0]]), 64))
+    assert buckets[3, 0, 0] == 0 and relative_time_buckets(timestamps[:0], _offsets([0, 0]), 3, 64).shape == (2, 3, 3)
+
+
+def test_relative_time_bias_adds_the_bias_of_each_gap_and_learns_it() -> None:
+    """Against a direct per-sequence computation: ``silu(q k^T / sqrt(D) + w_pos[t - i] + w_time[b(i, t)]) / L``."""
+    from lightning_gem.components.encoder import (
+        RelativePositionBias,
+        RelativeTimeBias,
+        relative_bias_attention,
+        relative_time_buckets,
+    )
+
+    q, k, v = _qkv([5, 0, 3])
+    offsets = _offsets([5, 0, 3])
+    timestamps = torch.tensor([0.0, 3.0, 3.0, 100.0, 5000.0, 7.0, 8.0, 60.0])
+    position, time = RelativePositionBias(3).double(), RelativeTimeBias(16).double()
+    buckets = relative_time_buckets(timestamps, offsets, 6, 16)
+    out = relative_bias_attention(q, k, v, offsets, position, 6, time_bias=time, time_buckets=buckets)
+    alone = relative_bias_attention(q, k, v, offsets, None, 6, time_bias=time, time_buckets=buckets)
+    for start, length in ((0, 5), (5, 3)):
+        qs, ks, vs = (x[start : start + length].transpose(0, 1) for x in (q, k, v))
+        i = torch.arange(length)
+        w = position.weight[(i[None, :] - i[:, None]).clamp(-2, 2) + 2]
+        t = timestamps[start : start + length]
+        gaps = (t[(i + 1).clamp(max=length - 1)][:, None] - t[None, :]).abs()
+        wt = time.weight[torch.floor(2 * torch.log2(1 + gaps)).clamp(max=15).long()]
+        for got, extra in ((out, w + wt), (alone, wt)):
+            scores = torch.nn.functional.silu(qs @ ks.transpose(1, 2) / 8**0.5 + extra) / length
+            expected = (scores * (i[None, :] <= i[:, None])) @ vs
+            torch.testing.assert_close(got[start : start + length], expected.transpose(0, 1))
+    out.square().sum().backward()
+    assert time.weight.grad is not None and time.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="time_buckets"):
+        relative_bias_attention(q, k, v, offsets, None, 5, time_bias=time, time_buckets=buckets)
+
+
+def test_layers_with_a_relative_time_bias_train_and_need_timestamps() -> None:
+    encoder = JaggedHistoryEncoder(8, 16, num_layers=2, num_heads=2, max_length=8, relative_time_bias=True)
+    encoder = _randomized(encoder)
+    assert all(layer.time_bias.weight.shape == (64,) and layer.relative_bias is None for layer in encoder.layers)
+    offsets, features = _offsets([3, 0, 5]), torch.randn(8, 8)
+    timestamps = torch.tensor([0.0, 60.0, 3600.0, 0.0, 1.0, 2.0, 86400.0, 86401.0])
+    out = encoder(features, offsets, timestamps=timestamps)
+    out.square().sum().backward()
+    assert all(layer.time_bias.weight.grad.abs().sum() > 0 for layer in encoder.layers)
+    later = timestamps.clone()
+    later[6:] += 1e6  # the second sequence's last two events much later: its outputs move, the first's do not
+    moved = encoder(features, offsets, timestamps=later)
+    torch.testing.assert_close(moved[:3], out[:3])
+    assert not torch.allclose(moved[3:], out[3:])
+    with pytest.raises(ValueError, match="timestamps"):
+        encoder(features, offsets)
+    with pytest.raises(ValueError, match="time_buckets"):
+        encoder.layers[0](torch.randn(8, 16), offsets)
+    with pytest.raises(ValueError, match="relative_time_buckets"):
+        HSTULayer(dim=16, num_heads=2, relative_time_buckets=0)
+
+
 @pytest.mark.parametrize("relative_bias", [False, True])
 def test_a_fixed_normalization_length_divides_pointwise_attention_by_it(relative_bias: bool) -> None:
     """``normalization_length=N``: ``silu(s) / N`` for every sequence (the HSTU reference), on the GDPA path and

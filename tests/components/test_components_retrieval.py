@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import lightning as L
@@ -63,11 +64,18 @@ def test_catalogue_ranks_exclude_seen_items_but_never_the_target() -> None:
 
 
 @pytest.mark.parametrize(
-    ("shared_negatives", "relative_bias", "reference_encoding"),
-    [(False, False, False), (True, False, False), (False, True, False), (False, True, True), (False, False, True)],
+    ("shared_negatives", "relative_bias", "reference_encoding", "time_bias"),
+    [
+        (False, False, False, False),
+        (True, False, False, False),
+        (False, True, False, False),
+        (False, True, True, False),
+        (False, False, True, False),
+        (False, True, True, True),
+    ],
 )
 def test_forward_training_step_and_gradients_with_empty_and_single_event_sequences(
-    batches, shared_negatives: bool, relative_bias: bool, reference_encoding: bool
+    batches, shared_negatives: bool, relative_bias: bool, reference_encoding: bool, time_bias: bool
 ) -> None:
     torch.manual_seed(0)
     schema = batches.retrieval_schema()
@@ -81,6 +89,7 @@ def test_forward_training_step_and_gradients_with_empty_and_single_event_sequenc
         relative_attention_bias=relative_bias,
         position_encoding="absolute" if reference_encoding else "recency",
         fixed_attention_normalization=reference_encoding,
+        relative_time_bias=time_bias,
     )
     assert model.encoder.layers[0].normalization_length == (schema.max_history_length if reference_encoding else None)
     if relative_bias:  # a fresh layer's residual branch is zero: give it weights so the bias gets a gradient
@@ -98,6 +107,10 @@ def test_forward_training_step_and_gradients_with_empty_and_single_event_sequenc
     assert model.item_embeddings(torch.tensor([0, 3])).shape == (2, 16)
     if relative_bias:
         assert model.encoder.layers[0].relative_bias.weight.grad.abs().sum() > 0
+    if time_bias:
+        assert model.encoder.layers[0].time_bias.weight.grad.abs().sum() > 0
+        with pytest.raises(ValueError, match="timestamps"):
+            model(dataclasses.replace(batch, timestamps=None))
 
 
 def test_without_input_projection_the_layers_read_the_scaled_item_embedding(batches) -> None:

@@ -175,6 +175,23 @@ def test_ml1m_reads_original_ratings_dat(tmp_path: Path) -> None:
     assert source.movie_ids[sample.history[:, 0]].tolist() == [10, 20, 30, 40]
     assert source.movie_ids[sample.targets].tolist() == [20, 30, 40, 50]
     assert source.sample_users("test").tolist() == [1]
+    assert sample.timestamps.tolist() == [0.0, 50.0, 150.0, 150.0]  # seconds since the user's first rating
+
+
+def test_ml1m_timestamps_reach_the_batch_only_from_ratings_dat(tmp_path: Path) -> None:
+    """ratings.dat's times flow into RetrievalBatch.timestamps; sequences.txt has none."""
+    from lightning_gem.data.collate import collate_retrieval
+
+    (tmp_path / "movies.dat").write_text("".join(f"{m}::M{m}::Drama\n" for m in range(1, 6)))
+    rows = [(1, m, 4, 978300000 + 7 * m) for m in range(1, 6)] + [(2, m, 3, 978000000 + m) for m in (2, 4, 5)]
+    (tmp_path / "ratings.dat").write_text("".join("::".join(map(str, r)) + "\n" for r in rows))
+    source = MovieLens1MSource(path=str(tmp_path))
+    dataset = source.dataset("test")
+    batch = collate_retrieval([dataset[i] for i in range(len(dataset))], source.schema)
+    assert batch.timestamps.dtype == torch.float32
+    assert batch.timestamps.tolist() == [0.0, 7.0, 14.0, 21.0, 0.0, 2.0]
+    (tmp_path / "sequences.txt").write_text("1 1 2 3 4 5\n2 2 4 5\n")
+    assert MovieLens1MSource(path=str(tmp_path)).dataset("test")[0].timestamps is None
 
 
 def test_ml1m_train_on_validation_item(tmp_path: Path) -> None:

@@ -371,13 +371,14 @@ def test_a_rank_without_a_shard_of_a_table_has_no_local_shards() -> None:
     assert offset == (2, 0) and torch.equal(shard, full[2:5])
 
 
-def test_tensor_parallelism_refuses_a_relative_attention_bias() -> None:
+@pytest.mark.parametrize("bias", ["relative_attention_bias", "relative_time_bias"])
+def test_tensor_parallelism_refuses_a_relative_attention_bias(bias: str) -> None:
     from lightning_gem.components.encoder import JaggedHistoryEncoder
     from lightning_gem.strategies.dense import apply_tensor_parallel
     from torch.distributed.device_mesh import init_device_mesh
 
     _one_process_group()
-    encoder = JaggedHistoryEncoder(None, 16, num_layers=1, num_heads=2, max_length=8, relative_attention_bias=True)
+    encoder = JaggedHistoryEncoder(None, 16, num_layers=1, num_heads=2, max_length=8, **{bias: True})
     with pytest.raises(ValueError, match="relative attention bias"):
         apply_tensor_parallel(encoder, init_device_mesh("cpu", (1,)))
 
