@@ -133,3 +133,20 @@ def test_ml1m_score_precision_ranks_three_ways() -> None:
     printed = _run("ml1m_score_precision.py", str(data), "--epochs", "0")
     rows = {line.split("|")[1].strip(): line for line in printed.splitlines() if line.startswith("| ")}
     assert {"fp32", "bf16", "bf16, optimistic ties"} <= set(rows)
+
+
+def test_ml100k_time_bias_trains_with_and_without_it(tmp_path: Path) -> None:
+    """A made-up ml-100k folder (20 users rating 9-14 of 30 movies) through the conversion, both fits and the table."""
+    gen = torch.Generator().manual_seed(0)
+    lines = []
+    for user in range(1, 21):
+        count = 9 + user % 6
+        for i, movie in enumerate(torch.randperm(30, generator=gen)[:count].tolist()):
+            lines.append(f"{user}\t{movie + 1}\t{1 + (user + i) % 5}\t{880000000 + 3600 * user + 60 * i * i}\n")
+    (tmp_path / "u.data").write_text("".join(lines))
+    (tmp_path / "u.item").write_text("".join(f"{m}|Movie {m} (1995)|01-Jan-1995||url|0|1\n" for m in range(1, 31)))
+    args = ("--ml100k", str(tmp_path), "--seeds", "0", "--epochs", "1", "--num-layers", "1", "--parallel", "1")
+    printed = _run("ml100k_time_bias.py", *args)
+    rows = [line.split("|") for line in printed.splitlines() if line.startswith("| 0 |")]
+    assert [r[2].strip() for r in rows] == ["no", "yes"]
+    assert all(0.0 <= float(c) <= 1.0 for r in rows for c in r[3:8])
