@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -15,7 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(code: str) -> str:
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT.parent)
+    # From an empty folder: the clone's parent may hold a folder named lightning_gem (the clone itself), which
+    # Python would import from the working directory as a namespace package instead of the installed one.
+    with tempfile.TemporaryDirectory() as cwd:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=cwd)
     return out.stdout.strip()
 
 
