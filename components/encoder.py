@@ -700,8 +700,9 @@ class JaggedHistoryEncoder(nn.Module):
                 raise ValueError(f"`timestamps` must be [T] = [{features.shape[0]}] (relative_time_bias), got {got}")
             if self._sequence_parallel_mesh is not None:
                 raise ValueError("relative_time_bias is not supported with sequence parallelism")
-            size = max(1, jagged.max_length(offsets) if max_seq_len is None else max_seq_len)
-            time_buckets_BLL = relative_time_buckets(timestamps, offsets, size, self.num_time_buckets)
+            # The layers pad to the same length (read here once, not again in every layer).
+            max_seq_len = max(1, jagged.max_length(offsets) if max_seq_len is None else max_seq_len)
+            time_buckets_BLL = relative_time_buckets(timestamps, offsets, max_seq_len, self.num_time_buckets)
         mesh = self._sequence_parallel_mesh
         if mesh is not None:
             x, offsets, num_targets, max_seq_len = pad_tokens_to_multiple(
