@@ -7,6 +7,7 @@ Run on a CUDA machine from the repository root::
     python examples/benchmarks/precision.py --device cpu --tiny   # smoke test: tiny sizes, emulated recipes
     python examples/benchmarks/precision.py --kernels-only --out precision.json   # the kernel table alone
     python examples/benchmarks/precision.py --kernels-only --sweep-norm   # and every fused norm kernel config
+    python examples/benchmarks/precision.py --kernels-only --sweep-split  # and rows+cols configs of mx / 1x128
 
 **Linear forward + backward** at GEM MLP shapes (``tokens x in -> out``): ``y = layer(x); y.backward(dy)``
 with bf16 activations and parameters, quantization included (every operand quantized in every step, as in
@@ -20,7 +21,11 @@ once) over its median time, against a device-to-device copy of the same input me
 On CUDA the table also times the alternatives the kernels choose between (rowwise rows in two passes, the
 line maxima pass alone) and lists the tile configs the tuner chose, per row those its first call chose.
 ``--sweep-norm`` times every candidate config of the fused norm + quantize kernel alone (RMSNorm and
-LayerNorm, ``mx`` and ``1x128``), each checked against the tuned launch's output.
+LayerNorm, ``mx`` and ``1x128``), each checked against the tuned launch's output. ``--sweep-split`` times a grid
+of configs of the one-launch rows+cols kernel (``mx``, ``1x128``; ``mx`` columns alone), each checked bit for bit
+against the reference quantization. The 128x128 weight quantizer is also timed as a step runs it: several
+weights quantized back to back in a CUDA graph (the device's time, without Python's launch cost), against
+copies of the same weights in a graph.
 
 **Quality** (``--quality-steps N``): a synthetic regression task (a frozen random teacher MLP), the same
 student (pre-norm residual blocks: RMSNorm -> Linear -> SiLU -> Linear) trained with AdamW for ``N`` steps
@@ -67,6 +72,30 @@ def bench(fn: Callable[[], object], device: str) -> float:
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def bench_graph(fn: Callable[[], object], replays: int = 50) -> float:
+    """Median milliseconds of one replay of ``fn`` captured in a CUDA graph: the device's time alone, without the
+    host's launch overhead (which ``do_bench`` measures too when a kernel is shorter than its launch)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (compiles and tunes) off the capturing stream, as capture asks
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
     return statistics.median(times)
 
 
@@ -179,13 +208,14 @@ def bench_kernels(tokens: int, dim: int, device: str) -> list[dict]:
     copy_gbs = 2 * numel * 2 / copy_ms / 1e6
     rows = [dict(kernel="copy (bf16 -> bf16)", ms=copy_ms, gbs=copy_gbs, of_copy=1.0)]
 
-    def add(name: str, fn: Callable[[], object], bytes_moved: float) -> None:
+    def add(name: str, fn: Callable[[], object], bytes_moved: float, timer: Callable | None = None, copy=None) -> None:
         known = tuned_configs()
-        ms = bench(fn, device)
+        ms = (timer or functools.partial(bench, device=device))(fn)
         gbs = bytes_moved / ms / 1e6
         # the tile choices this row's first call made (none: an earlier row's launches were the same)
         chosen = [f"{key.split()[0]} {config}" for key, config in tuned_configs().items() if key not in known]
-        rows.append(dict(kernel=name, ms=ms, gbs=gbs, of_copy=gbs / copy_gbs, config="; ".join(chosen)))
+        of_copy = gbs / (copy or copy_gbs)
+        rows.append(dict(kernel=name, ms=ms, gbs=gbs, of_copy=of_copy, config="; ".join(chosen)))
 
     scale_bytes = {"mx": numel / 32, "1x128": numel / 128 * 4, "rowwise": tokens * 4}
     for layout in ("mx", "1x128", "rowwise"):
@@ -203,7 +233,9 @@ def bench_kernels(tokens: int, dim: int, device: str) -> list[dict]:
             2 * numel + numel + scale_bytes[layout],
         )
     w = torch.randn(dim, dim, device=device, dtype=torch.bfloat16)
-    add("quantize 128x128 weight", lambda: quantize(w, "128x128"), 3 * w.numel())
+    add(f"quantize 128x128 weight ({dim} x {dim}), launched from Python", lambda: quantize(w, "128x128"), 3 * w.numel())
+    if device == "cuda":
+        add_weight_rows(rows, add, dim)
     for kind in ("rms", "layer"):
         for layout in ("mx", "1x128"):
             bias = torch.randn(dim, device=device) if kind == "layer" else None
@@ -219,6 +251,97 @@ def bench_kernels(tokens: int, dim: int, device: str) -> list[dict]:
         2 * numel + numel + scale_bytes["1x128"] + tokens * 4,
     )
     return rows
+
+
+def add_weight_rows(rows: list[dict], add: Callable, dim: int, count: int = 16) -> None:
+    """The 128x128 weight quantizer as a step runs it, timed on the device alone: ``count`` distinct
+    ``dim x dim`` weights (more bytes than L2 holds, so each is read from memory) quantized one after another
+    in a CUDA graph, against copies of the same weights in a graph; "of copy" is against that copy."""
+    weights = [torch.randn(dim, dim, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
+    outs = [torch.empty_like(w) for w in weights]
+    copy_ms = bench_graph(lambda: [o.copy_(w) for o, w in zip(outs, weights, strict=True)])
+    copy_gbs = 2 * 2 * count * weights[0].numel() / copy_ms / 1e6
+    name = f"copy {count} weights ({dim} x {dim}) in a CUDA graph"
+    rows.append(dict(kernel=name, ms=copy_ms / count, gbs=copy_gbs, of_copy=1.0))
+    add(
+        f"quantize 128x128 weight ({dim} x {dim}), {count} in a CUDA graph, per weight",
+        lambda: [quantize(w, "128x128") for w in weights],
+        3 * weights[0].numel(),  # bytes and time per weight
+        timer=lambda fn: bench_graph(fn) / count,
+        copy=copy_gbs,
+    )
+
+
+def split_candidates(block: int, rows: bool) -> list[tuple[int, ...]]:
+    """``(REGION_R, REGION_C, COL_TILE_C, ROW_TILE_R, C_FIRST, num_warps)`` configs of the one-launch rows+cols (or
+    columns) kernel to sweep: column slabs 64 wide (a 128-byte line of each row: 32 and 16 wide ones ran at half
+    the speed on an H200), slabs of 4K to 128 bf16 values a thread, regions numbered either way; wider regions
+    write longer runs of ``mx`` row scales."""
+    import itertools
+
+    region_rs = (256, 512) if block == 32 else (128, 256)
+    region_cs = (128, 256, 512, 1024) if rows else (64, 128)
+    row_tiles = (8, 16, 32, 64) if rows else (64,)
+    configs = []
+    for region_r, region_c, row_tile_r, c_first, warps in itertools.product(
+        region_rs, region_cs, row_tiles, (0, 1), (4, 8)
+    ):
+        slabs = [region_r * 64] + ([row_tile_r * region_c] if rows else [])
+        if not all(4096 <= n <= 128 * 32 * warps for n in slabs) or (warps == 8 and max(slabs) <= 16384):
+            continue
+        if rows and region_c % block:
+            continue
+        configs.append((region_r, region_c, 64, row_tile_r, c_first, warps))
+    return configs
+
+
+def sweep_split(tokens: int, dim: int, device: str, limit: int | None = None, serial: bool = False) -> list[dict]:
+    """Every swept config of the one-launch ``mx`` / ``1x128`` rows+cols kernel (and ``mx`` columns alone) on
+    ``tokens x dim`` bf16 with a NaN and an Inf: its time, its share of the copy bandwidth, and whether its codes
+    and scales are bit-identical to the reference's. The tuner's own candidates come first; the two-launch plan
+    ("apart") is timed beside them. ``serial``: compile each config as it is first run, not all at once up front."""
+    from lightning_gem.ops._tuning import _compile_all
+    from lightning_gem.ops.mx.impl.triton.quantize import quantize_triton
+
+    x = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16)
+    x[3, 5], x[1, dim - 1] = float("nan"), float("inf")
+    numel = x.numel()
+    copy_gbs = 2 * numel * 2 / bench(lambda: torch.empty_like(x).copy_(x), device) / 1e6
+    out = []
+    for layout, rows in (("mx", True), ("mx", False), ("1x128", True)):
+        block = 32 if layout == "mx" else 128
+        scale_bytes = numel / 32 if layout == "mx" else numel / 128 * 4
+        moved = 2 * numel + (numel + scale_bytes) * (2 if rows else 1)
+        name = f"quantize {layout} {'rows+cols' if rows else 'cols'}"
+        want = quantize(x, layout, rows=rows, cols=True, impl="reference")
+        if rows:
+            ms = bench(lambda lay=layout: (quantize(x, lay), quantize(x, lay, rows=False, cols=True)), device)
+            out.append(dict(kernel=name, config="apart (two launches)", ms=ms, of_copy=moved / ms / 1e6 / copy_gbs))
+        from lightning_gem.ops.mx.impl.triton.quantize import _SPLIT_CONFIGS
+
+        tuner = list(_SPLIT_CONFIGS[block, rows])
+        configs = (tuner + [c for c in split_candidates(block, rows) if c not in tuner])[:limit]
+
+        def run(config: tuple, lay: str = layout, r: bool = rows) -> tuple:
+            return quantize_triton(x, lay, rows=r, cols=True, split_config=config)
+
+        if device == "cuda" and not serial:
+            _compile_all(configs, run)
+        for config in configs:
+            try:
+                got = run(config)
+                exact = all(
+                    _same_bits(g[0], w.data) and _same_bits(g[1], w.scale)
+                    for g, w in zip(got, want, strict=True)
+                    if w is not None
+                )
+                ms = bench(functools.partial(run, config), device)
+            except Exception as error:  # noqa: BLE001  (a config this device cannot run: report it, go on)
+                out.append(dict(kernel=name, config=config, error=repr(error)[:200]))
+                continue
+            out.append(dict(kernel=name, config=config, ms=ms, of_copy=moved / ms / 1e6 / copy_gbs, codes_exact=exact))
+        del want
+    return out
 
 
 def sweep_norm(tokens: int, dim: int, device: str) -> list[dict]:
@@ -362,7 +485,11 @@ def _train(recipe: str, steps: int, device: str, dim: int, batch_of: Callable, e
 
 
 def markdown(
-    linear_rows: list[dict], kernel_rows: list[dict], quality_rows: list[dict], sweep_rows: list[dict] | None = None
+    linear_rows: list[dict],
+    kernel_rows: list[dict],
+    quality_rows: list[dict],
+    sweep_rows: list[dict] | None = None,
+    split_rows: list[dict] | None = None,
 ) -> str:
     lines = [
         "| tokens | in -> out | recipe | f+b ms | TFLOP/s | x bf16 | gemm-only ms | gemm-only x |",
@@ -389,6 +516,16 @@ def markdown(
                 continue
             cells = f"{r['ms']:.3f} | {r['of_copy']:.0%} | {r['vs_tuned']} | {r['codes_exact']}"
             lines.append(f"| {r['kernel']} | {r['config']} | {cells} |")
+    if split_rows:
+        config = "(REGION_R, REGION_C, COL_TILE_C, ROW_TILE_R, C_FIRST, warps)"
+        lines += ["", f"| kernel | {config} | ms | of copy | codes exact |"]
+        lines.append("|---|---|---|---|---|")
+        for r in sorted(split_rows, key=lambda r: (r["kernel"], r.get("ms", float("inf")))):
+            if "error" in r:
+                lines.append(f"| {r['kernel']} | {r['config']} | {r['error']} | | |")
+                continue
+            cells = f"{r['ms']:.3f} | {r['of_copy']:.0%} | {r.get('codes_exact', '')}"
+            lines.append(f"| {r['kernel']} | {r['config']} | {cells} |")
     if quality_rows:
         lines += ["", "| recipe | steps | eval MSE | vs bf16 |", "|---|---|---|---|"]
         for r in quality_rows:
@@ -410,6 +547,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip-speed", action="store_true", help="only the quality comparison")
     parser.add_argument("--kernels-only", action="store_true", help="only the kernel bandwidth table")
     parser.add_argument("--sweep-norm", action="store_true", help="time every fused norm kernel config")
+    parser.add_argument("--sweep-split", action="store_true", help="time a grid of one-launch rows+cols configs")
+    parser.add_argument("--sweep-limit", type=int, help="at most this many configs per kernel in --sweep-split")
+    parser.add_argument("--sweep-serial", action="store_true", help="--sweep-split compiles each config as it runs")
     parser.add_argument("--profile", action="store_true", help="print per-kernel GPU time of one FP8 step")
     parser.add_argument("--host-profile", action="store_true", help="print cProfile of FP8 steps (host time)")
     parser.add_argument("--tiny", action="store_true", help="tiny sizes (CPU smoke test)")
@@ -430,6 +570,9 @@ def main(argv: list[str] | None = None) -> dict:
             ]
         kernel_rows = bench_kernels(args.kernel_tokens, args.kernel_dim, args.device)
     sweep_rows = sweep_norm(args.kernel_tokens, args.kernel_dim, args.device) if args.sweep_norm else []
+    split_rows = []
+    if args.sweep_split:
+        split_rows = sweep_split(args.kernel_tokens, args.kernel_dim, args.device, args.sweep_limit, args.sweep_serial)
     quality_rows = []
     if args.quality_steps:
         quality_rows = quality(args.quality_steps, args.device, args.recipes, args.quality_dim, args.quality_batch)
@@ -441,7 +584,7 @@ def main(argv: list[str] | None = None) -> dict:
         for recipe in ("fp8-blockwise", "fp8-rowwise"):
             print(profile_step(max(args.tokens), SHAPES[-1], recipe))
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
-    table = markdown(linear_rows, kernel_rows, quality_rows, sweep_rows)
+    table = markdown(linear_rows, kernel_rows, quality_rows, sweep_rows, split_rows)
     print(f"{device_name}, torch {torch.__version__}, command: {' '.join(sys.argv)}\n\n{table}")
     configs = tuned_configs()
     if configs:
@@ -450,6 +593,7 @@ def main(argv: list[str] | None = None) -> dict:
     results["tuned_configs"] = configs
     results["quality"] = quality_rows
     results["norm_sweep"] = sweep_rows
+    results["split_sweep"] = split_rows
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

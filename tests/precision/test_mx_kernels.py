@@ -96,6 +96,36 @@ def test_every_split_config_matches_reference(layout: str, monkeypatch: pytest.M
         assert _equal(got[0], want[0]) and _equal(got[1], want[1]), config
 
 
+@pytest.mark.parametrize(
+    ("layout", "config"),
+    [("mx", (1024, 1024, 16, 16, 1, 8)), ("mx", (512, 256, 32, 8, 0, 4)), ("1x128", (256, 256, 32, 16, 1, 4))],
+    ids=str,
+)
+@pytest.mark.parametrize("rows", [True, False])
+def test_split_config_matches_reference(layout: str, config: tuple, rows: bool) -> None:
+    """A config forced on the one-launch kernel (regions larger than the input, or ragged against it) writes the
+    reference's bits, rows and columns or columns alone."""
+    from lightning_gem.ops.mx.impl.triton.quantize import quantize_triton
+
+    x = _input(300, 384, torch.float16)
+    got = quantize_triton(x, layout, rows=rows, cols=True, split_config=config)
+    want = quantize(x, layout, rows=rows, cols=True, impl="reference")
+    assert got[1] is not None and _equal(QuantizedTensor(*got[1], layout), want[1])
+    assert (got[0] is None) == (not rows)
+    if rows:
+        assert _equal(QuantizedTensor(*got[0], layout), want[0])
+
+
+def test_split_config_is_checked() -> None:
+    from lightning_gem.ops.mx.impl.triton.quantize import quantize_triton
+
+    x = _input(64, 256, torch.float16)
+    with pytest.raises(ValueError, match="multiples of the block"):
+        quantize_triton(x, "1x128", cols=True, split_config=(256, 64, 32, 16, 0, 4))
+    with pytest.raises(ValueError, match="no norm"):
+        quantize_triton(x, "rowwise", cols=True, split_config=(256, 256, 32, 16, 0, 4))
+
+
 @pytest.mark.parametrize("config", [(2, 512, 4), (1, 256, 4)], ids=str)
 def test_wide_row_tiles_match_reference(config: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     """The short, wide tiles rows alone may take (here wider than the rows, and over a ragged last tile)."""

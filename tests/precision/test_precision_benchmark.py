@@ -41,3 +41,15 @@ def test_rowwise_variants_run() -> None:
     assert torch.equal(two_passes[1], one_pass[1])
     row_amax, col_amax = timed["rowwise line maxima (rows+cols)"]
     assert row_amax.shape == (40,) and col_amax.shape == (256,)
+
+
+def test_split_sweep_checks_every_config_against_the_reference() -> None:
+    spec = importlib.util.spec_from_file_location("precision_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = module.sweep_split(40, 256, device, limit=2)
+    kernels = {row["kernel"] for row in rows}
+    assert kernels == {"quantize mx rows+cols", "quantize mx cols", "quantize 1x128 rows+cols"}
+    swept = [row for row in rows if row["config"] != "apart (two launches)"]
+    assert len(swept) == 6 and all(row.get("codes_exact") is True and row["ms"] > 0 for row in swept), swept

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_gem.ops._launch import cdiv, is_interpreted, next_power_of_2
+from lightning_gem.ops._launch import cdiv, is_interpreted, launch, next_power_of_2
 from lightning_gem.ops._tuning import pick_fastest
 from lightning_gem.ops.mx.impl.triton._common import (
     _CHOSEN,
@@ -240,6 +240,7 @@ def _quantize_split_kernel(
     size_class,  # autotuning key only
     BLOCK: tl.constexpr, MX: tl.constexpr, RCEIL: tl.constexpr, EXACT: tl.constexpr, ROWS: tl.constexpr,
     REGION_R: tl.constexpr, REGION_C: tl.constexpr, COL_TILE_C: tl.constexpr, ROW_TILE_R: tl.constexpr,
+    C_FIRST: tl.constexpr,
 ):  # fmt: skip
     """Rows (``ROWS``) and columns of ``[REGION_R, REGION_C]`` regions in one launch of single-part programs.
 
@@ -247,8 +248,10 @@ def _quantize_split_kernel(
     ``REGION_R / ROW_TILE_R`` row programs (wide slabs: the row layout), numbered consecutively, so the programs
     of one region run at the same time and the second read of its tile mostly hits L2. Each part keeps the tile
     shape that suits it, with few registers (a bf16 tile stays bf16); one program doing both parts of a tile
-    needs the whole tile widened to fp32 at once. On an H200 at 65,536 x 4096 (bf16) this moves 72% of the
-    copy bandwidth for ``1x128`` (``mx``: 51%), against 56% (44%) for ``_quantize_kernel`` with both flags.
+    needs the whole tile widened to fp32 at once. On an H200 at 65,536 x 4096 (bf16) this moves 84% of the
+    copy bandwidth for ``1x128`` (``mx``: 65%), against 56% (44%) for ``_quantize_kernel`` with both flags.
+    ``C_FIRST`` numbers the regions along ``x``'s rows first (a band of whole rows at a time) instead of down its
+    columns.
 
     Columns alone (no ``ROWS``) of ``mx`` come here too: the 3-D slabs take each 32-row block's maximum in one
     reduction, where ``_quantize_kernel`` reshapes its 2-D tile.
@@ -258,9 +261,14 @@ def _quantize_split_kernel(
     pid = tl.program_id(0)
     region, part = pid // PARTS, pid % PARTS
     padded_rows = num_padded_blocks * BLOCK
-    num_regions_r = tl.cdiv(padded_rows, REGION_R)
-    region_r = (region % num_regions_r).to(tl.int64)
-    region_c = (region // num_regions_r).to(tl.int64)
+    if C_FIRST:  # regions numbered along the rows of x first: a band of whole rows read front to back
+        num_regions_c = tl.cdiv(num_cols, REGION_C)
+        region_r = (region // num_regions_c).to(tl.int64)
+        region_c = (region % num_regions_c).to(tl.int64)
+    else:  # down the columns first: the transposed layout's rows written front to back
+        num_regions_r = tl.cdiv(padded_rows, REGION_R)
+        region_r = (region % num_regions_r).to(tl.int64)
+        region_c = (region // num_regions_r).to(tl.int64)
     if part < NUM_COL_PARTS:
         _split_columns(
             X, QT, ST, num_rows, num_cols, padded_rows, stride_st_c, stride_st_r, region_r, region_c, part,
@@ -273,21 +281,24 @@ def _quantize_split_kernel(
         )  # fmt: skip
 
 
-# (REGION_R, REGION_C, COL_TILE_C, ROW_TILE_R, num_warps) candidates of _quantize_split_kernel, by block and by
-# whether rows are wanted: the best of a sweep on an H200 (65,536 x 4096 bf16) first. mx columns alone: 256 x 64
-# slabs moved 75% of the copy bandwidth there, 512 x 64 78% (with spills), against 41% for _quantize_kernel.
+# (REGION_R, REGION_C, COL_TILE_C, ROW_TILE_R, C_FIRST, num_warps) candidates of _quantize_split_kernel, by block
+# and by whether rows are wanted: the best of sweeps on an H200 (65,536 x 4096 bf16, ``precision.py --sweep-split``)
+# first. Column slabs are 64 wide: a full 128-byte line of each row (32- and 16-wide ones ran at half the speed),
+# with 4 warps (8 cost 10-45%). mx rows+cols wants row slabs 1024 wide, so each row's E8M0 scales are one 32-byte
+# run (65% of the copy bandwidth, against 51% for 128-wide slabs writing 4-byte runs).
 _SPLIT_CONFIGS = {
-    (128, True): [(128, 128, 64, 64, 4), (128, 256, 64, 32, 4), (128, 128, 64, 32, 4)],
-    (32, True): [(256, 128, 64, 64, 4), (256, 64, 64, 64, 4), (128, 64, 64, 32, 4)],
-    (32, False): [(256, 64, 64, 64, 4), (512, 64, 64, 64, 4), (256, 128, 64, 64, 4)],
+    (128, True): [(128, 128, 64, 64, 0, 4), (128, 256, 64, 32, 0, 4), (128, 128, 64, 32, 0, 4)],
+    (32, True): [(256, 1024, 64, 8, 1, 4), (256, 1024, 64, 8, 0, 4), (256, 512, 64, 16, 1, 4)],
+    (32, False): [(256, 64, 64, 64, 0, 4), (512, 64, 64, 64, 0, 4), (256, 128, 64, 64, 0, 4)],
 }
 
 
 def _launch_split(
-    x: Tensor, q: Tensor | None, s: Tensor | None, qt: Tensor, st: Tensor, meta: dict, num_rows: int, padded: int
-) -> None:
-    """Launch ``_quantize_split_kernel`` (tuned for large inputs): rows and columns of ``mx`` / ``1x128``, or
-    columns alone (``q`` None) of ``mx``."""
+    x: Tensor, q: Tensor | None, s: Tensor | None, qt: Tensor, st: Tensor, meta: dict, num_rows: int, padded: int,
+    config: tuple[int, ...] | None = None,
+) -> None:  # fmt: skip
+    """Launch ``_quantize_split_kernel`` (tuned for large inputs, or with exactly ``config``): rows and columns of
+    ``mx`` / ``1x128``, or columns alone (``q`` None)."""
     block, rows, num_cols = meta["BLOCK"], q is not None, x.shape[1]
     elements = padded * num_cols
     s_strides = s.stride() if rows else (0, 0)
@@ -295,12 +306,28 @@ def _launch_split(
     meta = {**{k: meta[k] for k in ("BLOCK", "MX", "RCEIL", "EXACT")}, "ROWS": rows}
     key = ("quantize_split", size_class(elements), next_power_of_2(num_cols), x.dtype, block, rows, meta["RCEIL"])
 
-    def grid(region_r: int, region_c: int, col_tile_c: int, row_tile_r: int) -> tuple[int]:
+    def grid(region_r: int, region_c: int, col_tile_c: int, row_tile_r: int, c_first: int) -> tuple[int]:
         parts = region_c // col_tile_c + (region_r // row_tile_r if rows else 0)
         return (cdiv(padded, region_r) * cdiv(num_cols, region_c) * parts,)
 
-    names = ("REGION_R", "REGION_C", "COL_TILE_C", "ROW_TILE_R")
+    names = ("REGION_R", "REGION_C", "COL_TILE_C", "ROW_TILE_R", "C_FIRST")
+    if config is not None:
+        *tiles, warps = config
+        forced = {**meta, **dict(zip(names, tiles, strict=True)), "num_warps": warps}
+        launch(_quantize_split_kernel, grid(*tiles), args, forced)
+        return
     launch_tuned(_quantize_split_kernel, _SPLIT_CONFIGS[block, rows], key, grid, args, meta, elements, names)
+
+
+def _check_split_config(config: tuple[int, ...], block: int) -> None:
+    """Raise unless ``config`` (``REGION_R, REGION_C, COL_TILE_C, ROW_TILE_R, C_FIRST, num_warps``) tiles whole
+    blocks."""
+    region_r, region_c, col_tile_c, row_tile_r, _, _ = config
+    if region_r % block or region_c % block or region_c % col_tile_c or region_r % row_tile_r:
+        raise ValueError(
+            f"`split_config` {config} must have REGION_R and REGION_C multiples of the block ({block}), REGION_C a "
+            "multiple of COL_TILE_C and REGION_R a multiple of ROW_TILE_R"
+        )
 
 
 # Per-batch sizes (jagged token counts): no new compiled variant when their divisibility by 16 changes.
@@ -443,6 +470,7 @@ def quantize_triton(
     norm: tuple[str, Tensor, Tensor | None, Tensor | None, Tensor | None] | None = None,
     norm_dtype: torch.dtype | None = None,
     one_pass: bool = True,
+    split_config: tuple[int, ...] | None = None,
 ) -> tuple[tuple[Tensor, Tensor] | None, tuple[Tensor, Tensor] | None]:
     """Quantize ``[R, C]`` ``x`` (contiguous) along ``C`` (``rows``) and/or along ``R`` transposed (``cols``).
 
@@ -457,6 +485,9 @@ def quantize_triton(
         one_pass: ``rowwise`` rows alone (no ``cols``) of at most :data:`ONE_PASS_MAX_COLS` columns in one read
             of ``x``; False takes the two-pass path (line maxima, then quantization) every layout with ``cols``
             takes. Same results either way (benchmarks time both).
+        split_config: ``(REGION_R, REGION_C, COL_TILE_C, ROW_TILE_R, C_FIRST, num_warps)``: quantize ``mx`` / ``1x128``
+            columns (and rows, if asked) in one launch of ``_quantize_split_kernel`` with exactly these tiles,
+            whatever the tuner would choose (benchmarks and tests time and check every candidate so).
 
     Returns:
         ``((q, scale) or None, (qt, scale_t) or None)``. Scales: uint8 E8M0 ``[R, C/32]`` for ``mx``; fp32
@@ -492,7 +523,14 @@ def quantize_triton(
         if num_rows > 0:
             _rowwise_rows(x, q, s, meta, norm_args)
         return (q, s), None
-    if cols and not rowwise and kind is None and (rows or mx):
+    if split_config is not None:
+        if not cols or layout not in ("mx", "1x128") or kind is not None:
+            raise ValueError("`split_config` takes mx or 1x128 columns (with or without rows) and no norm")
+        _check_split_config(split_config, block)
+        if padded_rows > 0:
+            _launch_split(x, q, s, qt, st, meta, num_rows, padded_rows, config=split_config)
+        return ((q, s) if rows else None), (qt, st)
+    if cols and layout in ("mx", "1x128") and kind is None and (rows or mx):
         if padded_rows > 0:
             launch = _rows_and_columns if rows else _columns_alone
             launch(x, q, s, qt, st, meta, num_rows, padded_rows)
@@ -522,10 +560,10 @@ def _launch_general(
         _launch(args, meta, grid_rows, num_cols)
 
 
-# How rows and columns of ``mx`` / ``1x128`` are quantized together, fastest first by block (from an H200 at
-# 65,536 x 4096 bf16): "split" is one launch of _quantize_split_kernel (72% of the copy bandwidth for 1x128, 51%
-# for mx); "apart" is the rows alone with whole-row tiles, then the columns alone (mx: 101% and 83% of the copy
-# bandwidth apart, 0.194 + 0.236 ms against 0.514 ms split). Tuned per size class like the tiles.
+# How rows and columns of ``mx`` / ``1x128`` are quantized together, by block, the plan for untimed sizes first
+# (from an H200 at 65,536 x 4096 bf16): "split" is one launch of _quantize_split_kernel (84% of the copy bandwidth
+# for 1x128, 65% for mx); "apart" is the rows alone with whole-row tiles, then the columns alone (mx: 0.193 +
+# 0.221 ms, 64%, against 0.401 ms split: a tie the tuner settles per size class, as it does the tiles).
 _ROWS_AND_COLUMNS_PLANS = {32: ("apart", "split"), 128: ("split", "apart")}
 
 
