@@ -270,6 +270,23 @@ def add_weight_rows(rows: list[dict], add: Callable, dim: int, count: int = 16) 
         timer=lambda fn: bench_graph(fn) / count,
         copy=copy_gbs,
     )
+    # The input gradient's operand: the transposed tiles written by the same read, against transposing the
+    # quantized weight's codes and scales afterwards (PyTorch copies). Bytes: the two FP8 layouts and the read.
+    for name, fn in (
+        ("and its transposed tiles in one read", lambda w: quantize(w, "128x128", cols=True)),
+        ("then its codes and scales transposed", lambda w: _transposed_copy(quantize(w, "128x128")[0])),
+    ):
+        add(
+            f"quantize 128x128 weight ({dim} x {dim}) {name}, {count} in a CUDA graph, per weight",
+            lambda f=fn: [f(w) for w in weights],
+            4 * weights[0].numel(),
+            timer=lambda fn: bench_graph(fn) / count,
+            copy=copy_gbs,
+        )
+
+
+def _transposed_copy(q: object) -> tuple[Tensor, Tensor]:
+    return q.data.t().contiguous(), q.scale.t().contiguous()
 
 
 def split_candidates(block: int, rows: bool) -> list[tuple[int, ...]]:

@@ -5,7 +5,8 @@ operands quantized along the contraction dim:
 
 - forward ``y = x W^T``: ``x [M, K]`` and ``W [N, K]`` along ``K``;
 - input gradient ``dx = dy W``: ``dy [M, N]`` and ``W^T [K, N]`` along ``N`` (a ``128x128`` weight tile is
-  symmetric, so its transpose is the forward's quantized weight transposed, not a new quantization);
+  symmetric, so its transpose is the forward's quantized weight transposed, not a new quantization: the
+  forward's read of ``W`` writes both);
 - weight gradient ``dW = dy^T x``: ``dy^T [N, M]`` and ``x^T [K, M]`` along the tokens ``M`` (zero-padded
   to the block), each read once together with its row layout.
 
@@ -157,11 +158,6 @@ def _quantize_tokens(x: Tensor, layer: MXLinear, plan: Plan) -> QuantizedTensor:
     return quantize(x, plan.act_layout, rounding=layer.mx_config.rounding, rows=False, cols=True)[1]
 
 
-def _transposed(q: QuantizedTensor) -> QuantizedTensor:
-    """A ``128x128``-quantized matrix transposed: same tiles, so data and scales just transpose."""
-    return QuantizedTensor(q.data.t().contiguous(), q.scale.t().contiguous(), q.layout)
-
-
 class _MXLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer, plan, handoff):  # noqa: ANN001, ANN205
@@ -172,7 +168,9 @@ class _MXLinearFn(torch.autograd.Function):
             xq, xq_t = handoff.q, None
         else:
             xq, xq_t = quantize(_rotate(x, layer, plan), plan.act_layout, rounding=rounding, rows=True, cols=keep_fp8)
-        wq = quantize(_rotate(weight, layer, plan), plan.weight_layout, rounding=rounding)[0]
+        # A 128x128 weight's transposed tiles (the input gradient's operand) come from the same read of the weight.
+        transpose_w = plan.weight_layout == "128x128" and not layer.mx_hadamard and ctx.needs_input_grad[0]
+        wq, wq_t = quantize(_rotate(weight, layer, plan), plan.weight_layout, rounding=rounding, cols=transpose_w)
         if layer.collect_stats:
             layer.record_stats("input", x, plan.act_layout)
             layer.record_stats("weight", weight, plan.weight_layout)
@@ -185,12 +183,11 @@ class _MXLinearFn(torch.autograd.Function):
 
         ctx.layer, ctx.plan, ctx.has_bias = layer, plan, bias is not None
         ctx.x_source = "handoff" if handoff is not None else ("fp8" if keep_fp8 else "input")
-        saved_w = wq if plan.weight_layout == "128x128" and not layer.mx_hadamard else None
-        ctx.wq_t_meta = saved_w.layout if saved_w is not None else None
+        ctx.wq_t_meta = wq_t.layout if wq_t is not None else None
         ctx.kind = handoff.kind if handoff is not None else None
         tensors: tuple = (weight,)
-        if saved_w is not None:
-            tensors += (saved_w.data, saved_w.scale)
+        if wq_t is not None:
+            tensors += (wq_t.data, wq_t.scale)
         if ctx.x_source == "handoff":
             tensors += (handoff.norm_input, handoff.rstd, handoff.mean, handoff.weight, handoff.bias)
         elif ctx.x_source == "fp8":
@@ -216,7 +213,7 @@ class _MXLinearFn(torch.autograd.Function):
         dyq, dyq_t = quantize(_rotate(dy, layer, plan), plan.act_layout, rounding=rounding, cols=direct_cols)
         if needs_dx:
             if ctx.wq_t_meta is not None:
-                wq_t = _transposed(QuantizedTensor(rest[0], rest[1], ctx.wq_t_meta))
+                wq_t = QuantizedTensor(rest[0], rest[1], ctx.wq_t_meta)
             else:
                 w_t = weight.t().contiguous()
                 wq_t = quantize(_rotate(w_t, layer, plan), plan.weight_layout, rounding=rounding)[0]

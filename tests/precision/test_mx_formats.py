@@ -138,7 +138,7 @@ def test_floor_rounding_counts_saturation() -> None:
         (dict(x=torch.randn(4, 48), layout="mx"), ValueError),  # 48 is not a multiple of 32
         (dict(x=torch.randn(4, 64), layout="mx8"), ValueError),
         (dict(x=torch.randn(4, 64), layout="mx", rounding="nearest"), ValueError),
-        (dict(x=torch.randn(256, 256), layout="128x128", cols=True), ValueError),
+        (dict(x=torch.randn(256, 200), layout="128x128", cols=True), ValueError),  # 200 is not a multiple of 128
         (dict(x=torch.randn(64), layout="mx"), ValueError),
         (dict(x=torch.randint(0, 3, (4, 64)), layout="mx"), TypeError),
         (dict(x=torch.randn(4, 64), layout="mx", impl="cuda"), ValueError),
@@ -147,3 +147,15 @@ def test_floor_rounding_counts_saturation() -> None:
 def test_quantize_validates(kwargs: dict, error: type) -> None:
     with pytest.raises(error):
         quantize(**kwargs)
+
+
+@pytest.mark.parametrize("rows", [256, 200])
+def test_128x128_columns_are_the_transposed_tiles(rows: int) -> None:
+    """A weight's transposed quantization (the input gradient's operand) is its own tiles transposed: the same
+    codes and scales, with rows past R padded as zero codes."""
+    x = torch.randn(rows, 384) * torch.logspace(-3, 3, 384)
+    q, qt = quantize(x, "128x128", cols=True)
+    assert qt.shape == (384, 256) and qt.scale.shape == (3, 2)
+    assert torch.equal(qt.scale, q.scale.t())
+    assert torch.equal(qt.data[:, :rows].view(torch.uint8), q.data.t().view(torch.uint8))
+    assert not qt.data[:, rows:].view(torch.uint8).any()

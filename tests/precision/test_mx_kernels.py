@@ -37,7 +37,7 @@ def _input(rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("layout", ["mx", "1x128", "128x128", "rowwise"])
 def test_quantize_matches_reference(layout: str, shape: tuple[int, int], dtype: torch.dtype) -> None:
     x = _input(*shape, dtype)
-    cols = layout != "128x128" and shape[0] > 0
+    cols = shape[0] > 0
     rows_t, cols_t = quantize(x, layout, cols=cols, impl="triton")
     rows_r, cols_r = quantize(x, layout, cols=cols, impl="reference")
     assert rows_t.data.dtype == torch.float8_e4m3fn and _equal(rows_t, rows_r)
@@ -124,6 +124,45 @@ def test_split_config_is_checked() -> None:
         quantize_triton(x, "1x128", cols=True, split_config=(256, 64, 32, 16, 0, 4))
     with pytest.raises(ValueError, match="no norm"):
         quantize_triton(x, "rowwise", cols=True, split_config=(256, 256, 32, 16, 0, 4))
+
+
+def _kernel_configs() -> list[tuple[int, int, int]]:
+    from lightning_gem.ops.mx.impl.triton import quantize as triton_quantize
+
+    return list(triton_quantize._CONFIGS)
+
+
+@pytest.mark.parametrize("config", _kernel_configs(), ids=str)
+def test_every_quantize_kernel_config_matches_reference(config: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each tile config ``_quantize_kernel`` may be tuned to, forced, for every flag set it serves: rows, the
+    transposed layout (its FP8 codes transposed in registers) and both, over ragged tiles. The tuner times them
+    only above a size, so without this a config could first run, untested, on a large input."""
+    from lightning_gem.ops.mx.impl.triton import quantize as triton_quantize
+
+    monkeypatch.setattr(triton_quantize, "_CONFIGS", [config])
+    triton_quantize._valid_configs.cache_clear()
+    cases = [("mx", True, False), ("1x128", True, False), ("1x128", False, True), ("rowwise", True, False)]
+    cases += [("rowwise", True, True), ("rowwise", False, True), ("128x128", True, False), ("128x128", True, True)]
+    shape = (300, 384) if config[1] <= 512 else (37, config[1])  # wide tiles serve rows as wide as themselves
+    checked = 0
+    try:
+        for dtype in DTYPES:
+            x = _input(*shape, dtype)
+            for layout, rows, cols in cases:
+                block = {"mx": 32, "rowwise": 128}.get(layout, 128)
+                square, width = layout == "128x128", max(512, config[1])
+                if not triton_quantize._valid_configs(block, rows, cols, square, layout == "rowwise", width):
+                    continue
+                got = triton_quantize.quantize_triton(x, layout, rows=rows, cols=cols, one_pass=False)
+                want = quantize(x, layout, rows=rows, cols=cols, impl="reference")
+                for g, w in zip(got, want, strict=True):
+                    assert (g is None) == (w is None), (layout, rows, cols)
+                    assert g is None or _equal(QuantizedTensor(*g, layout), w), (layout, rows, cols, dtype)
+                checked += 1
+    finally:
+        monkeypatch.undo()
+        triton_quantize._valid_configs.cache_clear()
+    assert checked > 0
 
 
 @pytest.mark.parametrize("config", [(2, 512, 4), (1, 256, 4)], ids=str)
@@ -382,7 +421,8 @@ def test_tuned_launches_match_reference(layout: str) -> None:
         for a, b in zip(got, want, strict=True):
             assert (a is None) == (b is None) and (a is None or _equal(a, b))
     weight = _input(1024, 1024, torch.bfloat16)
-    assert _equal(quantize(weight, "128x128", impl="triton")[0], quantize(weight, "128x128", impl="reference")[0])
+    got, want = quantize(weight, "128x128", cols=True, impl="triton"), quantize(weight, "128x128", cols=True)
+    assert _equal(got[0], want[0]) and _equal(got[1], want[1])
 
 
 @pytest.mark.gpu

@@ -80,14 +80,15 @@ def quantize(
 
     Args:
         x: ``[R, C]`` float matrix.
-        layout: ``"mx"`` (OCP MXFP8: ``1 x 32`` blocks, E8M0 scales), ``"1x128"``, ``"128x128"`` (weights;
-            ``rows`` only) or ``"rowwise"`` (see :mod:`lightning_gem.ops.mx.formats`).
+        layout: ``"mx"`` (OCP MXFP8: ``1 x 32`` blocks, E8M0 scales), ``"1x128"``, ``"128x128"`` (weights)
+            or ``"rowwise"`` (see :mod:`lightning_gem.ops.mx.formats`).
         rounding: ``"rceil"`` (default; as cuBLAS / Transformer Engine / torchao RCEIL) or ``"floor"``
             (the OCP reference rule, which may saturate).
         rows: return ``x`` quantized along ``C`` (``[R, C]``).
         cols: return ``x^T`` quantized along ``R`` (``[C, Rp]``, ``R`` zero-padded to a multiple of the
-            block, 128 for ``rowwise``): the layout of a weight-gradient GEMM's operands. The Triton path
-            reads ``x`` once for both.
+            block, 128 for ``rowwise``): the layout of a weight-gradient GEMM's operands. For ``128x128``
+            its tiles are ``x``'s own transposed (same scales, transposed): a weight's layout for the
+            input-gradient GEMM. The Triton path reads ``x`` once for both.
         impl: ``"auto"``, ``"reference"`` or ``"triton"`` (module docstring).
 
     Returns:
@@ -102,8 +103,6 @@ def quantize(
     _check_matrix(x, "x", layout)
     if rounding not in ("rceil", "floor"):
         raise ValueError(f"`rounding` must be 'rceil' or 'floor', got {rounding!r}")
-    if layout == "128x128" and cols:
-        raise ValueError("layout '128x128' has no transposed quantization: transpose its data and scales instead")
     block_cols = block_shape(layout, x.shape[1])[1]
     if x.shape[1] == 0 or x.shape[1] % block_cols:
         raise ValueError(f"`x` must have a positive multiple of {block_cols} columns for {layout!r}, got {x.shape[1]}")

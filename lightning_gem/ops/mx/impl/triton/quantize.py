@@ -100,21 +100,30 @@ def _quantize_kernel(
     if NORM != 0:
         x = _normalize(x, rows, cols, RSTD, MEAN, WEIGHT, BIAS, num_rows, num_cols, NORM, OUT_DTYPE)
 
-    if ROWS:
-        if SQUARE:  # one scale for the whole 128 x 128 tile
-            amax_bits = tl.max(tl.max(_magnitude_bits(x), axis=1), axis=0)
-            nonfinite = amax_bits >= NONFINITE_BITS
-            exponent = _shared_exponent(amax_bits, RCEIL)
-            q = _to_e4m3(x, exponent, nonfinite, not RCEIL, EXACT)
-            tl.store(S + pid_r * stride_s_r + pid_c * stride_s_c, _scale_value(exponent, nonfinite, MX))
-        else:
-            q = _quantize_lines(
-                x, rows, pid_c, num_rows, num_cols // BLOCK, ROW_AMAX, S, stride_s_r, stride_s_c,
-                TILE_R, TILE_C, BLOCK, GIVEN_AMAX, MX, RCEIL, EXACT,
-            )  # fmt: skip
+    if SQUARE:  # one scale for the whole 128 x 128 tile; its transpose is a tile of x^T with the same scale
+        amax_bits = tl.max(tl.max(_magnitude_bits(x), axis=1), axis=0)
+        nonfinite = amax_bits >= NONFINITE_BITS
+        exponent = _shared_exponent(amax_bits, RCEIL)
+        q = _to_e4m3(x, exponent, nonfinite, not RCEIL, EXACT)
+        scale = _scale_value(exponent, nonfinite, MX)
+        if ROWS:
+            tl.store(S + pid_r * stride_s_r + pid_c * stride_s_c, scale)
+            tl.store(Q + rows[:, None] * num_cols + cols[None, :], q, mask=in_bounds)
+        if COLS:  # QT is a byte buffer here: the codes are transposed as bytes (rows past R load as zero codes).
+            # 16-bit inputs only: from fp32 tiles this transposition wrote wrong codes on an H200 (Triton 3.6)
+            padded_rows = num_padded_blocks * BLOCK
+            t_mask = (cols < num_cols)[:, None] & (rows < padded_rows)[None, :]
+            codes_t = tl.trans(q.to(tl.uint8, bitcast=True))
+            tl.store(QT + cols[:, None] * padded_rows + rows[None, :], codes_t, mask=t_mask)
+            tl.store(ST + pid_c * stride_st_c + pid_r * stride_st_r, scale)
+    elif ROWS:
+        q = _quantize_lines(
+            x, rows, pid_c, num_rows, num_cols // BLOCK, ROW_AMAX, S, stride_s_r, stride_s_c,
+            TILE_R, TILE_C, BLOCK, GIVEN_AMAX, MX, RCEIL, EXACT,
+        )  # fmt: skip
         tl.store(Q + rows[:, None] * num_cols + cols[None, :], q, mask=in_bounds)
 
-    if COLS:
+    if COLS and not SQUARE:
         padded_rows = num_padded_blocks * BLOCK
         qc = _quantize_columns(
             x, cols, pid_r, num_cols, num_padded_blocks, COL_AMAX, ST, stride_st_c, stride_st_r,
@@ -476,7 +485,7 @@ def quantize_triton(
 
     Args:
         x: ``[R, C]`` fp32/fp16/bf16 matrix (validated by the public API).
-        layout: ``"mx"``, ``"1x128"``, ``"128x128"`` (``rows`` only) or ``"rowwise"``.
+        layout: ``"mx"``, ``"1x128"``, ``"128x128"`` or ``"rowwise"``.
         rounding: ``"rceil"`` or ``"floor"``.
         rows: write ``(q [R, C], scale)``.
         cols: write ``(qt [C, Rp], scale_t)``, ``Rp`` = ``R`` rounded up to the block (zero rows appended).
@@ -509,9 +518,15 @@ def quantize_triton(
             s = torch.empty(-(-num_rows // 128), num_cols // 128, dtype=torch.float32, device=device)
         else:
             s = scale_buffer(layout, num_rows, num_cols // block, device)
+    if square and cols and x.dtype == torch.float32:
+        return _square_transposed_apart(x, rounding, rows, padded_rows)
     if cols:
-        qt = torch.empty(num_cols, padded_rows, dtype=torch.float8_e4m3fn, device=device)
-        st = scale_buffer(layout, num_cols, padded_rows // block, device)
+        # 128x128: the kernel writes the transposed codes as bytes (see _quantize_kernel); the result is viewed as FP8
+        qt = torch.empty(num_cols, padded_rows, dtype=torch.uint8 if square else torch.float8_e4m3fn, device=device)
+        if square:
+            st = torch.empty(num_cols // 128, padded_rows // 128, dtype=torch.float32, device=device)
+        else:
+            st = scale_buffer(layout, num_cols, padded_rows // block, device)
 
     kind, rstd, mean, weight, bias = norm if norm is not None else (None, None, None, None, None)
     norm_args, norm_code, out_dtype = (rstd, mean, weight, bias), _NORM_CODES[kind], _TL_DTYPES[norm_dtype]
@@ -536,7 +551,21 @@ def quantize_triton(
             launch(x, q, s, qt, st, meta, num_rows, padded_rows)
         return ((q, s) if rows else None), (qt, st)
     _launch_general(x, q, s, qt, st, meta, norm_args, num_rows, padded_rows)
+    if square and cols:
+        qt = qt.view(torch.float8_e4m3fn)
     return ((q, s) if rows else None), ((qt, st) if cols else None)
+
+
+def _square_transposed_apart(
+    x: Tensor, rounding: str, rows: bool, padded_rows: int
+) -> tuple[tuple[Tensor, Tensor] | None, tuple[Tensor, Tensor]]:
+    """``128x128`` tiles of an fp32 ``x`` and their transpose: the kernel writes the row layout, PyTorch transposes
+    the codes and scales. On an H200 (Triton 3.6) the kernel's in-register transposition of tiles quantized from
+    fp32 wrote wrong codes for some shapes, where bf16 and fp16 tiles came out bit-exact; see the GPU tests."""
+    q, s = quantize_triton(x, "128x128", rounding)[0]
+    qt = q.new_zeros(x.shape[1], padded_rows)  # rows past R: zero codes, as the kernel writes them
+    qt[:, : x.shape[0]] = q.t()
+    return ((q, s) if rows else None), (qt, s.t().contiguous())
 
 
 def _launch_general(
