@@ -208,7 +208,14 @@ def bench_kernels(tokens: int, dim: int, device: str) -> list[dict]:
     copy_gbs = 2 * numel * 2 / copy_ms / 1e6
     rows = [dict(kernel="copy (bf16 -> bf16)", ms=copy_ms, gbs=copy_gbs, of_copy=1.0)]
 
-    def add(name: str, fn: Callable[[], object], bytes_moved: float, timer: Callable | None = None, copy=None) -> None:
+    def add(
+        name: str,
+        fn: Callable[[], object],
+        bytes_moved: float,
+        timer: Callable | None = None,
+        copy: float | None = None,
+    ) -> None:
+        """Time ``fn`` (``bench`` unless ``timer``) and add its row; "of copy" against ``copy`` GB/s if given."""
         known = tuned_configs()
         ms = (timer or functools.partial(bench, device=device))(fn)
         gbs = bytes_moved / ms / 1e6
@@ -286,6 +293,8 @@ def add_weight_rows(rows: list[dict], add: Callable, dim: int, count: int = 16) 
 
 
 def _transposed_copy(q: object) -> tuple[Tensor, Tensor]:
+    """A ``128x128``-quantized matrix's codes and scales transposed by PyTorch copies (what a backward did before
+    the quantizer wrote the transposed tiles itself)."""
     return q.data.t().contiguous(), q.scale.t().contiguous()
 
 
@@ -318,7 +327,7 @@ def sweep_split(tokens: int, dim: int, device: str, limit: int | None = None, se
     and scales are bit-identical to the reference's. The tuner's own candidates come first; the two-launch plan
     ("apart") is timed beside them. ``serial``: compile each config as it is first run, not all at once up front."""
     from lightning_gem.ops._tuning import _compile_all
-    from lightning_gem.ops.mx.impl.triton.quantize import quantize_triton
+    from lightning_gem.ops.mx.impl.triton.quantize import _SPLIT_CONFIGS, quantize_triton
 
     x = torch.randn(tokens, dim, device=device, dtype=torch.bfloat16)
     x[3, 5], x[1, dim - 1] = float("nan"), float("inf")
@@ -334,8 +343,6 @@ def sweep_split(tokens: int, dim: int, device: str, limit: int | None = None, se
         if rows:
             ms = bench(lambda lay=layout: (quantize(x, lay), quantize(x, lay, rows=False, cols=True)), device)
             out.append(dict(kernel=name, config="apart (two launches)", ms=ms, of_copy=moved / ms / 1e6 / copy_gbs))
-        from lightning_gem.ops.mx.impl.triton.quantize import _SPLIT_CONFIGS
-
         tuner = list(_SPLIT_CONFIGS[block, rows])
         configs = (tuner + [c for c in split_candidates(block, rows) if c not in tuner])[:limit]
 
