@@ -532,29 +532,29 @@ def markdown(
     for r in kernel_rows:
         lines.append(f"| {r['kernel']} | {r['ms']:.3f} | {r['gbs']:.0f} | {r['of_copy']:.0%} | {r.get('config', '')} |")
     if sweep_rows:
-        lines += ["", "| kernel | (TILE_R, NUM_TILES, warps) | ms | of copy | vs tuned | codes exact |"]
-        lines.append("|---|---|---|---|---|---|")
-        for r in sweep_rows:
-            if "error" in r:
-                lines.append(f"| {r['kernel']} | {r['config']} | {r['error']} | | | |")
-                continue
-            cells = f"{r['ms']:.3f} | {r['of_copy']:.0%} | {r['vs_tuned']} | {r['codes_exact']}"
-            lines.append(f"| {r['kernel']} | {r['config']} | {cells} |")
+        lines += _config_table(sweep_rows, "(TILE_R, NUM_TILES, warps)", ("vs_tuned", "codes_exact"))
     if split_rows:
+        by_time = sorted(split_rows, key=lambda r: (r["kernel"], r.get("ms", float("inf"))))
         config = "(REGION_R, REGION_C, COL_TILE_C, ROW_TILE_R, C_FIRST, warps)"
-        lines += ["", f"| kernel | {config} | ms | of copy | codes exact |"]
-        lines.append("|---|---|---|---|---|")
-        for r in sorted(split_rows, key=lambda r: (r["kernel"], r.get("ms", float("inf")))):
-            if "error" in r:
-                lines.append(f"| {r['kernel']} | {r['config']} | {r['error']} | | |")
-                continue
-            cells = f"{r['ms']:.3f} | {r['of_copy']:.0%} | {r.get('codes_exact', '')}"
-            lines.append(f"| {r['kernel']} | {r['config']} | {cells} |")
+        lines += _config_table(by_time, config, ("codes_exact",))
     if quality_rows:
         lines += ["", "| recipe | steps | eval MSE | vs bf16 |", "|---|---|---|---|"]
         for r in quality_rows:
             lines.append(f"| {r['recipe']} | {r['steps']} | {r['eval_mse']:.5f} | {r['rel_to_bf16']:+.2%} |")
     return "\n".join(lines)
+
+
+def _config_table(rows: list[dict], config: str, checks: tuple[str, ...]) -> list[str]:
+    """A sweep's markdown rows: kernel, config, ms, share of the copy bandwidth, then ``checks`` (or the error)."""
+    header = ["kernel", config, "ms", "of copy", *(c.replace("_", " ") for c in checks)]
+    lines = ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        if "error" in r:
+            cells = [r["error"]] + [""] * (len(header) - 3)
+        else:
+            cells = [f"{r['ms']:.3f}", f"{r['of_copy']:.0%}", *(str(r.get(c, "")) for c in checks)]
+        lines.append("| " + " | ".join([r["kernel"], str(r["config"]), *cells]) + " |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> dict:

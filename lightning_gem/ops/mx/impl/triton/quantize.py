@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_gem.ops._launch import cdiv, is_interpreted, launch, next_power_of_2
+from lightning_gem.ops._launch import cdiv, is_interpreted, next_power_of_2
 from lightning_gem.ops._tuning import pick_fastest
 from lightning_gem.ops.mx.impl.triton._common import (
     _CHOSEN,
@@ -320,12 +320,8 @@ def _launch_split(
         return (cdiv(padded, region_r) * cdiv(num_cols, region_c) * parts,)
 
     names = ("REGION_R", "REGION_C", "COL_TILE_C", "ROW_TILE_R", "C_FIRST")
-    if config is not None:
-        *tiles, warps = config
-        forced = {**meta, **dict(zip(names, tiles, strict=True)), "num_warps": warps}
-        launch(_quantize_split_kernel, grid(*tiles), args, forced)
-        return
-    launch_tuned(_quantize_split_kernel, _SPLIT_CONFIGS[block, rows], key, grid, args, meta, elements, names)
+    configs = _SPLIT_CONFIGS[block, rows] if config is None else [config]  # one candidate: launched untimed
+    launch_tuned(_quantize_split_kernel, configs, key, grid, args, meta, elements, names)
 
 
 def _check_split_config(config: tuple[int, ...], block: int) -> None:
