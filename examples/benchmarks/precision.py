@@ -424,13 +424,22 @@ def _difference(out: tuple, tuned: tuple) -> str:
 
 def add_rowwise_variants(add: Callable[[str, Callable[[], object], float], None], x: Tensor, rows_bytes: float) -> None:
     """Time what rowwise quantization chooses between: rows alone in two passes (line maxima, then the
-    quantizer) against the one-pass kernel, and the line maxima pass that rows+cols and cols run first."""
+    quantizer) against the one-pass kernel; and rows+cols and cols pass by pass: the line maxima, then the
+    quantizing pass (each counted by the bytes it moves: ``x`` read by both)."""
     from lightning_gem.ops.mx.impl.triton.quantize import _TL_DTYPES, _line_maxima, quantize_triton
 
     no_norm, out_dtype = (None, None, None, None), _TL_DTYPES[x.dtype]
     add("quantize rowwise rows, two passes", lambda: quantize_triton(x, "rowwise", one_pass=False), rows_bytes)
-    add("rowwise line maxima (rows+cols)", lambda: _line_maxima(x, True, True, no_norm, 0, out_dtype), 2 * x.numel())
-    add("rowwise line maxima (cols)", lambda: _line_maxima(x, False, True, no_norm, 0, out_dtype), 2 * x.numel())
+    numel, dim = x.numel(), x.shape[1]
+    cols_bytes = 2 * numel + numel + 4 * dim  # x read, codes and fp32 scales of the transposed layout written
+    for name, rows, moved in (("rows+cols", True, rows_bytes + numel + 4 * dim), ("cols", False, cols_bytes)):
+        maxima = _line_maxima(x, rows, True, no_norm, 0, out_dtype)
+        add(f"rowwise line maxima ({name})", lambda r=rows: _line_maxima(x, r, True, no_norm, 0, out_dtype), 2 * numel)
+        add(
+            f"rowwise {name}, quantizing pass given the maxima",
+            lambda r=rows, m=maxima: quantize_triton(x, "rowwise", rows=r, cols=True, maxima=m),
+            moved,
+        )
 
 
 def tuned_configs() -> dict[str, str]:

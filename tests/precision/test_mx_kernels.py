@@ -361,6 +361,12 @@ def test_rowwise_rows_one_pass_norm_prologue_and_wide_rows(monkeypatch: pytest.M
         assert _same_bits(QuantizedTensor(q, s, "rowwise"), expected)
 
 
+def _amax_configs() -> list[tuple[int, int, int, int]]:
+    from lightning_gem.ops.mx.impl.triton import quantize as triton_quantize
+
+    return list(triton_quantize._AMAX_CONFIGS)
+
+
 @pytest.mark.parametrize("shape", [(1, 16), (37, 160), (131, 272), (300, 48)], ids=str)
 @pytest.mark.parametrize(("rows", "cols"), [(True, False), (False, True), (True, True)])
 def test_line_maxima_match_torch(shape: tuple[int, int], rows: bool, cols: bool) -> None:
@@ -377,6 +383,25 @@ def test_line_maxima_match_torch(shape: tuple[int, int], rows: bool, cols: bool)
             continue
         assert amax.dtype == torch.int32
         torch.testing.assert_close(amax.view(torch.float32), expected, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("config", _amax_configs(), ids=str)
+def test_every_line_maxima_config_matches_torch(config: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each strip config the line-maxima kernel may be tuned to, forced: strips ragged in both dims, several strips
+    down and across (row maxima combined across strips, column maxima across strips down), NaN and Inf on top."""
+    from lightning_gem.ops.mx.impl.triton import quantize as triton_quantize
+
+    monkeypatch.setattr(triton_quantize, "_AMAX_CONFIGS", [config])
+    tile_r, tile_c, steps, _ = config
+    x = _input(tile_r * steps + 37, 2 * tile_c + 48, torch.bfloat16)  # two strips down and three across, ragged
+    x[5, 7], x[tile_r * steps + 3, tile_c + 1] = float("nan"), float("-inf")
+    no_norm = (None, None, None, None)
+    row_amax, col_amax = triton_quantize._line_maxima(x, True, True, no_norm, 0, triton_quantize._TL_DTYPES[x.dtype])
+    magnitudes = x.float().abs().nan_to_num(nan=0.0, posinf=float("inf"))  # NaN put back below, where it tops
+    want_rows = magnitudes.amax(1).where(~x.isnan().any(1), float("nan"))
+    want_cols = magnitudes.amax(0).where(~x.isnan().any(0), float("nan"))
+    torch.testing.assert_close(row_amax.view(torch.float32), want_rows, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(col_amax.view(torch.float32), want_cols, rtol=0, atol=0, equal_nan=True)
 
 
 def test_rowwise_opcheck_and_torch_compile() -> None:

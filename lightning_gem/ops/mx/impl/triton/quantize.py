@@ -41,6 +41,7 @@ from lightning_gem.ops.mx.impl.triton._common import (
     NONFINITE_BITS,
     TUNE_ABOVE,
     _magnitude_bits,
+    _magnitude_bits_of,
     _quantize_blocks,
     _quantize_rows,
     _scale_value,
@@ -407,42 +408,49 @@ def scale_buffer(layout: str, num_lines: int, num_blocks: int, device: torch.dev
 # Per-batch sizes (jagged token counts): no new compiled variant when their divisibility by 16 changes.
 @triton.jit(do_not_specialize=["num_rows", "size_class"])
 def _line_amax_kernel(
-    X, ROW_AMAX, COL_AMAX,  # [R, C] input; [R] / [C] int32 magnitude bits of the row / column maxima
+    X, ROW_AMAX, COL_AMAX,  # [R, C] input; [R] / [C] int32 magnitude bits of the row / column maxima (zeroed)
     RSTD, MEAN, WEIGHT, BIAS,  # norm prologue: [R], [R], [C], [C]
     num_rows, num_cols,
     size_class,  # autotuning key only
     ROWS: tl.constexpr, COLS: tl.constexpr, NORM: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    TILE_R: tl.constexpr, TILE_C: tl.constexpr,
+    TILE_R: tl.constexpr, TILE_C: tl.constexpr, STEPS: tl.constexpr,
 ):  # fmt: skip
     """Maxima of ``|x|`` (or of the norm's output) along rows and/or columns, from one read of ``x``.
 
-    A program holds ``TILE_R`` whole rows and walks their ``[TILE_R, TILE_C]`` tiles: a row's maximum stays in
-    registers and is stored once; a column's is combined across programs with an integer atomic max into
-    ``COL_AMAX`` (zero-initialised). Maxima are magnitude bit patterns, so NaN and Inf come out on top and
-    need no separate check. Masked elements load as zero, which no maximum can fall below.
+    Program ``(i, j)`` walks a ``[STEPS * TILE_R, TILE_C]`` strip down its ``TILE_R``-row tiles: the strip's
+    column maxima stay in registers and are combined across strips with one integer atomic max per column at the
+    end; each tile's row maxima go straight out by atomic max (one per row and strip). Both buffers start at
+    zero, so running the kernel again (as the tuner does) changes nothing. Maxima are magnitude bit patterns, so
+    NaN and Inf come out on top and need no separate check. Masked elements load as zero, below any maximum.
     """
-    rows = tl.program_id(0).to(tl.int64) * TILE_R + tl.arange(0, TILE_R)
-    row_mask = rows < num_rows
-    row_bits = tl.zeros((TILE_R,), dtype=tl.int32)
-    for start in range(0, num_cols, TILE_C):
-        cols = start + tl.arange(0, TILE_C)
-        col_mask = cols < num_cols
+    pid_r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * TILE_C + tl.arange(0, TILE_C)
+    col_mask = cols < num_cols
+    col_bits = tl.zeros((TILE_C,), dtype=tl.int32)
+    for step in range(STEPS):
+        rows = (pid_r * STEPS + step) * TILE_R + tl.arange(0, TILE_R)
+        row_mask = rows < num_rows
         in_bounds = row_mask[:, None] & col_mask[None, :]
-        x = tl.load(X + rows[:, None] * num_cols + cols[None, :], mask=in_bounds, other=0.0).to(tl.float32)
+        x = tl.load(X + rows[:, None] * num_cols + cols[None, :], mask=in_bounds, other=0.0)
         if NORM != 0:
-            x = _normalize(x, rows, cols, RSTD, MEAN, WEIGHT, BIAS, num_rows, num_cols, NORM, OUT_DTYPE)
-        bits = _magnitude_bits(x)
+            x = _normalize(x.to(tl.float32), rows, cols, RSTD, MEAN, WEIGHT, BIAS, num_rows, num_cols, NORM, OUT_DTYPE)
+        bits = _magnitude_bits_of(x)  # a bf16 tile's from its own bits, not widened first
         if ROWS:
-            row_bits = tl.maximum(row_bits, tl.max(bits, axis=1))
+            tl.atomic_max(ROW_AMAX + rows, tl.max(bits, axis=1), mask=row_mask, sem="relaxed")
         if COLS:
-            tl.atomic_max(COL_AMAX + cols, tl.max(bits, axis=0), mask=col_mask, sem="relaxed")
-    if ROWS:
-        tl.store(ROW_AMAX + rows, row_bits, mask=row_mask)
+            col_bits = tl.maximum(col_bits, tl.max(bits, axis=0))
+    if COLS:
+        tl.atomic_max(COL_AMAX + cols, col_bits, mask=col_mask, sem="relaxed")
 
 
-# (TILE_R, TILE_C, num_warps) candidates of _line_amax_kernel: taller tiles take fewer column atomics but make
-# fewer programs (each holds whole rows); the tuner weighs the two per size class.
-_AMAX_CONFIGS = [(32, 128, 4), (16, 256, 4), (64, 128, 8), (32, 256, 8), (128, 64, 8), (256, 64, 8), (512, 32, 8)]
+# (TILE_R, TILE_C, STEPS, num_warps) candidates of _line_amax_kernel: a program's strip is STEPS * TILE_R rows of
+# TILE_C columns. Wider tiles take fewer row atomics, taller strips fewer column atomics; many strips keep every
+# SM busy (the previous design, each program walking whole rows, made 256 programs at 65,536 x 4096 and read at
+# 69% of the copy bandwidth on an H200).
+_AMAX_CONFIGS = [
+    (32, 256, 16, 4), (16, 512, 16, 4), (32, 512, 8, 8), (64, 256, 8, 8), (16, 1024, 16, 8), (32, 128, 32, 4),
+    (8, 1024, 32, 4), (64, 128, 16, 4),
+]  # fmt: skip
 
 
 def _line_maxima(
@@ -451,17 +459,18 @@ def _line_maxima(
     """int32 magnitude bits of the maxima of ``x``'s rows ``[R]`` and/or columns ``[C]`` (of the norm's output
     when ``norm_code`` is set), or None where not requested: what ``rowwise`` scales are made from.
 
-    The kernel may run several times while it is tuned: the maxima it stores and atomically raises stay the same.
+    The kernel may run several times while it is tuned: the maxima it raises atomically stay the same.
     """
     num_rows, num_cols = x.shape
-    row_amax = torch.empty(num_rows, dtype=torch.int32, device=x.device) if rows else None
+    row_amax = torch.zeros(num_rows, dtype=torch.int32, device=x.device) if rows else None
     col_amax = torch.zeros(num_cols, dtype=torch.int32, device=x.device) if cols else None
     elements = num_rows * num_cols
     args = (x, row_amax, col_amax, *norm_args, num_rows, num_cols, size_class(elements))
     meta = dict(ROWS=rows, COLS=cols, NORM=norm_code, OUT_DTYPE=out_dtype)
     key = ("line_amax", size_class(elements), x.dtype, rows, cols, norm_code, out_dtype)
-    grid = lambda tile_r, tile_c: (cdiv(num_rows, tile_r),)  # noqa: E731
-    launch_tuned(_line_amax_kernel, _AMAX_CONFIGS, key, grid, args, meta, elements)
+    grid = lambda tile_r, tile_c, steps: (cdiv(num_rows, tile_r * steps), cdiv(num_cols, tile_c))  # noqa: E731
+    configs = [c for c in _AMAX_CONFIGS if c[1] <= max(next_power_of_2(num_cols), 128)] or _AMAX_CONFIGS[:1]
+    launch_tuned(_line_amax_kernel, configs, key, grid, args, meta, elements, ("TILE_R", "TILE_C", "STEPS"))
     return row_amax, col_amax
 
 
@@ -476,6 +485,7 @@ def quantize_triton(
     norm_dtype: torch.dtype | None = None,
     one_pass: bool = True,
     split_config: tuple[int, ...] | None = None,
+    maxima: tuple[Tensor | None, Tensor | None] | None = None,
 ) -> tuple[tuple[Tensor, Tensor] | None, tuple[Tensor, Tensor] | None]:
     """Quantize ``[R, C]`` ``x`` (contiguous) along ``C`` (``rows``) and/or along ``R`` transposed (``cols``).
 
@@ -493,6 +503,8 @@ def quantize_triton(
         split_config: ``(REGION_R, REGION_C, COL_TILE_C, ROW_TILE_R, C_FIRST, num_warps)``: quantize ``mx`` / ``1x128``
             columns (and rows, if asked) in one launch of ``_quantize_split_kernel`` with exactly these tiles,
             whatever the tuner would choose (benchmarks and tests time and check every candidate so).
+        maxima: ``rowwise`` two-pass only: ``(row_amax, col_amax)`` of ``x`` from ``_line_maxima`` (for the
+            lines asked, None otherwise), so only the quantizing pass runs (benchmarks time the passes apart).
 
     Returns:
         ``((q, scale) or None, (qt, scale_t) or None)``. Scales: uint8 E8M0 ``[R, C/32]`` for ``mx``; fp32
@@ -546,7 +558,9 @@ def quantize_triton(
             launch = _rows_and_columns if rows else _columns_alone
             launch(x, q, s, qt, st, meta, num_rows, padded_rows)
         return ((q, s) if rows else None), (qt, st)
-    _launch_general(x, q, s, qt, st, meta, norm_args, num_rows, padded_rows)
+    if maxima is not None and not rowwise:
+        raise ValueError("`maxima` are given to rowwise quantization only")
+    _launch_general(x, q, s, qt, st, meta, norm_args, num_rows, padded_rows, maxima)
     if square and cols:
         qt = qt.view(torch.float8_e4m3fn)
     return ((q, s) if rows else None), ((qt, st) if cols else None)
@@ -566,13 +580,15 @@ def _square_transposed_apart(
 
 def _launch_general(
     x: Tensor, q: Tensor | None, s: Tensor | None, qt: Tensor | None, st: Tensor | None, meta: dict,
-    norm_args: tuple, num_rows: int, padded_rows: int,
+    norm_args: tuple, num_rows: int, padded_rows: int, maxima: tuple[Tensor | None, Tensor | None] | None = None,
 ) -> None:  # fmt: skip
-    """``_quantize_kernel`` (after the line maxima, for ``rowwise``) over the rows and/or columns ``meta`` asks."""
+    """``_quantize_kernel`` (after the line maxima, for ``rowwise``) over the rows and/or columns ``meta`` asks.
+    ``maxima``: ``rowwise``'s ``(row_amax, col_amax)`` from :func:`_line_maxima` already, so only the quantizing
+    pass runs (benchmarks time the two passes apart so)."""
     rows, cols, rowwise = meta["ROWS"], meta["COLS"], meta["GIVEN_AMAX"]
     num_cols, pad_block = x.shape[1], meta["BLOCK"]
-    row_amax = col_amax = None
-    if rowwise and num_rows > 0:  # the zero-padded rows of the transposed layout change no column maximum
+    row_amax, col_amax = maxima or (None, None)
+    if rowwise and maxima is None and num_rows > 0:  # the transposed layout's zero padding changes no maximum
         row_amax, col_amax = _line_maxima(x, rows, cols, norm_args, meta["NORM"], meta["OUT_DTYPE"])
     grid_rows = padded_rows if cols else num_rows
     args = (
