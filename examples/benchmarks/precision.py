@@ -235,10 +235,20 @@ def bench_kernels(tokens: int, dim: int, device: str) -> list[dict]:
             2 * numel + 2 * numel + 2 * scale_bytes[layout],
         )
         add(
+            f"quantize {layout} rows+cols, and the column sums",
+            lambda lay=layout: quantize(x, lay, cols=True, return_column_sums=True),
+            2 * numel + 2 * numel + 2 * scale_bytes[layout],
+        )
+        add(
             f"quantize {layout} cols",
             lambda lay=layout: quantize(x, lay, rows=False, cols=True),
             2 * numel + numel + scale_bytes[layout],
         )
+    add(
+        "column sums alone (x.sum(0) in fp32): the unfused bias gradient",
+        lambda: x.sum(0, dtype=torch.float32),
+        2 * numel,
+    )
     w = torch.randn(dim, dim, device=device, dtype=torch.bfloat16)
     add(f"quantize 128x128 weight ({dim} x {dim}), launched from Python", lambda: quantize(w, "128x128"), 3 * w.numel())
     if device == "cuda":

@@ -210,7 +210,13 @@ class _MXLinearFn(torch.autograd.Function):
 
         grad_x = grad_w = grad_b = None
         direct_cols = needs_dw and not layer.mx_hadamard
-        dyq, dyq_t = quantize(_rotate(dy, layer, plan), plan.act_layout, rounding=rounding, cols=direct_cols)
+        # The bias gradient comes from the read of dy that quantizes its columns, where dy is summed as given
+        # (not rotated, not cast from another dtype); otherwise from a reduction of its own.
+        needs_db = ctx.has_bias and ctx.needs_input_grad[2]
+        fused_db = needs_db and direct_cols and grad_out.dtype == dy.dtype
+        dyq, dyq_t, *sums = quantize(
+            _rotate(dy, layer, plan), plan.act_layout, rounding=rounding, cols=direct_cols, return_column_sums=fused_db
+        )
         if needs_dx:
             if ctx.wq_t_meta is not None:
                 wq_t = QuantizedTensor(rest[0], rest[1], ctx.wq_t_meta)
@@ -225,8 +231,8 @@ class _MXLinearFn(torch.autograd.Function):
             xq_t = _saved_tokens_operand(ctx, rest, layer, plan)
             grad_w = scaled_mm(dyq_t, xq_t, out_dtype=_gemm_dtype(torch.float32, plan), backend=plan.gemm)
             grad_w = grad_w.to(weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad_out.sum(0).to(weight.dtype)
+        if needs_db:
+            grad_b = (sums[0] if fused_db else grad_out.sum(0)).to(weight.dtype)
         return grad_x, grad_w, grad_b, None, None, None
 
 

@@ -89,11 +89,12 @@ def test_every_split_config_matches_reference(layout: str, monkeypatch: pytest.M
     block = {"mx": 32, "1x128": 128}[layout]
     monkeypatch.setattr(triton_quantize, "_ROWS_AND_COLUMNS_PLANS", {block: ("split",)})
     x = _input(300, 384, torch.float16)
-    want = quantize(x, layout, cols=True, impl="reference")
+    want = quantize(x, layout, cols=True, return_column_sums=True, impl="reference")
     for config in triton_quantize._SPLIT_CONFIGS[block, True]:
         monkeypatch.setitem(triton_quantize._SPLIT_CONFIGS, (block, True), [config])
-        got = quantize(x, layout, cols=True, impl="triton")
+        got = quantize(x, layout, cols=True, return_column_sums=True, impl="triton")
         assert _equal(got[0], want[0]) and _equal(got[1], want[1]), config
+        _assert_column_sums(got[2], x)
 
 
 @pytest.mark.parametrize(
@@ -114,6 +115,43 @@ def test_split_config_matches_reference(layout: str, config: tuple, rows: bool) 
     assert (got[0] is None) == (not rows)
     if rows:
         assert _equal(QuantizedTensor(*got[0], layout), want[0])
+
+
+def _assert_column_sums(sums: torch.Tensor, x: torch.Tensor) -> None:
+    """``sums`` are ``x``'s fp32 column sums up to the summation order: within ``1e-5 * sum |x|`` per column (NaN
+    and Inf where the column holds them)."""
+    want = x.sum(0, dtype=torch.float32)
+    assert sums.dtype == torch.float32 and sums.shape == want.shape
+    finite = want.isfinite()
+    assert torch.equal(sums[~finite].nan_to_num(), want[~finite].nan_to_num())
+    bound = 1e-5 * x[:, finite].abs().sum(0, dtype=torch.float32)
+    assert bool(((sums[finite] - want[finite]).abs() <= bound).all())
+
+
+@pytest.mark.parametrize(
+    ("layout", "rows", "cols"),
+    [
+        ("mx", True, True), ("mx", False, True), ("1x128", True, True), ("1x128", False, True), ("rowwise", True, True),
+        ("rowwise", False, True), ("rowwise", True, False), ("128x128", True, True), ("mx", True, False),
+    ],
+    ids=str,
+)  # fmt: skip
+@pytest.mark.parametrize("shape", [(300, 384), (1, 128), (129, 256)], ids=str)
+def test_column_sums_come_with_the_quantized_outputs(
+    layout: str, rows: bool, cols: bool, shape: tuple[int, int]
+) -> None:
+    """``return_column_sums`` (a bias gradient read with the output gradient): the same quantized outputs, and the
+    column sums, fused where the columns are quantized (split kernel, rowwise line maxima) or reduced apart."""
+    for dtype in DTYPES:
+        x = _input(*shape, dtype)
+        got = quantize(x, layout, rows=rows, cols=cols, return_column_sums=True, impl="triton")
+        want = quantize(x, layout, rows=rows, cols=cols, impl="reference")
+        assert len(got) == 3
+        for g, w in zip(got[:2], want, strict=True):
+            assert (g is None) == (w is None) and (g is None or _equal(g, w)), (layout, rows, cols, dtype)
+        _assert_column_sums(got[2], x)
+        ref_sums = quantize(x, layout, rows=rows, cols=cols, return_column_sums=True, impl="reference")[2]
+        assert torch.equal(ref_sums.nan_to_num(), x.sum(0, dtype=torch.float32).nan_to_num())
 
 
 def test_split_config_is_checked() -> None:
@@ -396,7 +434,12 @@ def test_every_line_maxima_config_matches_torch(config: tuple, monkeypatch: pyte
     x = _input(tile_r * steps + 37, 2 * tile_c + 48, torch.bfloat16)  # two strips down and three across, ragged
     x[5, 7], x[tile_r * steps + 3, tile_c + 1] = float("nan"), float("-inf")
     no_norm = (None, None, None, None)
-    row_amax, col_amax = triton_quantize._line_maxima(x, True, True, no_norm, 0, triton_quantize._TL_DTYPES[x.dtype])
+    args = (x, True, True, no_norm, 0, triton_quantize._TL_DTYPES[x.dtype])
+    row_amax, col_amax, partial = triton_quantize._line_maxima(*args, sums=True)
+    group = triton_quantize.SUM_ROWS
+    assert partial.shape == (-(-x.shape[0] // group), x.shape[1])
+    for i in range(partial.shape[0]):  # each group of rows summed on its own (NaN and Inf where present)
+        _assert_column_sums(partial[i], x[i * group : (i + 1) * group])
     magnitudes = x.float().abs().nan_to_num(nan=0.0, posinf=float("inf"))  # NaN put back below, where it tops
     want_rows = magnitudes.amax(1).where(~x.isnan().any(1), float("nan"))
     want_cols = magnitudes.amax(0).where(~x.isnan().any(0), float("nan"))

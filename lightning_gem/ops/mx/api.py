@@ -74,8 +74,12 @@ def quantize(
     rounding: str = "rceil",
     rows: bool = True,
     cols: bool = False,
+    return_column_sums: bool = False,
     impl: str = "auto",
-) -> tuple[QuantizedTensor | None, QuantizedTensor | None]:
+) -> (
+    tuple[QuantizedTensor | None, QuantizedTensor | None]
+    | tuple[QuantizedTensor | None, QuantizedTensor | None, Tensor]
+):
     """Quantize ``[R, C]`` ``x`` to FP8 E4M3 with block scales, along ``C`` and/or along ``R``.
 
     Args:
@@ -89,10 +93,14 @@ def quantize(
             block, 128 for ``rowwise``): the layout of a weight-gradient GEMM's operands. For ``128x128``
             its tiles are ``x``'s own transposed (same scales, transposed): a weight's layout for the
             input-gradient GEMM. The Triton path reads ``x`` once for both.
+        return_column_sums: also return ``x.sum(0)`` in fp32 (``[C]``): a Linear's bias gradient when ``x`` is its
+            output gradient. The Triton path sums from the same read that quantizes the columns (for ``mx`` and
+            ``1x128`` when its one-launch plan runs, and for ``rowwise``), else by a separate reduction.
         impl: ``"auto"``, ``"reference"`` or ``"triton"`` (module docstring).
 
     Returns:
-        ``(rows or None, cols or None)`` :class:`~lightning_gem.ops.mx.formats.QuantizedTensor` s.
+        ``(rows or None, cols or None)`` :class:`~lightning_gem.ops.mx.formats.QuantizedTensor` s, and the column
+        sums third with ``return_column_sums``.
 
     Example:
         >>> import torch
@@ -111,8 +119,11 @@ def quantize(
     if resolve_impl(impl, x) == "triton":
         from lightning_gem.ops.mx.impl.triton import mx_quantize
 
-        q, s, qt, st = mx_quantize(x.contiguous(), layout, rounding, rows, cols)
-        return (QuantizedTensor(q, s, layout) if rows else None), (QuantizedTensor(qt, st, layout) if cols else None)
+        args = (x.contiguous(), layout, rounding, rows, cols)
+        q, s, qt, st, sums = mx_quantize(*args, *(None,) * 6, True) if return_column_sums else mx_quantize(*args)
+        row_out = QuantizedTensor(q, s, layout) if rows else None
+        col_out = QuantizedTensor(qt, st, layout) if cols else None
+        return (row_out, col_out, sums) if return_column_sums else (row_out, col_out)
     row_out = quantize_reference(x, layout, rounding) if rows else None
     col_out = None
     if cols:
@@ -120,7 +131,7 @@ def quantize(
         padded = torch.zeros(-(-x.shape[0] // pad) * pad, x.shape[1], dtype=x.dtype, device=x.device)
         padded[: x.shape[0]] = x
         col_out = quantize_reference(padded.t().contiguous(), layout, rounding)
-    return row_out, col_out
+    return (row_out, col_out, x.sum(0, dtype=torch.float32)) if return_column_sums else (row_out, col_out)
 
 
 def norm_quantize(

@@ -35,18 +35,23 @@ def mx_quantize_op(
     weight: Tensor | None = None,
     bias: Tensor | None = None,
     norm_dtype: torch.dtype | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(q, scale, qt, scale_t)`` of :func:`quantize_triton` (empty where not requested)."""
-    return _quantize(x, layout, rounding, rows, cols, norm_kind, rstd, mean, weight, bias, norm_dtype)
+    column_sums: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(q, scale, qt, scale_t, sums)`` of :func:`quantize_triton` (empty where not requested)."""
+    return _quantize(x, layout, rounding, rows, cols, norm_kind, rstd, mean, weight, bias, norm_dtype, column_sums)
 
 
-def _quantize(x, layout, rounding, rows, cols, norm_kind, rstd, mean, weight, bias, norm_dtype):  # noqa: ANN001, ANN202
+def _quantize(x, layout, rounding, rows, cols, norm_kind, rstd, mean, weight, bias, norm_dtype, column_sums):  # noqa: ANN001, ANN202
     norm = (norm_kind, rstd, mean, weight, bias) if norm_kind is not None else None
-    row_out, col_out = quantize_triton(x, layout, rounding, rows=rows, cols=cols, norm=norm, norm_dtype=norm_dtype)
+    out = quantize_triton(
+        x, layout, rounding, rows=rows, cols=cols, norm=norm, norm_dtype=norm_dtype, column_sums=bool(column_sums)
+    )
+    row_out, col_out = out[:2]
     if row_out is None or col_out is None:  # the op's fixed outputs: empty where not asked for
         empty = (x.new_empty(0, dtype=torch.float8_e4m3fn), x.new_empty(0, dtype=torch.float32))
         row_out, col_out = row_out or empty, col_out or empty
-    return (*row_out, *col_out)
+    sums = out[2] if column_sums else x.new_empty(0, dtype=torch.float32)
+    return (*row_out, *col_out, sums)
 
 
 @triton_op("lightning_gem::mx_norm_quantize", mutates_args=())
@@ -92,7 +97,7 @@ def mx_quantize(*args: object) -> tuple[Tensor, ...]:
     """
     if torch.compiler.is_compiling():
         return mx_quantize_op(*args)
-    return _quantize(*args, *(None,) * (11 - len(args)))
+    return _quantize(*args, *(None,) * (12 - len(args)))
 
 
 def mx_norm_quantize(*args: object) -> tuple[Tensor, ...]:

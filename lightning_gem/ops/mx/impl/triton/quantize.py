@@ -198,12 +198,13 @@ def _quantize_columns(
 
 @triton.jit
 def _split_columns(
-    X, QT, ST, num_rows, num_cols, padded_rows, stride_st_c, stride_st_r, region_r, region_c, part,
+    X, QT, ST, SUMS, num_rows, num_cols, padded_rows, stride_st_c, stride_st_r, region_r, region_c, part,
     BLOCK: tl.constexpr, MX: tl.constexpr, RCEIL: tl.constexpr, EXACT: tl.constexpr,
     REGION_R: tl.constexpr, REGION_C: tl.constexpr, COL_TILE_C: tl.constexpr,
 ):  # fmt: skip
     """The transposed layout of the region's ``part``-th ``[REGION_R, COL_TILE_C]`` column slab, loaded as
-    ``[REGION_R / BLOCK, BLOCK, COL_TILE_C]`` so each block's maximum is one reduction, no reshape."""
+    ``[REGION_R / BLOCK, BLOCK, COL_TILE_C]`` so each block's maximum is one reduction, no reshape. ``SUMS``
+    (``[Rp / BLOCK, C]`` fp32, or None): each block's column sums, from the same registers."""
     within = tl.arange(0, BLOCK)
     NUM_BLOCKS: tl.constexpr = REGION_R // BLOCK
     row_blocks = region_r * NUM_BLOCKS + tl.arange(0, NUM_BLOCKS)
@@ -213,6 +214,9 @@ def _split_columns(
     x = tl.load(X + rows * num_cols + cols[None, None, :], mask=mask, other=0.0)  # zeros: no maximum, zero codes
     q, exponent, nonfinite = _quantize_blocks(x, 1, RCEIL, EXACT)  # exponent: [NUM_BLOCKS, COL_TILE_C]
     scale_mask = (row_blocks < padded_rows // BLOCK)[:, None] & (cols < num_cols)[None, :]
+    if SUMS is not None:
+        sums = tl.sum(x.to(tl.float32), axis=1)  # [NUM_BLOCKS, COL_TILE_C]
+        tl.store(SUMS + row_blocks[:, None] * num_cols + cols[None, :], sums, mask=scale_mask)
     scale_ptrs = ST + cols[None, :] * stride_st_c + row_blocks[:, None] * stride_st_r
     tl.store(scale_ptrs, _scale_value(exponent, nonfinite, MX), mask=scale_mask)
     t_rows = row_blocks[None, :, None] * BLOCK + within[None, None, :]  # the slab's columns become rows of qt
@@ -246,6 +250,7 @@ def _split_rows(
 @triton.jit(do_not_specialize=["num_rows", "num_padded_blocks", "stride_s_c", "stride_st_c", "size_class"])
 def _quantize_split_kernel(
     X, Q, S, QT, ST,  # [R, C] input, [R, C] fp8 + scales, [C, Rp] fp8 + scales
+    SUMS,  # [Rp / BLOCK, C] fp32 column sums of each block of rows, or None
     num_rows, num_cols, num_padded_blocks, stride_s_r, stride_s_c, stride_st_c, stride_st_r,
     size_class,  # autotuning key only
     BLOCK: tl.constexpr, MX: tl.constexpr, RCEIL: tl.constexpr, EXACT: tl.constexpr, ROWS: tl.constexpr,
@@ -281,7 +286,7 @@ def _quantize_split_kernel(
         region_c = (region // num_regions_r).to(tl.int64)
     if part < NUM_COL_PARTS:
         _split_columns(
-            X, QT, ST, num_rows, num_cols, padded_rows, stride_st_c, stride_st_r, region_r, region_c, part,
+            X, QT, ST, SUMS, num_rows, num_cols, padded_rows, stride_st_c, stride_st_r, region_r, region_c, part,
             BLOCK, MX, RCEIL, EXACT, REGION_R, REGION_C, COL_TILE_C,
         )  # fmt: skip
     elif ROWS:  # compiled only when rows are wanted (Q and S are None otherwise)
@@ -305,16 +310,17 @@ _SPLIT_CONFIGS = {
 
 def _launch_split(
     x: Tensor, q: Tensor | None, s: Tensor | None, qt: Tensor, st: Tensor, meta: dict, num_rows: int, padded: int,
-    config: tuple[int, ...] | None = None,
+    config: tuple[int, ...] | None = None, sums: Tensor | None = None,
 ) -> None:  # fmt: skip
     """Launch ``_quantize_split_kernel`` (tuned for large inputs, or with exactly ``config``): rows and columns of
-    ``mx`` / ``1x128``, or columns alone (``q`` None)."""
+    ``mx`` / ``1x128``, or columns alone (``q`` None); ``sums``: ``[Rp / BLOCK, C]`` column sums per row block."""
     block, rows, num_cols = meta["BLOCK"], q is not None, x.shape[1]
     elements = padded * num_cols
     s_strides = s.stride() if rows else (0, 0)
-    args = (x, q, s, qt, st, num_rows, num_cols, padded // block, *s_strides, *st.stride(), size_class(elements))
+    args = (x, q, s, qt, st, sums, num_rows, num_cols, padded // block, *s_strides, *st.stride(), size_class(elements))
     meta = {**{k: meta[k] for k in ("BLOCK", "MX", "RCEIL", "EXACT")}, "ROWS": rows}
     key = ("quantize_split", size_class(elements), next_power_of_2(num_cols), x.dtype, block, rows, meta["RCEIL"])
+    key += ("sums",) if sums is not None else ()
 
     def grid(region_r: int, region_c: int, col_tile_c: int, row_tile_r: int, c_first: int) -> tuple[int]:
         parts = region_c // col_tile_c + (region_r // row_tile_r if rows else 0)
@@ -409,11 +415,12 @@ def scale_buffer(layout: str, num_lines: int, num_blocks: int, device: torch.dev
 @triton.jit(do_not_specialize=["num_rows", "size_class"])
 def _line_amax_kernel(
     X, ROW_AMAX, COL_AMAX,  # [R, C] input; [R] / [C] int32 magnitude bits of the row / column maxima (zeroed)
+    SUMS,  # [cdiv(R, SUM_ROWS), C] fp32 column sums of each SUM_ROWS rows, or None
     RSTD, MEAN, WEIGHT, BIAS,  # norm prologue: [R], [R], [C], [C]
     num_rows, num_cols,
     size_class,  # autotuning key only
     ROWS: tl.constexpr, COLS: tl.constexpr, NORM: tl.constexpr, OUT_DTYPE: tl.constexpr,
-    TILE_R: tl.constexpr, TILE_C: tl.constexpr, STEPS: tl.constexpr,
+    TILE_R: tl.constexpr, TILE_C: tl.constexpr, STEPS: tl.constexpr, SUM_ROWS: tl.constexpr,
 ):  # fmt: skip
     """Maxima of ``|x|`` (or of the norm's output) along rows and/or columns, from one read of ``x``.
 
@@ -422,23 +429,36 @@ def _line_amax_kernel(
     end; each tile's row maxima go straight out by atomic max (one per row and strip). Both buffers start at
     zero, so running the kernel again (as the tuner does) changes nothing. Maxima are magnitude bit patterns, so
     NaN and Inf come out on top and need no separate check. Masked elements load as zero, below any maximum.
+
+    ``SUMS``: the column sums of every ``SUM_ROWS`` rows too (a bias gradient's partial sums), stored, not
+    accumulated, so they too come out the same on a second run. A strip holds whole groups of ``SUM_ROWS``.
     """
+    GROUP: tl.constexpr = SUM_ROWS // TILE_R  # tiles per group of summed rows
     pid_r = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * TILE_C + tl.arange(0, TILE_C)
     col_mask = cols < num_cols
     col_bits = tl.zeros((TILE_C,), dtype=tl.int32)
-    for step in range(STEPS):
-        rows = (pid_r * STEPS + step) * TILE_R + tl.arange(0, TILE_R)
-        row_mask = rows < num_rows
-        in_bounds = row_mask[:, None] & col_mask[None, :]
-        x = tl.load(X + rows[:, None] * num_cols + cols[None, :], mask=in_bounds, other=0.0)
-        if NORM != 0:
-            x = _normalize(x.to(tl.float32), rows, cols, RSTD, MEAN, WEIGHT, BIAS, num_rows, num_cols, NORM, OUT_DTYPE)
-        bits = _magnitude_bits_of(x)  # a bf16 tile's from its own bits, not widened first
-        if ROWS:
-            tl.atomic_max(ROW_AMAX + rows, tl.max(bits, axis=1), mask=row_mask, sem="relaxed")
-        if COLS:
-            col_bits = tl.maximum(col_bits, tl.max(bits, axis=0))
+    for group in range(STEPS // GROUP):
+        col_sums = tl.zeros((TILE_C,), dtype=tl.float32)
+        for inner in range(GROUP):
+            rows = (pid_r * STEPS + group * GROUP + inner) * TILE_R + tl.arange(0, TILE_R)
+            row_mask = rows < num_rows
+            in_bounds = row_mask[:, None] & col_mask[None, :]
+            x = tl.load(X + rows[:, None] * num_cols + cols[None, :], mask=in_bounds, other=0.0)
+            if NORM != 0:
+                x = _normalize(
+                    x.to(tl.float32), rows, cols, RSTD, MEAN, WEIGHT, BIAS, num_rows, num_cols, NORM, OUT_DTYPE
+                )
+            bits = _magnitude_bits_of(x)  # a bf16 tile's from its own bits, not widened first
+            if ROWS:
+                tl.atomic_max(ROW_AMAX + rows, tl.max(bits, axis=1), mask=row_mask, sem="relaxed")
+            if COLS:
+                col_bits = tl.maximum(col_bits, tl.max(bits, axis=0))
+            if SUMS is not None:
+                col_sums += tl.sum(x.to(tl.float32), axis=0)
+        if SUMS is not None:
+            sum_row = pid_r * (STEPS // GROUP) + group
+            tl.store(SUMS + sum_row * num_cols + cols, col_sums, mask=col_mask & (sum_row * SUM_ROWS < num_rows))
     if COLS:
         tl.atomic_max(COL_AMAX + cols, col_bits, mask=col_mask, sem="relaxed")
 
@@ -446,32 +466,38 @@ def _line_amax_kernel(
 # (TILE_R, TILE_C, STEPS, num_warps) candidates of _line_amax_kernel: a program's strip is STEPS * TILE_R rows of
 # TILE_C columns. Wider tiles take fewer row atomics, taller strips fewer column atomics; many strips keep every
 # SM busy (the previous design, each program walking whole rows, made 256 programs at 65,536 x 4096 and read at
-# 69% of the copy bandwidth on an H200).
+# 69% of the copy bandwidth on an H200; these reach 87-89%). Every TILE_R divides SUM_ROWS, and every strip
+# holds whole groups of SUM_ROWS rows.
 _AMAX_CONFIGS = [
     (32, 256, 16, 4), (16, 512, 16, 4), (32, 512, 8, 8), (64, 256, 8, 8), (16, 1024, 16, 8), (32, 128, 32, 4),
     (8, 1024, 32, 4), (64, 128, 16, 4),
 ]  # fmt: skip
+SUM_ROWS = 128
+"""Rows per partial column sum of the line-maxima kernel (``_line_maxima(..., sums=True)``)."""
 
 
 def _line_maxima(
-    x: Tensor, rows: bool, cols: bool, norm_args: tuple, norm_code: int, out_dtype: object
-) -> tuple[Tensor | None, Tensor | None]:
+    x: Tensor, rows: bool, cols: bool, norm_args: tuple, norm_code: int, out_dtype: object, sums: bool = False
+) -> tuple[Tensor | None, Tensor | None] | tuple[Tensor | None, Tensor | None, Tensor]:
     """int32 magnitude bits of the maxima of ``x``'s rows ``[R]`` and/or columns ``[C]`` (of the norm's output
-    when ``norm_code`` is set), or None where not requested: what ``rowwise`` scales are made from.
+    when ``norm_code`` is set), or None where not requested: what ``rowwise`` scales are made from. ``sums``:
+    also the fp32 column sums of every :data:`SUM_ROWS` rows, ``[cdiv(R, SUM_ROWS), C]``, as a third output.
 
     The kernel may run several times while it is tuned: the maxima it raises atomically stay the same.
     """
     num_rows, num_cols = x.shape
     row_amax = torch.zeros(num_rows, dtype=torch.int32, device=x.device) if rows else None
     col_amax = torch.zeros(num_cols, dtype=torch.int32, device=x.device) if cols else None
+    partial = torch.empty(-(-num_rows // SUM_ROWS), num_cols, dtype=torch.float32, device=x.device) if sums else None
     elements = num_rows * num_cols
-    args = (x, row_amax, col_amax, *norm_args, num_rows, num_cols, size_class(elements))
-    meta = dict(ROWS=rows, COLS=cols, NORM=norm_code, OUT_DTYPE=out_dtype)
-    key = ("line_amax", size_class(elements), x.dtype, rows, cols, norm_code, out_dtype)
+    args = (x, row_amax, col_amax, partial, *norm_args, num_rows, num_cols, size_class(elements))
+    meta = dict(ROWS=rows, COLS=cols, NORM=norm_code, OUT_DTYPE=out_dtype, SUM_ROWS=SUM_ROWS)
+    key = ("line_amax", size_class(elements), x.dtype, rows, cols, norm_code, out_dtype, sums)
     grid = lambda tile_r, tile_c, steps: (cdiv(num_rows, tile_r * steps), cdiv(num_cols, tile_c))  # noqa: E731
     configs = [c for c in _AMAX_CONFIGS if c[1] <= max(next_power_of_2(num_cols), 128)] or _AMAX_CONFIGS[:1]
-    launch_tuned(_line_amax_kernel, configs, key, grid, args, meta, elements, ("TILE_R", "TILE_C", "STEPS"))
-    return row_amax, col_amax
+    if num_rows > 0:
+        launch_tuned(_line_amax_kernel, configs, key, grid, args, meta, elements, ("TILE_R", "TILE_C", "STEPS"))
+    return (row_amax, col_amax) if not sums else (row_amax, col_amax, partial)
 
 
 def quantize_triton(
@@ -486,7 +512,8 @@ def quantize_triton(
     one_pass: bool = True,
     split_config: tuple[int, ...] | None = None,
     maxima: tuple[Tensor | None, Tensor | None] | None = None,
-) -> tuple[tuple[Tensor, Tensor] | None, tuple[Tensor, Tensor] | None]:
+    column_sums: bool = False,
+) -> tuple[tuple[Tensor, Tensor] | None, tuple[Tensor, Tensor] | None] | tuple[object, object, Tensor]:
     """Quantize ``[R, C]`` ``x`` (contiguous) along ``C`` (``rows``) and/or along ``R`` transposed (``cols``).
 
     Args:
@@ -505,11 +532,15 @@ def quantize_triton(
             whatever the tuner would choose (benchmarks and tests time and check every candidate so).
         maxima: ``rowwise`` two-pass only: ``(row_amax, col_amax)`` of ``x`` from ``_line_maxima`` (for the
             lines asked, None otherwise), so only the quantizing pass runs (benchmarks time the passes apart).
+        column_sums: also return the fp32 sums of ``x``'s columns ``[C]`` (a bias gradient), from the same read of
+            ``x`` where columns are quantized by the split kernel or ``rowwise``'s line maxima; otherwise by a
+            separate reduction. No norm.
 
     Returns:
-        ``((q, scale) or None, (qt, scale_t) or None)``. Scales: uint8 E8M0 ``[R, C/32]`` for ``mx``; fp32
-        column-major ``[R, C/128]`` for ``1x128`` (Hopper's GEMM reads them so); ``[R/128, C/128]`` for
-        ``128x128``; ``[R, 1]`` for ``rowwise``; the transposed layout's likewise with ``R`` and ``C`` swapped.
+        ``((q, scale) or None, (qt, scale_t) or None)``, and the column sums third when asked. Scales: uint8
+        E8M0 ``[R, C/32]`` for ``mx``; fp32 column-major ``[R, C/128]`` for ``1x128`` (Hopper's GEMM reads them
+        so); ``[R/128, C/128]`` for ``128x128``; ``[R, 1]`` for ``rowwise``; the transposed layout's likewise with
+        ``R`` and ``C`` swapped.
     """
     num_rows, num_cols = x.shape
     norm_dtype = norm_dtype or x.dtype
@@ -526,8 +557,17 @@ def quantize_triton(
             s = torch.empty(-(-num_rows // 128), num_cols // 128, dtype=torch.float32, device=device)
         else:
             s = scale_buffer(layout, num_rows, num_cols // block, device)
+    if column_sums and norm is not None:
+        raise ValueError("`column_sums` are of x itself: no norm")
+
+    def done(row_out: object, col_out: object, partial: Tensor | None = None) -> tuple:
+        """The outputs, with the column sums from the kernel's partial sums (or a reduction of ``x``) if asked."""
+        if not column_sums:
+            return row_out, col_out
+        return row_out, col_out, partial.sum(0) if partial is not None else x.sum(0, dtype=torch.float32)
+
     if square and cols and x.dtype == torch.float32:
-        return _square_transposed_apart(x, rounding, rows, padded_rows)
+        return done(*_square_transposed_apart(x, rounding, rows, padded_rows))
     if cols:
         # 128x128: the kernel writes the transposed codes as bytes (see _quantize_kernel); the result is viewed as FP8
         qt = torch.empty(num_cols, padded_rows, dtype=torch.uint8 if square else torch.float8_e4m3fn, device=device)
@@ -545,25 +585,30 @@ def quantize_triton(
     if rowwise and rows and not cols and one_pass and num_cols <= ONE_PASS_MAX_COLS:
         if num_rows > 0:
             _rowwise_rows(x, q, s, meta, norm_args)
-        return (q, s), None
+        return done((q, s), None)
+    split = cols and layout in ("mx", "1x128") and kind is None
+    partial = None  # [Rp / block, C] column sums of each block of rows, for the split kernel to fill
+    if split and column_sums:
+        partial = torch.empty(padded_rows // block, num_cols, dtype=torch.float32, device=device)
     if split_config is not None:
-        if not cols or layout not in ("mx", "1x128") or kind is not None:
+        if not split:
             raise ValueError("`split_config` takes mx or 1x128 columns (with or without rows) and no norm")
         _check_split_config(split_config, block)
         if padded_rows > 0:
-            _launch_split(x, q, s, qt, st, meta, num_rows, padded_rows, config=split_config)
-        return ((q, s) if rows else None), (qt, st)
-    if cols and layout in ("mx", "1x128") and kind is None and (rows or mx):
+            _launch_split(x, q, s, qt, st, meta, num_rows, padded_rows, config=split_config, sums=partial)
+        return done(((q, s) if rows else None), (qt, st), partial)
+    if split and (rows or mx):
         if padded_rows > 0:
             launch = _rows_and_columns if rows else _columns_alone
-            launch(x, q, s, qt, st, meta, num_rows, padded_rows)
-        return ((q, s) if rows else None), (qt, st)
+            if not launch(x, q, s, qt, st, meta, num_rows, padded_rows, partial):
+                partial = None  # the plan that ran wrote no sums
+        return done(((q, s) if rows else None), (qt, st), partial)
     if maxima is not None and not rowwise:
         raise ValueError("`maxima` are given to rowwise quantization only")
-    _launch_general(x, q, s, qt, st, meta, norm_args, num_rows, padded_rows, maxima)
+    partial = _launch_general(x, q, s, qt, st, meta, norm_args, num_rows, padded_rows, maxima, column_sums)
     if square and cols:
         qt = qt.view(torch.float8_e4m3fn)
-    return ((q, s) if rows else None), ((qt, st) if cols else None)
+    return done(((q, s) if rows else None), ((qt, st) if cols else None), partial)
 
 
 def _square_transposed_apart(
@@ -581,15 +626,19 @@ def _square_transposed_apart(
 def _launch_general(
     x: Tensor, q: Tensor | None, s: Tensor | None, qt: Tensor | None, st: Tensor | None, meta: dict,
     norm_args: tuple, num_rows: int, padded_rows: int, maxima: tuple[Tensor | None, Tensor | None] | None = None,
-) -> None:  # fmt: skip
+    sums: bool = False,
+) -> Tensor | None:  # fmt: skip
     """``_quantize_kernel`` (after the line maxima, for ``rowwise``) over the rows and/or columns ``meta`` asks.
     ``maxima``: ``rowwise``'s ``(row_amax, col_amax)`` from :func:`_line_maxima` already, so only the quantizing
-    pass runs (benchmarks time the two passes apart so)."""
+    pass runs (benchmarks time the two passes apart so). ``sums``: return the line-maxima pass's partial column
+    sums (``rowwise`` with its maxima computed here; None otherwise)."""
     rows, cols, rowwise = meta["ROWS"], meta["COLS"], meta["GIVEN_AMAX"]
     num_cols, pad_block = x.shape[1], meta["BLOCK"]
     row_amax, col_amax = maxima or (None, None)
-    if rowwise and maxima is None and num_rows > 0:  # the transposed layout's zero padding changes no maximum
-        row_amax, col_amax = _line_maxima(x, rows, cols, norm_args, meta["NORM"], meta["OUT_DTYPE"])
+    partial = None
+    if rowwise and maxima is None:  # the transposed layout's zero padding changes no maximum
+        row_amax, col_amax, *rest = _line_maxima(x, rows, cols, norm_args, meta["NORM"], meta["OUT_DTYPE"], sums)
+        partial = rest[0] if sums else None
     grid_rows = padded_rows if cols else num_rows
     args = (
         x, q, s, qt, st, row_amax, col_amax, *norm_args,  # None where absent: the kernel never reads them
@@ -599,6 +648,7 @@ def _launch_general(
     )  # fmt: skip
     if grid_rows > 0:  # no rows: nothing to launch
         _launch(args, meta, grid_rows, num_cols)
+    return partial
 
 
 # How rows and columns of ``mx`` / ``1x128`` are quantized together, by block, the plan for untimed sizes first
@@ -608,34 +658,41 @@ def _launch_general(
 _ROWS_AND_COLUMNS_PLANS = {32: ("apart", "split"), 128: ("split", "apart")}
 
 
-def _columns_alone(x: Tensor, q: None, s: None, qt: Tensor, st: Tensor, meta: dict, num_rows: int, padded: int) -> None:
-    """The transposed layout alone of ``mx`` (the split kernel's column slabs) or ``1x128`` (``_quantize_kernel``)."""
+def _columns_alone(
+    x: Tensor, q: None, s: None, qt: Tensor, st: Tensor, meta: dict, num_rows: int, padded: int,
+    sums: Tensor | None = None,
+) -> bool:  # fmt: skip
+    """The transposed layout alone of ``mx`` (the split kernel's column slabs, filling ``sums``: returns True) or
+    ``1x128`` (``_quantize_kernel``, no sums: False)."""
     if meta["BLOCK"] == 32:
-        _launch_split(x, None, None, qt, st, meta, num_rows, padded)
-    else:
-        _launch_general(x, None, None, qt, st, {**meta, "ROWS": False}, (None,) * 4, num_rows, padded)
+        _launch_split(x, None, None, qt, st, meta, num_rows, padded, sums=sums)
+        return True
+    _launch_general(x, None, None, qt, st, {**meta, "ROWS": False}, (None,) * 4, num_rows, padded)
+    return False
 
 
 def _rows_and_columns(
-    x: Tensor, q: Tensor, s: Tensor, qt: Tensor, st: Tensor, meta: dict, num_rows: int, padded: int
-) -> None:
-    """Rows and columns of ``mx`` / ``1x128`` (no norm) by the faster of the two plans above for this size."""
+    x: Tensor, q: Tensor, s: Tensor, qt: Tensor, st: Tensor, meta: dict, num_rows: int, padded: int,
+    sums: Tensor | None = None,
+) -> bool:  # fmt: skip
+    """Rows and columns of ``mx`` / ``1x128`` (no norm) by the faster of the two plans above for this size;
+    True when the plan that ran filled ``sums`` (the split kernel's column slabs do)."""
     block = meta["BLOCK"]
     elements = padded * x.shape[1]
 
-    def run(plan: str) -> None:
+    def run(plan: str) -> bool:
         if plan == "split":
-            _launch_split(x, q, s, qt, st, meta, num_rows, padded)
-        else:
-            _launch_general(x, q, s, None, None, {**meta, "COLS": False}, (None,) * 4, num_rows, padded)
-            _columns_alone(x, None, None, qt, st, meta, num_rows, padded)
+            _launch_split(x, q, s, qt, st, meta, num_rows, padded, sums=sums)
+            return True
+        _launch_general(x, q, s, None, None, {**meta, "COLS": False}, (None,) * 4, num_rows, padded)
+        return _columns_alone(x, None, None, qt, st, meta, num_rows, padded, sums)
 
     plans = list(_ROWS_AND_COLUMNS_PLANS[block])
     if elements < TUNE_ABOVE or is_interpreted(_quantize_split_kernel):  # as launch_tuned: small or interpreted
         plans = plans[:1]
     width = next_power_of_2(x.shape[1])
-    key = ("quantize_rows_and_columns", size_class(elements), width, x.dtype, block, meta["RCEIL"])
-    run(pick_fastest(_CHOSEN, key, plans, run, (x, q, qt)))
+    key = ("quantize_rows_and_columns", size_class(elements), width, x.dtype, block, meta["RCEIL"], sums is not None)
+    return run(pick_fastest(_CHOSEN, key, plans, run, (x, q, qt)))
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -656,11 +713,18 @@ def _valid_configs(
     block: int, rows: bool, cols: bool, square: bool, given_amax: bool, width: int
 ) -> tuple[tuple[int, int, int], ...]:
     """The candidates whose tiles hold whole scale blocks for these flags and are no wider than ``width`` (the
-    rows' width rounded up to a power of two; 128 always fits), pruned once per set of flags and width."""
+    rows' width rounded up to a power of two; 128 always fits), pruned once per set of flags and width.
+
+    ``128x128`` (weights) takes 8 warps only: a weight is too small for the tuner, which times launches from
+    Python, to tell its configs apart, and on an H200 (16 distinct 4096 x 4096 weights in a CUDA graph) the
+    transposed tiles took 0.021 ms per weight with 8 warps against 0.029 ms with 16, which the tuner had chosen.
+    """
     return tuple(
         c
         for c in _CONFIGS
-        if c[1] <= max(width, 128) and _valid_tiles(c[0], c[1], block, rows, cols, square, given_amax)
+        if c[1] <= max(width, 128)
+        and _valid_tiles(c[0], c[1], block, rows, cols, square, given_amax)
+        and (not square or c[2] == 8)
     )
 
 
