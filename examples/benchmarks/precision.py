@@ -13,8 +13,9 @@ Run on a CUDA machine from the repository root::
 with bf16 activations and parameters, quantization included (every operand quantized in every step, as in
 training). Recipes: ``bf16`` (``nn.Linear``), ``fp8-rowwise`` and ``fp8-blockwise`` (``torch._scaled_mm``),
 ``mxfp8-emulated`` (exact MXFP8 numerics with fp32 GEMMs: a numerics reference, not a speed path).
-``x`` is ``bf16_ms / recipe_ms`` (above 1: faster than bf16). ``gemm-only`` is the three FP8 GEMMs alone
-on pre-quantized operands: the ceiling quantization eats into.
+``x`` is ``bf16_ms / recipe_ms`` (above 1: faster than bf16); with ``--rounds N`` bf16 and the recipes are timed
+in turn N times, ``x`` is the median of the rounds' ratios and ``x range`` their lowest and highest. ``gemm-only``
+is the three FP8 GEMMs alone on pre-quantized operands: the ceiling quantization eats into.
 
 **Kernel bandwidth**: bytes a kernel must move (its input read once, its FP8 outputs and scales written
 once) over its median time, against a device-to-device copy of the same input measured in the same run.
@@ -109,30 +110,47 @@ def linear_step(layer: nn.Module, x: Tensor, grad: Tensor) -> Callable[[], None]
     return step
 
 
-def bench_linear(tokens: int, shape: tuple[int, int], device: str, recipes: list[str], emulated_max: int) -> list[dict]:
+def bench_linear(
+    tokens: int, shape: tuple[int, int], device: str, recipes: list[str], emulated_max: int, rounds: int = 1
+) -> list[dict]:
+    """Forward+backward time of bf16 and each recipe's Linear. With ``rounds`` > 1 the layers are timed in turn,
+    round after round, so a drift of the GPU's clocks during the run falls on bf16 and the recipes alike: ``ms``
+    is the median over rounds and ``x`` the median of the rounds' own ratios (``x_min``/``x_max`` their range)."""
     in_features, out_features = shape
-    rows = []
     base = nn.Linear(in_features, out_features, device=device, dtype=torch.bfloat16)
     x = torch.randn(tokens, in_features, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(tokens, out_features, device=device, dtype=torch.bfloat16)
     flops = 6 * tokens * in_features * out_features
-    bf16_ms = bench(linear_step(base, x, grad), device)
-    rows.append(dict(tokens=tokens, shape=shape, recipe="bf16", ms=bf16_ms, tflops=flops / bf16_ms / 1e9, x=1.0))
+    steps, errors = {"bf16": linear_step(base, x, grad)}, {}
     for recipe in recipes:
         if recipe == "mxfp8-emulated" and tokens > emulated_max:
             continue
         layer = nn.Sequential(nn.Linear(in_features, out_features, device=device, dtype=torch.bfloat16))
         layer.load_state_dict({"0." + k: v for k, v in base.state_dict().items()})
         convert(layer, RECIPES[recipe])
-        try:
-            ms = bench(linear_step(layer, x, grad), device)
-            row = dict(tokens=tokens, shape=shape, recipe=recipe, ms=ms, tflops=flops / ms / 1e9, x=bf16_ms / ms)
-            if recipe != "mxfp8-emulated" and device == "cuda":
-                row["gemm_only_ms"] = bench_gemms(x.detach(), base.weight.detach(), grad, recipe)
-                row["gemm_only_x"] = bf16_ms / row["gemm_only_ms"]
-        except (RuntimeError, ValueError) as error:  # report a recipe this device cannot run, keep going
-            row = dict(tokens=tokens, shape=shape, recipe=recipe, error=f"{type(error).__name__}: {error}"[:300])
-            print(row, file=sys.stderr)
+        steps[recipe] = linear_step(layer, x, grad)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            if name in errors:
+                continue
+            try:
+                times[name].append(bench(step, device))
+            except (RuntimeError, ValueError) as error:  # report a recipe this device cannot run, keep going
+                errors[name] = f"{type(error).__name__}: {error}"[:300]
+                print(dict(tokens=tokens, shape=shape, recipe=name, error=errors[name]), file=sys.stderr)
+    rows = []
+    for name in steps:
+        if name in errors:
+            rows.append(dict(tokens=tokens, shape=shape, recipe=name, error=errors[name]))
+            continue
+        ms = statistics.median(times[name])
+        ratios = [b / t for b, t in zip(times["bf16"], times[name], strict=True)]
+        row = dict(tokens=tokens, shape=shape, recipe=name, ms=ms, tflops=flops / ms / 1e9, rounds=rounds)
+        row.update(x=statistics.median(ratios), x_min=min(ratios), x_max=max(ratios), times_ms=times[name])
+        if name not in ("bf16", "mxfp8-emulated") and device == "cuda":
+            row["gemm_only_ms"] = bench_gemms(x.detach(), base.weight.detach(), grad, name)
+            row["gemm_only_x"] = statistics.median(times["bf16"]) / row["gemm_only_ms"]
         rows.append(row)
     return rows
 
@@ -535,17 +553,18 @@ def markdown(
     split_rows: list[dict] | None = None,
 ) -> str:
     lines = [
-        "| tokens | in -> out | recipe | f+b ms | TFLOP/s | x bf16 | gemm-only ms | gemm-only x |",
-        "|" + "---|" * 8,
+        "| tokens | in -> out | recipe | f+b ms | TFLOP/s | x bf16 | x range | gemm-only ms | gemm-only x |",
+        "|" + "---|" * 9,
     ]
     for r in linear_rows:
         if "error" in r:
             lines.append(f"| {r['tokens']:,} | {r['shape'][0]} -> {r['shape'][1]} | {r['recipe']} | {r['error']} |")
             continue
         gemm = (f"{r['gemm_only_ms']:.3f}", f"{r['gemm_only_x']:.2f}") if "gemm_only_ms" in r else ("", "")
+        spread = f"{r['x_min']:.2f}-{r['x_max']:.2f}" if r.get("rounds", 1) > 1 and r["recipe"] != "bf16" else ""
         lines.append(
             f"| {r['tokens']:,} | {r['shape'][0]} -> {r['shape'][1]} | {r['recipe']} | {r['ms']:.3f} | "
-            f"{r['tflops']:.0f} | {r['x']:.2f} | {gemm[0]} | {gemm[1]} |"
+            f"{r['tflops']:.0f} | {r['x']:.2f} | {spread} | {gemm[0]} | {gemm[1]} |"
         )
     lines += ["", "| kernel | ms | GB/s | of copy | tiles chosen |", "|---|---|---|---|---|"]
     for r in kernel_rows:
@@ -582,6 +601,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tokens", type=int, nargs="+", default=[16384, 32768, 65536])
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     parser.add_argument("--emulated-max-tokens", type=int, default=16384, help="skip mxfp8-emulated above this")
+    parser.add_argument("--rounds", type=int, default=1, help="time bf16 and the recipes in turn this many times")
     parser.add_argument("--kernel-tokens", type=int, default=65536)
     parser.add_argument("--kernel-dim", type=int, default=4096)
     parser.add_argument("--quality-steps", type=int, default=0, help="also train the synthetic task this long")
@@ -609,7 +629,7 @@ def main(argv: list[str] | None = None) -> dict:
                 row
                 for tokens in args.tokens
                 for shape in shapes
-                for row in bench_linear(tokens, shape, args.device, args.recipes, args.emulated_max_tokens)
+                for row in bench_linear(tokens, shape, args.device, args.recipes, args.emulated_max_tokens, args.rounds)
             ]
         kernel_rows = bench_kernels(args.kernel_tokens, args.kernel_dim, args.device)
     sweep_rows = sweep_norm(args.kernel_tokens, args.kernel_dim, args.device) if args.sweep_norm else []
