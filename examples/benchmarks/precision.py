@@ -330,12 +330,12 @@ def split_candidates(block: int, rows: bool) -> list[tuple[int, ...]]:
     """``(REGION_R, REGION_C, COL_TILE_C, ROW_TILE_R, C_FIRST, num_warps)`` configs of the one-launch rows+cols (or
     columns) kernel to sweep: column slabs 64 wide (a 128-byte line of each row: 32 and 16 wide ones ran at half
     the speed on an H200), slabs of 4K to 128 bf16 values a thread, regions numbered either way; wider regions
-    write longer runs of ``mx`` row scales."""
+    write longer runs of ``mx`` row scales (up to whole 4096-wide rows)."""
     import itertools
 
     region_rs = (256, 512) if block == 32 else (128, 256)
-    region_cs = (128, 256, 512, 1024) if rows else (64, 128)
-    row_tiles = (8, 16, 32, 64) if rows else (64,)
+    region_cs = (128, 256, 512, 1024, 2048, 4096) if rows else (64, 128)
+    row_tiles = (2, 4, 8, 16, 32, 64) if rows else (64,)
     configs = []
     for region_r, region_c, row_tile_r, c_first, warps in itertools.product(
         region_rs, region_cs, row_tiles, (0, 1), (4, 8)
