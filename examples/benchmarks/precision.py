@@ -329,19 +329,22 @@ def _transposed_copy(q: object) -> tuple[Tensor, Tensor]:
 def split_candidates(block: int, rows: bool) -> list[tuple[int, ...]]:
     """``(REGION_R, REGION_C, COL_TILE_C, ROW_TILE_R, C_FIRST, num_warps)`` configs of the one-launch rows+cols (or
     columns) kernel to sweep: column slabs 64 wide (a 128-byte line of each row: 32 and 16 wide ones ran at half
-    the speed on an H200), slabs of 4K to 128 bf16 values a thread, regions numbered either way; wider regions
-    write longer runs of ``mx`` row scales (up to whole 4096-wide rows)."""
+    the speed on an H200), slabs of 2K to 128 bf16 values a thread, regions numbered either way; wider regions
+    write longer runs of ``mx`` row scales (up to whole 4096-wide rows), and ``mx`` also gets small programs of 1
+    or 2 warps (its best on an H200)."""
     import itertools
 
-    region_rs = (256, 512) if block == 32 else (128, 256)
+    region_rs = (64, 256, 512) if block == 32 else (128, 256)
     region_cs = (128, 256, 512, 1024, 2048, 4096) if rows else (64, 128)
-    row_tiles = (2, 4, 8, 16, 32, 64) if rows else (64,)
+    row_tiles = (1, 2, 4, 8, 16, 32, 64) if rows else (64,)
     configs = []
     for region_r, region_c, row_tile_r, c_first, warps in itertools.product(
-        region_rs, region_cs, row_tiles, (0, 1), (4, 8)
+        region_rs, region_cs, row_tiles, (0, 1), (1, 2, 4, 8)
     ):
         slabs = [region_r * 64] + ([row_tile_r * region_c] if rows else [])
-        if not all(4096 <= n <= 128 * 32 * warps for n in slabs) or (warps == 8 and max(slabs) <= 16384):
+        if not all(2048 <= n <= 128 * 32 * warps for n in slabs) or (warps == 8 and max(slabs) <= 16384):
+            continue
+        if warps < 4 and block == 128:  # small programs serve mx only (1x128 ran at 17-69% with them)
             continue
         if rows and region_c % block:
             continue

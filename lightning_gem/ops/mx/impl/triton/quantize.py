@@ -298,18 +298,18 @@ def _quantize_split_kernel(
 
 # (REGION_R, REGION_C, COL_TILE_C, ROW_TILE_R, C_FIRST, num_warps) candidates of _quantize_split_kernel, by block
 # and by whether rows are wanted: the best of sweeps on an H200 (65,536 x 4096 bf16, ``precision.py --sweep-split``)
-# first. Column slabs are 64 wide: a full 128-byte line of each row (32- and 16-wide ones ran at half the speed),
-# with 4 warps (8 cost 10-45%). mx rows+cols wants wide row slabs, so each row's E8M0 scales are written in long
-# runs: 1024 wide (32-byte runs) ran at 65% of the copy bandwidth, against 51% for 128-wide slabs writing 4-byte
-# runs; regions of whole 4096-wide rows in slabs of 2 rows reached 68.5%. That one is not first: untimed (small)
-# inputs take the first candidate, and narrower rows would leave most of its row slabs masked.
+# first. Column slabs are 64 wide: a full 128-byte line of each row (32- and 16-wide ones ran at half the speed).
+# 1x128 wants 4 warps (1 or 2 ran at 17-69%). mx rows+cols wants small programs in regions only 64 rows tall
+# (1 or 2 warps; 77-78% of the copy bandwidth, against 65-69% for 256-row regions with 4 warps) and wide row slabs,
+# so each row's E8M0 scales are written in runs of 32 bytes or more (128-wide slabs writing 4-byte runs: 51%).
 _SPLIT_CONFIGS = {
     (128, True): [(128, 128, 64, 64, 0, 4), (128, 256, 64, 32, 0, 4), (128, 128, 64, 32, 0, 4)],
     (32, True): [
-        (256, 1024, 64, 8, 1, 4),
+        (64, 1024, 64, 2, 1, 1),
+        (64, 4096, 64, 1, 0, 2),
+        (64, 2048, 64, 2, 1, 2),
         (256, 4096, 64, 2, 0, 4),
-        (256, 1024, 64, 8, 0, 4),
-        (256, 512, 64, 16, 1, 4),
+        (256, 1024, 64, 8, 1, 4),
     ],
     (32, False): [(256, 64, 64, 64, 0, 4), (512, 64, 64, 64, 0, 4), (256, 128, 64, 64, 0, 4)],
 }
