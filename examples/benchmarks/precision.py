@@ -344,7 +344,7 @@ def split_candidates(block: int, rows: bool) -> list[tuple[int, ...]]:
         slabs = [region_r * 64] + ([row_tile_r * region_c] if rows else [])
         if not all(2048 <= n <= 128 * 32 * warps for n in slabs) or (warps == 8 and max(slabs) <= 16384):
             continue
-        if warps < 4 and block == 128:  # small programs serve mx only (1x128 ran at 17-69% with them)
+        if warps < 4 and block == 128:  # small programs serve mx only (1x128 ran at 17-70% with them)
             continue
         if rows and region_c % block:
             continue

@@ -13,7 +13,7 @@ contraction dim), ``B`` elements per scale block.
 Rows and columns together (``mx``, ``1x128``, no norm), and ``mx`` columns alone, take ``_quantize_split_kernel``
 instead: one launch whose programs each do one part of a region, its columns or its rows, side by side. For rows
 and columns together the tuner also times the two parts as two launches (rows alone, then columns alone) and
-keeps the faster plan (``mx``'s on an H200).
+keeps the faster plan.
 
 A ``rowwise`` line spans more than a tile. Rows alone of up to :data:`ONE_PASS_MAX_COLS` columns are quantized
 by ``_rowwise_rows_kernel`` in one pass, each program holding whole rows. Otherwise (columns wanted, or wider
@@ -263,8 +263,8 @@ def _quantize_split_kernel(
     ``REGION_R / ROW_TILE_R`` row programs (wide slabs: the row layout), numbered consecutively, so the programs
     of one region run at the same time and the second read of its tile mostly hits L2. Each part keeps the tile
     shape that suits it, with few registers (a bf16 tile stays bf16); one program doing both parts of a tile
-    needs the whole tile widened to fp32 at once. On an H200 at 65,536 x 4096 (bf16) this moves 84% of the
-    copy bandwidth for ``1x128`` (``mx``: 65%), against 56% (44%) for ``_quantize_kernel`` with both flags.
+    needs the whole tile widened to fp32 at once. On an H200 at 65,536 x 4096 (bf16) this moves 84-86% of the
+    copy bandwidth for ``1x128`` (``mx``: 77-78%), against 56% (44%) for ``_quantize_kernel`` with both flags.
     ``C_FIRST`` numbers the regions along ``x``'s rows first (a band of whole rows at a time) instead of down its
     columns.
 
@@ -299,7 +299,7 @@ def _quantize_split_kernel(
 # (REGION_R, REGION_C, COL_TILE_C, ROW_TILE_R, C_FIRST, num_warps) candidates of _quantize_split_kernel, by block
 # and by whether rows are wanted: the best of sweeps on an H200 (65,536 x 4096 bf16, ``precision.py --sweep-split``)
 # first. Column slabs are 64 wide: a full 128-byte line of each row (32- and 16-wide ones ran at half the speed).
-# 1x128 wants 4 warps (1 or 2 ran at 17-69%). mx rows+cols wants small programs in regions only 64 rows tall
+# 1x128 wants 4 warps (1 or 2 ran at 17-70%). mx rows+cols wants small programs in regions only 64 rows tall
 # (1 or 2 warps; 77-78% of the copy bandwidth, against 65-69% for 256-row regions with 4 warps) and wide row slabs,
 # so each row's E8M0 scales are written in runs of 32 bytes or more (128-wide slabs writing 4-byte runs: 51%).
 _SPLIT_CONFIGS = {
@@ -659,10 +659,10 @@ def _launch_general(
 
 
 # How rows and columns of ``mx`` / ``1x128`` are quantized together, by block, the plan for untimed sizes first
-# (from an H200 at 65,536 x 4096 bf16): "split" is one launch of _quantize_split_kernel (84% of the copy bandwidth
-# for 1x128, 65% for mx); "apart" is the rows alone with whole-row tiles, then the columns alone (mx: 0.193 +
-# 0.221 ms, 64%, against 0.401 ms split: a tie the tuner settles per size class, as it does the tiles).
-_ROWS_AND_COLUMNS_PLANS = {32: ("apart", "split"), 128: ("split", "apart")}
+# (from an H200 at 65,536 x 4096 bf16): "split" is one launch of _quantize_split_kernel (84-86% of the copy
+# bandwidth for 1x128, 77-78% for mx with its small-program configs forced); "apart" is the rows alone with
+# whole-row tiles, then the columns alone (mx: 0.193 + 0.221 ms, 64%, against 0.338-0.340 ms split).
+_ROWS_AND_COLUMNS_PLANS = {32: ("split", "apart"), 128: ("split", "apart")}
 
 
 def _columns_alone(
