@@ -48,7 +48,7 @@ for s in "${steps[@]}"; do
     tests) step tests 600 $PY -m pytest -q -p no:cacheprovider -m gpu -s tests ;;
     attention) step attention 600 $PY examples/benchmarks/attention.py --parallel-compile --rep 20 \
       --out "$OUT/attention.md" ;;
-    precision) step precision 600 $PY examples/benchmarks/precision.py --tokens 16384 65536 \
+    precision) step precision 600 $PY examples/benchmarks/precision.py --tokens 16384 65536 --rounds 3 \
       --quality-steps 150 --profile --host-profile --out "$OUT/precision.json" ;;
     host) step host_overhead 120 $PY examples/benchmarks/host_overhead.py ;;
     encoder) step encoder_step 300 $PY examples/benchmarks/encoder_step.py --out "$OUT/encoder_step.json" ;;
