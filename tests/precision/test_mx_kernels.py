@@ -240,6 +240,25 @@ def test_norm_quantize(kind: str, layout: str, dtype: torch.dtype, dim: int) -> 
     assert _equal(transposed, quantize(out.y, layout, rows=False, cols=True, impl="reference")[1])
 
 
+@pytest.mark.parametrize("dim", [384, 1024, 16])  # padded to a power of two or not; shorter than a warp
+@pytest.mark.parametrize("offset", [100.0, -3e4])
+def test_layernorm_quantize_large_mean(offset: float, dim: int) -> None:
+    """Rows whose mean is 1,000 to 300,000 spreads from zero (and a constant row, variance 0): the float32 output,
+    mean and rstd stay within the budget of the same computation in float32 against a float64 oracle."""
+    x = torch.randn(37, dim, device=DEVICE) * 0.1 + offset
+    x[5] = offset
+    weight, bias = torch.randn(dim, device=DEVICE), torch.randn(dim, device=DEVICE)
+    layout = "1x128" if dim % 128 == 0 else "rowwise"
+    out = norm_quantize(x, weight, bias, kind="layer", layout=layout, write_output=True, impl="triton")
+    oracle = norm_reference(x.double(), weight.double(), bias.double(), 1e-6, "layer")
+    same_precision = norm_reference(x, weight, bias, 1e-6, "layer")
+    for got, want, naive, name in zip(
+        (out.y, out.rstd, out.mean), oracle, same_precision, ("output", "rstd", "mean"), strict=True
+    ):
+        assert_within_budget(got, want, naive, name=f"layernorm {name}")
+    assert _equal(out.q, quantize(out.y, layout, impl="reference")[0])
+
+
 @pytest.mark.parametrize("config", [(2, 4, 8), (4, 3, 8), (1, 3, 4)], ids=str)
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 def test_norm_quantize_several_tiles_per_program(kind: str, config: tuple, monkeypatch: pytest.MonkeyPatch) -> None:

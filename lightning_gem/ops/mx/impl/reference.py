@@ -142,12 +142,13 @@ def norm_reference(
     kind: str,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """RMSNorm (``kind="rms"``) or LayerNorm (``"layer"``) over the last dim of ``[R, D]`` ``x``, in fp32.
+    """RMSNorm (``kind="rms"``) or LayerNorm (``"layer"``) over the last dim of ``[R, D]`` ``x``, in fp32 (fp64 for
+    fp64 ``x``: the oracle tests compare with).
 
     Returns:
-        ``(y [R, D] in out_dtype (default x's), rstd [R] fp32, mean [R] fp32 or None)``.
+        ``(y [R, D] in out_dtype (default x's), rstd [R], mean [R] or None)``, the statistics in the compute dtype.
     """
-    xf = x.float()
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
     mean = xf.mean(dim=-1) if kind == "layer" else None
     centered = xf - mean[:, None] if mean is not None else xf
     rstd = torch.rsqrt(centered.square().mean(dim=-1) + eps)
