@@ -264,7 +264,7 @@ def _quantize_split_kernel(
     of one region run at the same time and the second read of its tile mostly hits L2. Each part keeps the tile
     shape that suits it, with few registers (a bf16 tile stays bf16); one program doing both parts of a tile
     needs the whole tile widened to fp32 at once. On an H200 at 65,536 x 4096 (bf16) this moves 84-86% of the
-    copy bandwidth for ``1x128`` (``mx``: 77-78%), against 56% (44%) for ``_quantize_kernel`` with both flags.
+    copy bandwidth for ``1x128`` (``mx``: 76-78%), against 56% (44%) for ``_quantize_kernel`` with both flags.
     ``C_FIRST`` numbers the regions along ``x``'s rows first (a band of whole rows at a time) instead of down its
     columns.
 
@@ -660,7 +660,7 @@ def _launch_general(
 
 # How rows and columns of ``mx`` / ``1x128`` are quantized together, by block, the plan for untimed sizes first
 # (from an H200 at 65,536 x 4096 bf16): "split" is one launch of _quantize_split_kernel (84-86% of the copy
-# bandwidth for 1x128, 77-78% for mx with its small-program configs forced); "apart" is the rows alone with
+# bandwidth for 1x128, 76-78% for mx with its small-program configs); "apart" is the rows alone with
 # whole-row tiles, then the columns alone (mx: 0.193 + 0.221 ms, 64%, against 0.338-0.340 ms split).
 _ROWS_AND_COLUMNS_PLANS = {32: ("split", "apart"), 128: ("split", "apart")}
 
