@@ -12,10 +12,12 @@ useful work for both implementations.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import traceback
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -220,84 +222,118 @@ def _tiles() -> None:
 SWEEP_MODES = {
     "softmax causal": dict(layout="self", activation="softmax", causal=True),
     "softmax bidirectional": dict(layout="self", activation="softmax"),
+    "silu causal": dict(layout="self", activation="silu", causal=True),
     "silu causal targets": dict(layout="self_targets", activation="silu", causal=True),
     "softmax causal window targets": dict(layout="self_targets", activation="softmax", causal=True, window=48),
+    "softmax causal window": dict(layout="self", activation="softmax", causal=True, window=48),
     "softmax block 64": dict(layout="self", activation="softmax", block_size=64),
     "silu block 32 causal": dict(layout="self", activation="silu", causal=True, block_size=32),
     "softmax cross": dict(layout="cross", activation="softmax"),
+    "silu cross": dict(layout="cross", activation="silu"),
     # Candidates over histories: query segments of at most 64 (the short-query backward) over up to 300 keys.
     "softmax cross short queries": dict(layout="cross", activation="softmax", q_max=64),
     "silu cross short queries causal": dict(layout="cross", activation="silu", causal=True, q_max=32),
     "softmax shared kv causal": dict(layout="shared_kv", activation="softmax", causal=True),
     "gelu shared kv": dict(layout="shared_kv", activation="gelu"),
 }
+# The modes of the shape grid (attention_grid.py).
+GRID_MODES = ["softmax causal", "softmax bidirectional", "silu causal", "silu causal targets", "softmax cross",
+              "silu cross", "softmax block 64"]  # fmt: skip
 
 
-def _sweep(num_shapes: int = 200, modes: list[str] | None = None, device: str = "cuda") -> int:
+def _supports(impl: str, inputs: object, mode: dict) -> bool:
+    """Whether ``impl`` computes ``mode`` on these inputs (``flash``: FA4's exact modes, FA4 installed)."""
+    if impl != "flash":
+        return True
+    from lightning_gem.imports import FA4_AVAILABLE
+    from lightning_gem.ops.attention.impl.flash import unsupported
+
+    reason = unsupported(inputs.q, inputs.v, activation=mode["activation"], block_size=mode.get("block_size"),
+                         kv_index=inputs.kv_index, num_targets=inputs.num_targets,
+                         self_attention=inputs.kv_offsets is None)  # fmt: skip
+    return reason is None and bool(FA4_AVAILABLE)
+
+
+def _sweep(
+    num_shapes: int = 200,
+    modes: list[str] | None = None,
+    device: str = "cuda",
+    impls: tuple[str, ...] = ("triton",),
+    dims: tuple[int, ...] = (32, 64, 128),
+) -> int:
     """Random jagged shapes per mode (bf16 on GPUs, 1-8 segments of 0-300 tokens with an empty and a length-1
-    one, heads 1-4, head dims 32/64/128; the short-query modes draw query segments of at most 32 or 64), forward
-    and backward against the float64 reference: no NaN, and the error within the budget of the same computation
-    done by the reference on the same inputs: 2x its error + 4 ulps of the case's scale (the largest exact value
-    among out, dq, dk, dv: a gradient that is exactly zero, as when every query sees a single key, is judged by
-    the rounding of its case). Returns the number of failures."""
-    from lightning_gem.ops.attention.impl.triton import gdpa_triton
+    one, heads 1-4, head dims cycling through ``dims``; the short-query modes draw query segments of at most 32 or
+    64), forward and backward of ``gdpa(impl=...)`` for each of ``impls`` that computes the mode, against the
+    float64 reference, by FlashAttention's rule: no non-finite value, and per tensor (out, dq, dk, dv)
+    ``max|x - oracle| <= 2 max|x_ref - oracle| + 2 ulp``, where ``x_ref`` is the reference computed in the inputs'
+    own dtype throughout (every matmul, the softmax or activation, the sums) and ``ulp`` the dtype's epsilon at the
+    tensor's scale (the case's largest exact value where the tensor is exactly zero, as a gradient is when every
+    query sees a single key). Returns the number of failures."""
+    from lightning_gem.ops import gdpa
     from lightning_gem.testing.jagged_inputs import make_gdpa_inputs, random_lengths
     from lightning_gem.testing.numerics import max_abs_error
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    print(f"\n== sweep: {num_shapes} random jagged shapes per mode, {dtype}, forward + backward vs float64 ==")
-    print(f"{'mode':32s} {'shapes':>6s} {'failed':>6s} {'non-finite':>10s} {'worst err/budget':>16s}")
+    print(f"\n== sweep: {num_shapes} random jagged shapes per mode, {dtype}, head dims {dims}, impls {impls}, "
+          "forward + backward vs float64 (FlashAttention's rule) ==")  # fmt: skip
+    print(f"{'mode':32s} {'impl':7s} {'shapes':>6s} {'failed':>6s} {'non-finite':>10s} {'worst err/budget':>16s}")
     total_failed = 0
     for name in modes or list(SWEEP_MODES):
         mode = dict(SWEEP_MODES[name])
         gen = torch.Generator().manual_seed(list(SWEEP_MODES).index(name))
         layout = mode.pop("layout")
-        failed = non_finite = 0
-        worst = 0.0
+        stats = {impl: [0, 0, 0, 0.0] for impl in impls}  # shapes, failed, non-finite, worst
         for i in range(num_shapes):
             num_segments = int(torch.randint(1, 9, (), generator=gen))
-            dim = (32, 64, 128)[i % 3] if device == "cuda" else 16
+            dim = dims[i % len(dims)] if device == "cuda" else 16
             heads = int(torch.randint(1, 5, (), generator=gen))
             q_lengths = random_lengths(num_segments, mode["q_max"], gen) if "q_max" in mode else None
             inputs = make_gdpa_inputs(layout, gen, num_segments=num_segments, max_len=300, q_lengths=q_lengths,
                                       heads=heads, dim=dim, dim_v=dim, dtype=dtype)  # fmt: skip
-            dev = {
-                n: None if t is None else t.to(device) for n, t in vars(inputs).items() if isinstance(t, torch.Tensor)
-            }
+            dev = {n: t.to(device) for n, t in vars(inputs).items() if isinstance(t, torch.Tensor)}
+            inputs = inputs.with_qkv(dev["q"], dev["k"], dev["v"])
+            for field in ("q_offsets", "kv_offsets", "kv_index", "num_targets"):
+                setattr(inputs, field, dev.get(field))
             kv_offsets = dev["q_offsets"] if dev.get("kv_offsets") is None else dev["kv_offsets"]
             jagged = (dev["q_offsets"], kv_offsets, dev.get("kv_index"), dev.get("num_targets"))
             options = dict(activation=mode["activation"], causal=mode.get("causal", False), window=mode.get("window"),
                            block_size=mode.get("block_size"), scale=1 / math.sqrt(dim))  # fmt: skip
             q, k, v = dev["q"], dev["k"], dev["v"]
             grad_out = torch.randn(q.shape[0], heads, dim, generator=gen).to(device, dtype)
-            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            out = gdpa_triton(*leaves, *jagged, **options)
-            grads = torch.autograd.grad(out, leaves, grad_out) if q.shape[0] else (q, k, v)
             f64 = [t.double() for t in (q, k, v)]
             oracle = [gdpa_reference(*f64, *jagged, **options)]
             oracle += gdpa_reference_backward(grad_out.double(), *f64, *jagged, **options)
-            same = [gdpa_reference(q, k, v, *jagged, **options)]
-            same += gdpa_reference_backward(grad_out, q, k, v, *jagged, **options)
+            same = [gdpa_reference(q, k, v, *jagged, **options, compute_dtype=dtype)]
+            same += gdpa_reference_backward(grad_out, q, k, v, *jagged, **options, compute_dtype=dtype)
             case_scale = max(float(t.abs().max()) if t.numel() else 0.0 for t in oracle)
-            ulp = torch.finfo(dtype).eps * case_scale
-            bad = False
-            for got, exact, ref in zip([out, *grads], oracle, same, strict=True):
-                if got.numel() == 0:
+            gdpa_options = {key: value for key, value in options.items() if value is not None or key == "window"}
+            for impl in impls:
+                if not _supports(impl, inputs, mode):
                     continue
-                if not bool(torch.isfinite(got).all()):
-                    non_finite += 1
-                budget = 2 * max_abs_error(ref, exact) + 4 * ulp
-                ratio = max_abs_error(got, exact) / max(budget, 1e-30)
-                worst = max(worst, ratio)
-                bad = bad or ratio > 1
-            failed += bad
-            if (i + 1) % 50 == 0 and i + 1 < num_shapes:
-                print(
-                    f"  {name}: {i + 1} shapes, {failed} failed, {non_finite} non-finite, worst {worst:.3f}", flush=True
-                )
-        total_failed += failed + non_finite
-        print(f"{name:32s} {num_shapes:6d} {failed:6d} {non_finite:10d} {worst:16.3f}", flush=True)
-    print(f"sweep: {'all within budget, no NaN' if total_failed == 0 else f'{total_failed} failures'}")
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                out = gdpa(*leaves, inputs.q_offsets, inputs.kv_offsets, kv_index=inputs.kv_index,
+                           num_targets=inputs.num_targets, impl=impl, **gdpa_options)  # fmt: skip
+                grads = torch.autograd.grad(out, leaves, grad_out) if q.shape[0] else (q, k, v)
+                bad = non_finite = False
+                worst = 0.0
+                for got, exact, ref in zip([out, *grads], oracle, same, strict=True):
+                    if got.numel() == 0:
+                        continue
+                    non_finite = non_finite or not bool(torch.isfinite(got).all())
+                    scale = float(exact.abs().max()) or case_scale
+                    budget = 2 * max_abs_error(ref, exact) + 2 * torch.finfo(dtype).eps * scale
+                    ratio = max_abs_error(got, exact) / max(budget, 1e-30)
+                    worst = max(worst, ratio)
+                    bad = bad or ratio > 1
+                row = stats[impl]
+                row[0] += 1
+                row[1] += bad
+                row[2] += non_finite
+                row[3] = max(row[3], worst)
+        for impl, (shapes, failed, non_finite, worst) in stats.items():
+            total_failed += failed + non_finite
+            print(f"{name:32s} {impl:7s} {shapes:6d} {failed:6d} {non_finite:10d} {worst:16.3f}", flush=True)
+    print(f"sweep: {'all within budget, no non-finite value' if total_failed == 0 else f'{total_failed} failures'}")
     return total_failed
 
 
@@ -339,21 +375,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sections", nargs="*", default=["compile", "bf16", "sweep", "speed"], choices=list(SECTIONS))
     parser.add_argument(
-        "--modes", help=f"comma-separated sweep modes or their indices (default all): {', '.join(SWEEP_MODES)}"
+        "--modes",
+        help=f"comma-separated sweep modes or their indices, or 'grid' (default all): {', '.join(SWEEP_MODES)}",
     )
     parser.add_argument("--shapes", type=int, default=200, help="random shapes per sweep mode (default 200)")
+    parser.add_argument("--impls", default="triton", help="comma-separated gdpa impls of the sweep (default triton)")
+    parser.add_argument("--dims", default="32,64,128", help="comma-separated head dims of the sweep")
+    parser.add_argument("--out", help="also write the sweep's failure count here (JSON)")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     for name in args.sections:
         start = time.perf_counter()
         try:
             if name == "sweep":
-                picked = (
-                    [list(SWEEP_MODES)[int(m)] if m.isdigit() else m for m in args.modes.split(",")]
-                    if args.modes
-                    else None
-                )
-                _sweep(args.shapes, picked)
+                if args.modes == "grid":
+                    picked = GRID_MODES
+                elif args.modes:
+                    picked = [list(SWEEP_MODES)[int(m)] if m.isdigit() else m for m in args.modes.split(",")]
+                else:
+                    picked = None
+                dims = tuple(int(d) for d in args.dims.split(","))
+                failures = _sweep(args.shapes, picked, impls=tuple(args.impls.split(",")), dims=dims)
+                if args.out:
+                    Path(args.out).write_text(json.dumps({"failures": failures}))
             else:
                 SECTIONS[name]()
         except Exception:  # noqa: BLE001  (print and go on: one call should report every section)

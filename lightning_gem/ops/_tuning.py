@@ -11,7 +11,7 @@ import torch
 
 from lightning_gem.ops._launch import compile_only
 
-__all__ = ["can_time", "pick_fastest"]
+__all__ = ["can_time", "measure", "pick_fastest"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,32 @@ def _compile_all(candidates: list[T], run: Callable[[T], None]) -> None:
                     continue
 
 
+def measure(candidates: list[T], run: Callable[[T], None], *, rounds: int = 3, reps: int = 3) -> dict[T, float]:
+    """Milliseconds per run of each candidate: each runs once (compiling it), then ``rounds`` rounds take the
+    candidates in turn and time ``reps`` runs of each between CUDA events; a candidate's time is the median of its
+    rounds (interleaving spreads clock and thermal drift over every candidate alike). One that fails to run (out of
+    shared memory and kin) is left out."""
+    usable = []
+    for candidate in candidates:
+        try:
+            run(candidate)
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001  (triton.runtime.OutOfResources and kin: not a candidate here)
+            continue
+        usable.append(candidate)
+    samples: dict[T, list[float]] = {c: [] for c in usable}
+    for _ in range(rounds):
+        for candidate in usable:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                run(candidate)
+            end.record()
+            end.synchronize()
+            samples[candidate].append(start.elapsed_time(end) / reps)
+    return {c: sorted(times)[len(times) // 2] for c, times in samples.items()}
+
+
 def pick_fastest(
     registry: dict[Hashable, T],
     key: Hashable,
@@ -58,15 +84,16 @@ def pick_fastest(
     *,
     timing: bool = True,
     compile_first: bool = False,
+    timings: dict[T, float] | None = None,
 ) -> T:
     """The candidate for ``key``: the one remembered in ``registry``, else (when ``timing`` and :func:`can_time`
-    allow) the fastest, remembered; else the first, not remembered.
+    allow) the fastest by :func:`measure`, remembered; else the first, not remembered.
 
     ``run(candidate)`` launches the kernel with that candidate on the call's own buffers (kernels that only write
-    their outputs, so running one several times is harmless). Each candidate runs once (compiling it), then five
-    times between CUDA events; one that fails there (shared memory) is dropped. ``compile_first`` compiles them
-    all at once on a thread pool beforehand. A key holding symbolic sizes (tracing with dynamic shapes) can be
-    neither looked up nor timed: the first candidate.
+    their outputs, so running one several times is harmless). ``compile_first`` compiles them all at once on a
+    thread pool beforehand. ``timings``, when given, receives the measured milliseconds of each candidate (only
+    when they are timed now). A key holding symbolic sizes (tracing with dynamic shapes) can be neither looked up
+    nor timed: the first candidate.
     """
     if len(candidates) == 1:
         return candidates[0]
@@ -80,22 +107,10 @@ def pick_fastest(
         return candidates[0]
     if compile_first:
         _compile_all(candidates, run)
-    best, best_ms = candidates[0], float("inf")
-    for candidate in candidates:
-        try:
-            run(candidate)
-            torch.cuda.synchronize()
-        except Exception:  # noqa: BLE001  (triton.runtime.OutOfResources and kin: not a candidate here)
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            run(candidate)
-        end.record()
-        end.synchronize()
-        ms = start.elapsed_time(end)
-        if ms < best_ms:
-            best, best_ms = candidate, ms
+    measured = measure(candidates, run)
+    best = min(measured, key=measured.__getitem__) if measured else candidates[0]
+    if timings is not None:
+        timings.update(measured)
     registry[key] = best
     log.debug("tuned %s: %s", key, best)
     return best

@@ -17,7 +17,7 @@ from lightning_gem.ops.attention.impl.reference import ACTIVATIONS
 
 __all__ = ["IMPLS", "block_attention", "gdpa", "hstu_attention", "jagged_flash_attention", "resolve_impl"]
 
-IMPLS = ("auto", "reference", "triton", "padded")
+IMPLS = ("auto", "reference", "triton", "flash", "padded")
 
 
 def gdpa(
@@ -87,9 +87,15 @@ def gdpa(
         scale: score scale; default ``1 / sqrt(D)``.
         max_seq_len_q, max_seq_len_kv: upper bounds on ``Lq`` / ``Lk`` (kernels use them as runtime
             hints to size grids without a device sync); checked when ``check_offsets``.
-        impl: ``"reference"`` (pure PyTorch), ``"triton"`` (kernels: CUDA, or CPU under
-            ``TRITON_INTERPRET=1``; fp16/bf16/fp32), or ``"auto"`` (Triton on CUDA sm_80+ for those dtypes,
-            else the reference). ``"padded"``: the baseline a model without jagged kernels runs (padded
+        impl: ``"reference"`` (pure PyTorch), ``"triton"`` (the kit's kernels: CUDA, or CPU under
+            ``TRITON_INTERPRET=1``; fp16/bf16/fp32), ``"flash"`` (FlashAttention-4's varlen kernels, the optional
+            ``[fa4]`` extra: plain softmax modes only, fp16/bf16 on sm_90+; no targets, no ``kv_index``, blocks
+            only in self-attention), or ``"auto"``: on CUDA sm_80+ for fp16/bf16/fp32, the fastest of the Triton
+            tile shapes and (where it computes the mode exactly, FA4 is installed and ``deterministic`` is off)
+            FlashAttention-4, timed on the first call of each key (mode, dtype, head dims, heads, length and work
+            buckets; the forward and the backward each on its own) and logged at INFO level; under
+            ``torch.compile`` the Triton kernels with the tiles timed in eager for the key, else a default
+            shape; elsewhere the reference. ``"padded"``: the baseline a model without jagged kernels runs (padded
             ``[B, H, Lmax, D]`` tensors, a dense mask, SDPA or eager pointwise; memory ``B * Lmax**2``),
             kept to measure the kit against. A named impl never falls back: it raises if it cannot run.
         check_offsets: validate offsets, indices and targets by reading their values (a device sync).
@@ -161,9 +167,15 @@ def gdpa(
         return gdpa_triton(
             *tensors, activation=activation, causal=causal, window=window, block_size=block_size, scale=float(scale),
             max_seq_len_q=max_seq_len_q, max_seq_len_kv=max_seq_len_kv, deterministic=deterministic,
+            flash=impl == "auto",
         )  # fmt: skip
     mode = {"activation": activation, "causal": causal, "window": window, "block_size": block_size}
     hints = {"max_seq_len_q": max_seq_len_q, "max_seq_len_kv": max_seq_len_kv}
+    if resolved == "flash":
+        from lightning_gem.ops.attention.impl.flash import gdpa_flash
+
+        return gdpa_flash(*tensors, **mode, scale=float(scale), **hints, deterministic=deterministic,
+                          self_attention=self_attention)  # fmt: skip
     if resolved == "padded":
         from lightning_gem.ops.attention.impl.padded import gdpa_padded
 
@@ -176,7 +188,8 @@ def gdpa(
 
 
 def resolve_impl(impl: str, q: Tensor) -> str:
-    """The implementation ``impl`` names for inputs like ``q``: ``"reference"``, ``"triton"`` or ``"padded"``."""
+    """The implementation ``impl`` names for inputs like ``q``: ``"reference"``, ``"triton"``, ``"flash"`` or
+    ``"padded"`` (``"auto"`` resolves to ``"triton"``, whose tuner may then pick FlashAttention-4, or the reference)."""
     if impl not in IMPLS:
         raise ValueError(f"`impl` must be one of {IMPLS}, got {impl!r}")
     if impl != "auto":

@@ -136,6 +136,12 @@ def _gather(x_HTD: Tensor, idx: Tensor, compute: torch.dtype) -> Tensor:
     return x_HTD.index_select(1, idx.reshape(-1)).view(num_heads, *idx.shape, dim).to(compute)
 
 
+def _compute_dtype(q: Tensor, override: torch.dtype | None) -> torch.dtype:
+    if override is not None:
+        return override
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
 def _head_major(x: Tensor) -> Tensor:
     return x.transpose(0, 1).contiguous()
 
@@ -154,15 +160,18 @@ def gdpa_reference(
     window: int | None,
     block_size: int | None,
     scale: float,
+    compute_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """GDPA forward on validated inputs (see :func:`lightning_gem.ops.gdpa` for the contract).
 
     Shapes: q ``[Tq, H, D]``, k ``[Tk, H, D]``, v ``[Tk, H, Dv]``, q_offsets ``[B + 1]``,
     kv_offsets ``[Bkv + 1]``, kv_index ``[B]`` or None, num_targets ``[B]`` or None. Returns ``[Tq, H, Dv]``.
+    ``compute_dtype`` overrides the dtype every step runs in (default float32, float64 for float64 inputs):
+    the inputs' own low precision gives the error budget of a same-precision computation in tests.
     """
     # Computes in float32 (float64 for float64 inputs) also under autocast, which is off inside.
     with torch.autocast(q.device.type, enabled=False):
-        compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+        compute = _compute_dtype(q, compute_dtype)
         out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2], dtype=compute)
         q_h, k_h, v_h = _head_major(q), _head_major(k), _head_major(v)
         rows, values = [], []
@@ -198,8 +207,10 @@ def gdpa_reference_backward(
     window: int | None,
     block_size: int | None,
     scale: float,
+    compute_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients ``(dq, dk, dv)`` of :func:`gdpa_reference`, written out as a kernel computes them.
+    """Gradients ``(dq, dk, dv)`` of :func:`gdpa_reference`, written out as a kernel computes them (in
+    ``compute_dtype``, as :func:`gdpa_reference`).
 
     With ``S = scale Q K^T`` and ``O = P V`` (pointwise: ``P = mask * act(S) / Lk``): ``dV = P^T dO``,
     ``dP = dO V^T``; softmax: ``dS = P * (dP - rowsum(dO * O))``; pointwise: ``dS = mask * act'(S) * dP / Lk``; then
@@ -207,7 +218,7 @@ def gdpa_reference_backward(
     """
     # Computes in float32 (float64 for float64 inputs) also under autocast, which is off inside.
     with torch.autocast(q.device.type, enabled=False):
-        compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+        compute = _compute_dtype(q, compute_dtype)
         dq = torch.zeros(q.shape, dtype=compute, device=q.device)
         dk = torch.zeros(k.shape, dtype=compute, device=k.device)
         dv = torch.zeros(v.shape, dtype=compute, device=v.device)

@@ -1,8 +1,15 @@
 """Tile shapes of the GDPA kernels: a few candidates per kernel and mode, and a tuner that times them once per key.
 
-The key is what changes the best shape: the kernel, head dims, dtype, the mode's compile-time flags and the
-length hints bucketed to powers of two. Lengths stay runtime values in the kernels, so a new batch with a
-new longest sequence neither recompiles nor retunes unless it crosses a power of two.
+The key is what changes the best shape: the kernel, head dims, dtype, the mode's compile-time flags, the
+length hints bucketed to powers of two, the number of heads and the total work (``Tq x H x Tk / Bkv``, queries
+times heads times the mean kv segment, bucketed to powers of two). Lengths stay runtime values in the kernels, so
+a new batch neither recompiles nor retunes unless its longest segment or its work crosses a power of two: a
+training run whose batches hold about the same number of tokens tunes a key or two per layer shape.
+
+``impl="auto"`` adds :data:`FLASH` (FlashAttention-4, :mod:`..flash`) to the candidates where it computes the mode
+exactly; its key says so. The fastest Triton candidate of that timing is remembered too, under the key without
+FlashAttention-4, which is what a traced call of the same shape (``torch.compile``, where only the Triton kernels
+are traced) then uses. Each such choice is logged at INFO level with the times it was made on.
 
 The tuner compiles a key's candidates at once on a thread pool, then times them on the call's own inputs
 (CUDA events, after one warm-up run), only for real CUDA tensors outside tracing and graph capture;
@@ -15,6 +22,7 @@ Once a key's choice is made, the launch options built from it (constexprs and ti
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Hashable
 from typing import NamedTuple, TypeVar
@@ -25,6 +33,7 @@ from lightning_gem.ops._tuning import pick_fastest
 from lightning_gem.ops.attention.impl.triton._common import next_power_of_2
 
 __all__ = [
+    "FLASH",
     "BackwardTiles",
     "Tiles",
     "backward_candidates",
@@ -35,7 +44,10 @@ __all__ = [
     "pick_launch",
     "pick_tiles",
     "tile_meta",
+    "work_bucket",
 ]
+
+log = logging.getLogger(__name__)
 
 
 T = TypeVar("T")
@@ -64,6 +76,9 @@ class BackwardTiles(NamedTuple):
     tma: bool = False
 
 
+# The candidate that runs FlashAttention-4's kernel instead of a Triton launch (``impl="auto"`` only).
+FLASH = "flash"
+
 # The longest query segment the short-query backward holds in one tile.
 SHORT_QUERY_ROWS = 64
 
@@ -76,6 +91,16 @@ _LAUNCHES: dict[tuple, tuple] = {}
 def length_bucket(length: int) -> int:
     """The power of two at or above ``length`` (16 at least): the tuner's key for a length hint."""
     return max(16, next_power_of_2(max(int(length), 1)))
+
+
+def work_bucket(num_q: int, heads: int, num_kv: int, num_kv_segments: int) -> int | None:
+    """The tuner's key for a call's total work: the bit length of ``Tq x H x (Tk / Bkv)`` (queries times heads
+    times the mean kv segment, read from shapes alone: no sync), so keys change at powers of two. None for
+    symbolic sizes (a trace with dynamic shapes: reading them would specialize the graph)."""
+    sizes = (num_q, heads, num_kv, num_kv_segments)
+    if not all(type(size) is int for size in sizes):
+        return None
+    return (num_q * heads * max(1, num_kv // max(1, num_kv_segments))).bit_length()
 
 
 def _block_tiles(block_size: int | None) -> int | None:
@@ -191,8 +216,11 @@ def pick_tiles(
 ) -> T:
     """The tiles for ``key``: the remembered choice, else (when timing is possible) the fastest of
     ``candidates()``, compiled all at once first (:func:`lightning_gem.ops._tuning.pick_fastest`; ``run(tiles)``
-    launches the kernel with ``tiles`` on the call's own buffers, ``tensors`` are the call's inputs). The
-    candidates are only listed for a key not chosen yet. ``LIGHTNING_GEM_GDPA_TUNE=0`` turns timing off."""
+    launches the kernel with that candidate on the call's own buffers, ``tensors`` are the call's inputs). The
+    candidates are only listed for a key not chosen yet. ``LIGHTNING_GEM_GDPA_TUNE=0`` turns timing off.
+
+    A key whose last entry is True holds :data:`FLASH` among its candidates (``impl="auto"``): the best Triton
+    candidate is remembered under the same key ending in False too, and the choice is logged."""
     try:
         chosen = _CHOSEN.get(key)
     except TypeError:  # an unhashable SymInt in the key (tracing with dynamic shapes)
@@ -200,7 +228,27 @@ def pick_tiles(
     if chosen is not None:
         return chosen
     timing = os.environ.get("LIGHTNING_GEM_GDPA_TUNE", "1") != "0"
-    return pick_fastest(_CHOSEN, key, candidates(), run, tensors, timing=timing, compile_first=True)
+    listed = candidates()
+    timings: dict = {}
+    chosen = pick_fastest(_CHOSEN, key, listed, run, tensors, timing=timing, compile_first=True, timings=timings)
+    if timings and FLASH in listed:
+        _remember_auto(key, chosen, timings)
+    return chosen
+
+
+def _remember_auto(key: tuple, chosen: object, timings: dict) -> None:
+    """After an ``impl="auto"`` timing: the fastest Triton candidate under the key without FlashAttention-4, and a
+    log line of what was chosen."""
+    kernels = {c: ms for c, ms in timings.items() if c != FLASH}
+    if kernels:
+        _CHOSEN.setdefault((*key[:-1], False), min(kernels, key=kernels.__getitem__))
+    best_kernel = min(kernels.items(), key=lambda item: item[1]) if kernels else None
+    log.info(
+        "GDPA impl='auto' %s: %s (%.3f ms); FlashAttention-4 %s, best Triton %s",
+        key[0], "FlashAttention-4" if chosen == FLASH else f"Triton {tuple(chosen)}", timings.get(chosen, float("nan")),
+        f"{timings[FLASH]:.3f} ms" if FLASH in timings else "failed",
+        f"{tuple(best_kernel[0])} {best_kernel[1]:.3f} ms" if best_kernel else "none",
+    )  # fmt: skip
 
 
 def pick_launch(

@@ -48,6 +48,7 @@ from lightning_gem.ops.attention.impl.triton._common import (
     next_power_of_2,
 )
 from lightning_gem.ops.attention.impl.triton._tuning import (
+    FLASH,
     SHORT_QUERY_ROWS,
     BackwardTiles,
     Tiles,
@@ -55,8 +56,10 @@ from lightning_gem.ops.attention.impl.triton._tuning import (
     length_bucket,
     pick_launch,
     tile_meta,
+    work_bucket,
 )
 from lightning_gem.ops.attention.impl.triton.backward_short import _gdpa_bwd_short_kernel
+from lightning_gem.ops.attention.impl.triton.forward import flash_candidate
 
 __all__ = ["gdpa_backward"]
 
@@ -489,6 +492,7 @@ def gdpa_backward(
     max_seq_len_q: int,
     max_seq_len_kv: int,
     deterministic: bool = False,
+    flash: bool = False,
     dkdv_tiles: Tiles | None = None,
     dq_tiles: Tiles | None = None,
     short_tiles: Tiles | None = None,
@@ -502,8 +506,14 @@ def gdpa_backward(
     (alone: the atomic kernel), both tiles (the one-launch kernel) or ``short_tiles`` (the short-query kernel,
     whose ``block_m`` must hold the longest query segment) override the tuned choice; ``bulk_dq`` with
     ``dkdv_tiles`` alone adds dQ through bulk tensor reductions (:func:`bulk_reduction_ok`). Returns ``(dq, dk, dv)``
-    in the inputs' dtypes.
+    in the inputs' dtypes. ``flash`` (``impl="auto"``, softmax modes FlashAttention-4 computes exactly) lets the
+    tuner pick FlashAttention-4's backward instead, from the same ``out`` and ``lse``.
     """
+    use_flash = flash and flash_candidate(q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation,
+                                          block_size)  # fmt: skip
+    flash_mode = dict(causal=causal, window=window, block_size=block_size, scale=scale, max_seq_len_q=max_seq_len_q,
+                      max_seq_len_kv=max_seq_len_kv)  # fmt: skip
+    flash_inputs = (grad_out, q, k, v, out, lse, q_offsets, kv_offsets)
     grad_out, do_strides = dense_rows(grad_out)
     (q, q_strides), (k, k_strides), (v, v_strides) = dense_rows(q), dense_rows(k), dense_rows(v)
     num_q, heads, head_dim = q.shape
@@ -543,7 +553,9 @@ def gdpa_backward(
             dq_buffers[dtype] = torch.empty_like(q, dtype=dtype, memory_format=torch.contiguous_format)
         return dq_buffers[dtype]
 
-    def options(plan: BackwardTiles) -> dict[str, object]:
+    def options(plan: BackwardTiles | str) -> dict[str, object]:
+        if plan == FLASH:
+            return {}
         meta = kernel_options(head_dim, head_dim_v, flags, q.dtype, fast)
         if plan.short:  # no kv index and no targets on that path
             del meta["HAS_KV_INDEX"], meta["HAS_TARGETS"]
@@ -555,7 +567,12 @@ def gdpa_backward(
         meta.update(tile_meta(plan.dkdv))
         return meta
 
-    def run(plan: BackwardTiles, meta: dict[str, object]) -> None:
+    def run(plan: BackwardTiles | str, meta: dict[str, object]) -> None:
+        if plan == FLASH:
+            from lightning_gem.ops.attention.impl.flash import flash_backward
+
+            flash_backward(*flash_inputs, **flash_mode)
+            return
         tiles = plan.dkdv
         if plan.short:  # softmax's delta comes from the kernel's own rows of O and dO
             dq = dq_buffer(q.dtype)
@@ -607,15 +624,21 @@ def gdpa_backward(
     else:
         # The key fixes short_query too: the flags hold kv_index and targets, the bucket the longest query segment.
         key = ("bwd", deterministic, head_dim, head_dim_v, q.dtype, flags, block_size, length_bucket(max_seq_len_q),
-               length_bucket(max_seq_len_kv))  # fmt: skip
+               length_bucket(max_seq_len_kv), heads, work_bucket(num_q, heads, k.shape[0], num_kv_segments),
+               use_flash)  # fmt: skip
 
-        def candidates() -> list[BackwardTiles]:
-            return backward_candidates(q.dtype, q.device, head_dim, deterministic=deterministic,
-                                       block_size=block_size, max_len_q=max_seq_len_q, short_query=short_query,
-                                       tma=bulk_reduction_ok(q))  # fmt: skip
+        def candidates() -> list[BackwardTiles | str]:
+            plans = backward_candidates(q.dtype, q.device, head_dim, deterministic=deterministic,
+                                        block_size=block_size, max_len_q=max_seq_len_q, short_query=short_query,
+                                        tma=bulk_reduction_ok(q))  # fmt: skip
+            return [*plans, FLASH] if use_flash else plans
 
         plan, meta = pick_launch(key, (q.device.type, fast), candidates, lambda p: run(p, options(p)),
                                  (q, k, v, grad_out), options)  # fmt: skip
+    if plan == FLASH:
+        from lightning_gem.ops.attention.impl.flash import flash_backward
+
+        return flash_backward(*flash_inputs, **flash_mode)
     run(plan, meta)
     if plan.dq is None and not plan.short:
         return dq_buffers[torch.float32].to(q.dtype), dk, dv

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightning_gem.ops._launch import plain_eager
 from lightning_gem.ops.attention.impl.triton._common import (
     LOG2E,
     _activation,
@@ -41,11 +42,13 @@ from lightning_gem.ops.attention.impl.triton._common import (
     mode_flags,
 )
 from lightning_gem.ops.attention.impl.triton._tuning import (
+    FLASH,
     Tiles,
     candidate_tiles,
     length_bucket,
     pick_launch,
     tile_meta,
+    work_bucket,
 )
 
 __all__ = ["gdpa_forward"]
@@ -189,11 +192,14 @@ def gdpa_forward(
     block_size: int | None,
     scale: float,
     max_seq_len_q: int,
+    max_seq_len_kv: int | None = None,
+    flash: bool = False,
     tiles: Tiles | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Launch the forward kernel. Returns ``out [Tq, H, DV]`` (q's dtype) and ``lse [H, Tq]`` (fp32, base 2;
     empty for pointwise activations). ``max_seq_len_q`` sizes the grid and must bound every ``Lq``;
-    ``tiles`` overrides the tuned choice (:mod:`._tuning`).
+    ``tiles`` overrides the tuned choice (:mod:`._tuning`). ``flash`` (``impl="auto"``) lets the tuner pick
+    FlashAttention-4 instead (:func:`flash_candidate`), which needs ``max_seq_len_kv``.
     """
     (q, q_strides), (k, k_strides), (v, v_strides) = dense_rows(q), dense_rows(k), dense_rows(v)
     num_q, heads, head_dim = q.shape
@@ -217,23 +223,63 @@ def gdpa_forward(
     flags = mode_flags(activation, causal, window, block_size, kv_index, num_targets)
     fast = fast_math(q)
 
-    def options(tiles: Tiles) -> dict[str, object]:
+    use_flash = flash and flash_candidate(q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation,
+                                          block_size)  # fmt: skip
+    mode = dict(causal=causal, window=window, block_size=block_size, scale=scale, max_seq_len_q=max_seq_len_q,
+                max_seq_len_kv=max_seq_len_kv)  # fmt: skip
+
+    def options(tiles: Tiles | str) -> dict[str, object]:
+        if tiles == FLASH:
+            return {}
         return {**kernel_options(head_dim, head_dim_v, flags, q.dtype, fast), **tile_meta(tiles)}
 
-    def run(tiles: Tiles, meta: dict[str, object]) -> None:
+    def run(tiles: Tiles | str, meta: dict[str, object]) -> None:
+        if tiles == FLASH:
+            from lightning_gem.ops.attention.impl.flash import flash_forward
+
+            flash_forward(q, k, v, q_offsets, kv_offsets, **mode)
+            return
         grid = (num_segments, heads, max(1, cdiv(max_seq_len_q, tiles.block_m)))
         launch(_gdpa_fwd_kernel, grid, args, meta)
 
     if tiles is None:
-        key = ("fwd", head_dim, head_dim_v, q.dtype, flags, block_size, length_bucket(max_seq_len_q))
+        key = ("fwd", head_dim, head_dim_v, q.dtype, flags, block_size, length_bucket(max_seq_len_q), heads,
+               work_bucket(num_q, heads, k.shape[0], kv_offsets.shape[0] - 1), use_flash)  # fmt: skip
 
-        def candidates() -> list[Tiles]:
-            return candidate_tiles("fwd", q.dtype, q.device, head_dim, block_size=block_size,
-                                   max_len_q=max_seq_len_q)  # fmt: skip
+        def candidates() -> list[Tiles | str]:
+            tiles = candidate_tiles("fwd", q.dtype, q.device, head_dim, block_size=block_size, max_len_q=max_seq_len_q)
+            return [*tiles, FLASH] if use_flash else tiles
 
         tiles, meta = pick_launch(key, (q.device.type, fast), candidates, lambda t: run(t, options(t)), (q, k, v),
                                   options)  # fmt: skip
     else:
         meta = options(tiles)
+    if tiles == FLASH:
+        from lightning_gem.ops.attention.impl.flash import flash_forward
+
+        return flash_forward(q, k, v, q_offsets, kv_offsets, **mode)
     run(tiles, meta)
     return out, lse
+
+
+def flash_candidate(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_offsets: Tensor,
+    kv_offsets: Tensor,
+    kv_index: Tensor | None,
+    num_targets: Tensor | None,
+    activation: str,
+    block_size: int | None,
+) -> bool:
+    """Whether ``impl="auto"`` may time FlashAttention-4 on this call: a plain eager call (nothing traces it), a
+    mode FA4 computes exactly (:func:`lightning_gem.ops.attention.impl.flash.unsupported`) and FA4 installed."""
+    if not q.is_cuda or not plain_eager((q, k, v)):
+        return False
+    from lightning_gem.imports import FA4_AVAILABLE
+    from lightning_gem.ops.attention.impl.flash import unsupported
+
+    reason = unsupported(q, v, activation=activation, block_size=block_size, kv_index=kv_index,
+                         num_targets=num_targets, self_attention=kv_offsets is q_offsets)  # fmt: skip
+    return reason is None and bool(FA4_AVAILABLE)

@@ -42,14 +42,18 @@ def _forward(
     max_seq_len_q: int,
     max_seq_len_kv: int,
     deterministic: bool = False,
+    flash: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Forward: ``(out [Tq, H, Dv], lse [H, Tq] fp32 base-2 log-sum-exp; empty unless softmax)``.
 
-    ``deterministic`` is for the backward (saved with the inputs); the forward is deterministic anyway.
+    ``deterministic`` is for the backward (saved with the inputs); the forward is deterministic anyway. ``flash``
+    (``impl="auto"``): FlashAttention-4 is one more candidate of the tuner, forward and backward, in plain eager
+    calls of the modes it computes exactly.
     """
     return gdpa_forward(
         q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation=activation, causal=causal,
         window=window, block_size=block_size, scale=scale, max_seq_len_q=max_seq_len_q,
+        max_seq_len_kv=max_seq_len_kv, flash=flash,
     )  # fmt: skip
 
 
@@ -72,13 +76,14 @@ def _backward_kernels(
     max_seq_len_q: int,
     max_seq_len_kv: int,
     deterministic: bool = False,
+    flash: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Backward: ``(dq, dk, dv)``; ``out`` and ``lse`` are read for softmax only; ``deterministic``: dQ without
-    atomics (bitwise reproducible)."""
+    atomics (bitwise reproducible); ``flash``: FlashAttention-4's backward is one more candidate (``impl="auto"``)."""
     return gdpa_backward(
         grad_out, q, k, v, out, lse, q_offsets, kv_offsets, kv_index, num_targets, activation=activation,
         causal=causal, window=window, block_size=block_size, scale=scale, max_seq_len_q=max_seq_len_q,
-        max_seq_len_kv=max_seq_len_kv, deterministic=deterministic,
+        max_seq_len_kv=max_seq_len_kv, deterministic=deterministic, flash=flash,
     )  # fmt: skip
 
 
@@ -114,7 +119,7 @@ def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):  # noqa: A
     """``(dq, dk, dv)`` from what :func:`_save` kept, and no gradient for the other inputs."""
     saved = ctx.saved_tensors
     dq, dk, dv = _gdpa_triton_backward_op(_grad_or_zeros(grad_out, saved), *saved, *ctx.options)
-    return dq, dk, dv, *(None,) * 12
+    return dq, dk, dv, *(None,) * 13
 
 
 _gdpa_triton_op.register_autograd(_backward, setup_context=_setup_context)
@@ -203,14 +208,16 @@ def gdpa_triton(
     max_seq_len_q: int | None = None,
     max_seq_len_kv: int | None = None,
     deterministic: bool = False,
+    flash: bool = False,
 ) -> Tensor:
     """GDPA through the Triton kernels, differentiable; inputs already validated by :func:`lightning_gem.ops.gdpa`.
 
     Same arguments as :func:`lightning_gem.ops.attention.impl.reference.gdpa_reference` (``kv_offsets``
     given: pass ``q_offsets`` for self-attention), plus the length hints and ``deterministic`` (the
     backward computes dQ in its own kernel instead of accumulating it with fp32 atomics: bitwise
-    reproducible, somewhat slower). A missing hint is read from the
-    offsets (one device sync) in eager mode and replaced by the token count under ``torch.compile``
+    reproducible, somewhat slower) and ``flash`` (``impl="auto"``: FlashAttention-4 among the tuner's candidates,
+    where it computes the mode exactly and the call is plain eager; never with ``deterministic``). A missing hint
+    is read from the offsets (one device sync) in eager mode and replaced by the token count under ``torch.compile``
     (correct, but launches more empty programs): pass the hints on hot paths.
 
     Returns:
@@ -232,7 +239,8 @@ def gdpa_triton(
     if max_seq_len_kv is None:
         max_seq_len_kv = _max_length(kv_offsets, k.shape[0])
     tensors = (q, k, v, q_offsets, kv_offsets, kv_index, num_targets)
-    options = (activation, causal, window, block_size, float(scale), max_seq_len_q, max_seq_len_kv, deterministic)
+    options = (activation, causal, window, block_size, float(scale), max_seq_len_q, max_seq_len_kv, deterministic,
+               flash and not deterministic)  # fmt: skip
     if not plain_eager(tensors):
         return _gdpa_triton_op(*tensors, *options)[0]
     if _records_graph(q, k, v):

@@ -1,0 +1,326 @@
+"""GDPA through FlashAttention-4's varlen kernels: ``impl="flash"``, and one candidate of ``impl="auto"``.
+
+FlashAttention-4 (``flash-attn-4``, CuTe DSL; the optional ``[fa4]`` extra) computes GDPA's plain softmax modes
+exactly, and only those are sent to it (:func:`unsupported` names what it cannot do):
+
+- causal or bidirectional self-attention, with or without a ``window`` (FA4's ``(left, right)`` window around the
+  diagonal: ``(w, w)``, or ``(w, 0)`` when causal);
+- cross-attention (query segments over their own kv segments; FA4 aligns causal masks and windows bottom-right,
+  as GDPA does: ``p(i) = i + Lk - Lq``);
+- BlockAttention of self-attention: each ``block_size`` block of a segment is one varlen segment of its own (the
+  block offsets are built on the device, no sync), inside which causal and window rules are unchanged.
+
+Targets (``num_targets``), shared kv segments (``kv_index``) and pointwise activations have no FA4 kernel.
+
+The log-sum-exp this module returns and takes follows the kit's kernels: ``[H, Tq]`` fp32 in base 2, ``+inf``
+for a row that sees no key (FA4's own is natural-log with ``-inf`` there). So a forward by one backend can be
+followed by the other's backward, which is how ``impl="auto"`` picks the forward and the backward separately.
+
+FA4 is called through its varlen forward and backward functions (``_flash_attn_fwd`` / ``_flash_attn_bwd``, of
+the pinned version, :mod:`lightning_gem.imports`), wrapped here as torch custom ops with fake impls and FLOP
+formulas, so ``torch.compile`` and ``FlopCounterMode`` see one node each.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch import Tensor
+from torch.utils.flop_counter import register_flop_formula
+
+from lightning_gem.imports import FA4_AVAILABLE, FA4_INSTALL
+from lightning_gem.ops.attention.ops import gdpa_flops
+
+__all__ = ["block_offsets", "flash_backward", "flash_forward", "gdpa_flash", "require_flash", "unsupported"]
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+
+def unsupported(
+    q: Tensor,
+    v: Tensor,
+    *,
+    activation: str,
+    block_size: int | None,
+    kv_index: Tensor | None,
+    num_targets: Tensor | None,
+    self_attention: bool,
+) -> str | None:
+    """Why FA4 cannot compute this call exactly (a phrase naming the argument), or None when it can."""
+    if activation != "softmax":
+        return f"`activation={activation!r}` (FlashAttention-4 computes softmax attention only)"
+    if num_targets is not None:
+        return "`num_targets` (targets see the history and themselves only: no FlashAttention-4 mask does that)"
+    if kv_index is not None:
+        return "`kv_index` (query segments sharing a kv segment)"
+    if block_size is not None and not self_attention:
+        return "`block_size` with cross-attention (blocks follow the query positions p(i) = i + Lk - Lq)"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"`q` of dtype {q.dtype} (FlashAttention-4 takes float16 and bfloat16)"
+    if not q.is_cuda:
+        return f"`q` on {q.device} (FlashAttention-4 runs on CUDA GPUs)"
+    major = _capability(q.device)[0]
+    if major not in (9, 10, 11):
+        return f"`q` on a GPU of compute capability {major}.x (FlashAttention-4 runs on 9.x, 10.x and 11.x)"
+    dim, dim_v = q.shape[2], v.shape[2]
+    fits = dim % 8 == 0 and dim_v % 8 == 0 and dim <= 256 and dim_v <= 256
+    if major != 9:  # Blackwell kernels: up to 128, or 256 x 256
+        fits = fits and (max(dim, dim_v) <= 128 or dim == dim_v == 256)
+    if not fits:
+        return f"head dims ({dim}, {dim_v}) of `q` and `v` (FlashAttention-4 on sm_{major}x: multiples of 8 up to 256)"
+    return None
+
+
+def require_flash() -> None:
+    """Raise ``ModuleNotFoundError`` with the install command unless FlashAttention-4 (pinned) imports."""
+    if not FA4_AVAILABLE:
+        raise ModuleNotFoundError(f"impl='flash' needs FlashAttention-4: {FA4_INSTALL} ({FA4_AVAILABLE})")
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def block_offsets(offsets: Tensor, block_size: int, num_rows: int) -> Tensor:
+    """Offsets of the ``block_size`` blocks of every segment (blocks aligned to each segment's start, the last one
+    of a segment possibly shorter), as int32 ``[N + 1]`` with ``N = num_rows // block_size + B`` (a bound on the
+    number of blocks that needs no sync): the slots past the last block are empty segments at ``num_rows``."""
+    offsets = offsets.to(torch.int64)
+    num_segments = offsets.shape[0] - 1
+    lengths = offsets[1:] - offsets[:-1]
+    per_segment = (lengths + block_size - 1) // block_size
+    ends = per_segment.cumsum(0)  # blocks up to and including each segment
+    bound = num_rows // block_size + num_segments  # sum(ceil(L / s)) <= floor(T / s) + B
+    block = torch.arange(bound, device=offsets.device)
+    segment = torch.searchsorted(ends, block, right=True)  # the segment holding each block; B past the last one
+    held = segment.clamp_max(max(num_segments - 1, 0))
+    starts = offsets[held] + (block - (ends[held] - per_segment[held])) * block_size
+    starts = torch.where(segment < num_segments, starts, num_rows)
+    return torch.cat([starts, starts.new_full((1,), num_rows)]).to(torch.int32)
+
+
+def _varlen_args(
+    q_offsets: Tensor, kv_offsets: Tensor, block_size: int | None, num_q: int, max_seq_len_q: int, max_seq_len_kv: int
+) -> dict[str, object]:
+    """FA4's varlen keywords: int32 cumulative lengths and Python-int maximum lengths."""
+    if block_size is not None:  # self-attention: queries and keys share the block segments
+        blocks = block_offsets(q_offsets, block_size, num_q)
+        longest = min(block_size, max_seq_len_q)
+        return dict(cu_seqlens_q=blocks, cu_seqlens_k=blocks, max_seqlen_q=longest, max_seqlen_k=longest)
+    cu_q = q_offsets.to(torch.int32)
+    cu_k = cu_q if kv_offsets is q_offsets else kv_offsets.to(torch.int32)
+    return dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=int(max_seq_len_q), max_seqlen_k=int(max_seq_len_kv))
+
+
+def _window(causal: bool, window: int | None) -> dict[str, int | None]:
+    """FA4's window keywords: ``(w, w)`` around the diagonal, ``(w, 0)`` when causal (FA4 sets the 0 itself)."""
+    if window is None:
+        return dict(window_size_left=None, window_size_right=None)
+    return dict(window_size_left=window, window_size_right=None if causal else window)
+
+
+def _empty(q: Tensor, v: Tensor) -> bool:
+    return q.shape[0] == 0 or q.shape[1] == 0 or v.shape[0] == 0
+
+
+def flash_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_offsets: Tensor,
+    kv_offsets: Tensor,
+    *,
+    causal: bool,
+    window: int | None,
+    block_size: int | None,
+    scale: float,
+    max_seq_len_q: int,
+    max_seq_len_kv: int,
+) -> tuple[Tensor, Tensor]:
+    """FA4's forward on validated inputs: ``(out [Tq, H, Dv], lse [H, Tq])`` (the kit's base-2 log-sum-exp)."""
+    num_q, heads = q.shape[0], q.shape[1]
+    if _empty(q, v):
+        out = q.new_zeros(num_q, heads, v.shape[2])
+        return out, torch.full((heads, num_q), float("inf"), dtype=torch.float32, device=q.device)
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    out, lse, *_ = _flash_attn_fwd(
+        q, k, v, **_varlen_args(q_offsets, kv_offsets, block_size, num_q, max_seq_len_q, max_seq_len_kv),
+        softmax_scale=scale, causal=causal, **_window(causal, window), return_lse=True,
+    )  # fmt: skip
+    # Natural log with -inf where a row sees nothing -> base 2 with +inf there.
+    return out, torch.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+
+
+def flash_backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    q_offsets: Tensor,
+    kv_offsets: Tensor,
+    *,
+    causal: bool,
+    window: int | None,
+    block_size: int | None,
+    scale: float,
+    max_seq_len_q: int,
+    max_seq_len_kv: int,
+    deterministic: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """FA4's backward from a forward's ``out`` and the kit's base-2 ``lse``: ``(dq, dk, dv)``. ``deterministic``
+    is handed to FA4 (its dQ accumulation in a fixed order)."""
+    if _empty(q, v):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    # +inf stays +inf: exp(s - inf) = 0, the rows that see no key get no gradient.
+    grads = _flash_attn_bwd(
+        q, k, v, out, grad_out.contiguous(), lse * _LN2, softmax_scale=scale, causal=causal,
+        **_window(causal, window), **_varlen_args(q_offsets, kv_offsets, block_size, q.shape[0], max_seq_len_q,
+                                                   max_seq_len_kv), deterministic=deterministic,
+    )  # fmt: skip
+    return grads[0], grads[1], grads[2]
+
+
+@torch.library.custom_op("lightning_gem::gdpa_flash", mutates_args=())
+def _gdpa_flash_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_offsets: Tensor,
+    kv_offsets: Tensor,
+    causal: bool,
+    window: int | None,
+    block_size: int | None,
+    scale: float,
+    max_seq_len_q: int,
+    max_seq_len_kv: int,
+    deterministic: bool,
+) -> tuple[Tensor, Tensor]:
+    return flash_forward(q, k, v, q_offsets, kv_offsets, causal=causal, window=window, block_size=block_size,
+                         scale=scale, max_seq_len_q=max_seq_len_q, max_seq_len_kv=max_seq_len_kv)  # fmt: skip
+
+
+@_gdpa_flash_op.register_fake
+def _(q, k, v, q_offsets, kv_offsets, *args):  # noqa: ANN001, ANN002, ANN202
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2]), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("lightning_gem::gdpa_flash_backward", mutates_args=())
+def _gdpa_flash_backward_op(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    q_offsets: Tensor,
+    kv_offsets: Tensor,
+    causal: bool,
+    window: int | None,
+    block_size: int | None,
+    scale: float,
+    max_seq_len_q: int,
+    max_seq_len_kv: int,
+    deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return flash_backward(
+        grad_out, q, k, v, out, lse, q_offsets, kv_offsets, causal=causal, window=window, block_size=block_size,
+        scale=scale, max_seq_len_q=max_seq_len_q, max_seq_len_kv=max_seq_len_kv, deterministic=deterministic,
+    )  # fmt: skip
+
+
+@_gdpa_flash_backward_op.register_fake
+def _(grad_out, q, k, v, *args):  # noqa: ANN001, ANN002, ANN202
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
+    q, k, v, q_offsets, kv_offsets, *options = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets)
+    ctx.options = tuple(options)
+
+
+def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):  # noqa: ANN001, ANN202
+    q, k, v, out, lse, q_offsets, kv_offsets = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = _gdpa_flash_backward_op(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, *ctx.options)
+    return dq, dk, dv, *(None,) * 9
+
+
+_gdpa_flash_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _flops(q: Tensor, k: Tensor, v: Tensor, rest: tuple, *, backward: bool) -> int:
+    q_offsets, kv_offsets, causal, window, block_size = rest[:5]
+    return gdpa_flops(q, k, v, q_offsets, kv_offsets, None, None, causal=causal, window=window,
+                      block_size=block_size, backward=backward)  # fmt: skip
+
+
+@register_flop_formula(torch.ops.lightning_gem.gdpa_flash, get_raw=True)
+def _gdpa_flash_flop(*args, out_val=None, **kwargs) -> int:  # noqa: ANN002, ANN003
+    return _flops(*args[:3], args[3:], backward=False)
+
+
+@register_flop_formula(torch.ops.lightning_gem.gdpa_flash_backward, get_raw=True)
+def _gdpa_flash_backward_flop(*args, out_val=None, **kwargs) -> int:  # noqa: ANN002, ANN003
+    # (grad_out, q, k, v, out, lse, q_offsets, kv_offsets, causal, ...)
+    return _flops(*args[1:4], args[6:], backward=True)
+
+
+def _max_length(offsets: Tensor, num_rows: int) -> int:
+    """Longest segment, read from the offsets (a sync) in eager; the row count under compile."""
+    if torch.compiler.is_compiling() or offsets.shape[0] < 2:
+        return num_rows
+    return int((offsets[1:] - offsets[:-1]).max())
+
+
+def gdpa_flash(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_offsets: Tensor,
+    kv_offsets: Tensor,
+    kv_index: Tensor | None = None,
+    num_targets: Tensor | None = None,
+    *,
+    activation: str,
+    causal: bool,
+    window: int | None,
+    block_size: int | None,
+    scale: float,
+    max_seq_len_q: int | None = None,
+    max_seq_len_kv: int | None = None,
+    deterministic: bool = False,
+    self_attention: bool,
+) -> Tensor:
+    """GDPA through FlashAttention-4 (``impl="flash"``), differentiable; inputs validated by
+    :func:`lightning_gem.ops.gdpa`. A missing length hint is read from the offsets (one device sync).
+
+    Raises:
+        ModuleNotFoundError: FlashAttention-4 (the pinned version) is not installed; the message has the command.
+        ValueError: a mode FlashAttention-4 does not compute exactly (the message names the argument).
+    """
+    reason = unsupported(q, v, activation=activation, block_size=block_size, kv_index=kv_index,
+                         num_targets=num_targets, self_attention=self_attention)  # fmt: skip
+    if reason is not None:
+        raise ValueError(f"impl='flash' cannot compute {reason}; impl='triton' or impl='auto' can")
+    require_flash()
+    if max_seq_len_q is None:
+        max_seq_len_q = _max_length(q_offsets, q.shape[0])
+    if max_seq_len_kv is None:
+        max_seq_len_kv = _max_length(kv_offsets, k.shape[0])
+    out, _ = _gdpa_flash_op(q, k, v, q_offsets, kv_offsets, causal, window, block_size, float(scale),
+                            int(max_seq_len_q), int(max_seq_len_kv), deterministic)  # fmt: skip
+    return out

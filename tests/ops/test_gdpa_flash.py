@@ -1,0 +1,254 @@
+"""GDPA's FlashAttention-4 backend and ``impl="auto"``'s choice among backends.
+
+On CPU: which modes FA4 is handed (and the message for the others), the block segments it gets for
+BlockAttention, the errors of ``impl="flash"``, the tuner's key (heads and work), and the plumbing of ``auto``
+when the tuner picks FlashAttention-4 for the forward or the backward (a stand-in computes what FA4 would, through
+the Triton kernels under the interpreter). On a GPU with FA4 installed: FA4 itself against the float64 reference.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+import lightning_gem.imports
+from lightning_gem.ops import gdpa
+from lightning_gem.ops.attention.impl import flash
+from lightning_gem.ops.attention.impl.reference import gdpa_reference, gdpa_reference_backward
+from lightning_gem.testing.jagged_inputs import lengths_to_offsets, make_gdpa_inputs
+from lightning_gem.testing.numerics import assert_within_budget
+
+
+def _qkv(rows: int, dtype: torch.dtype = torch.bfloat16, heads: int = 2, dim: int = 16) -> list[torch.Tensor]:
+    return [torch.randn(rows, heads, dim, dtype=dtype) for _ in range(3)]
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (dict(activation="silu"), "`activation='silu'`"),
+        (dict(num_targets=torch.tensor([1, 0])), "`num_targets`"),
+        (dict(kv_index=torch.tensor([0, 0])), "`kv_index`"),
+        (dict(block_size=4, self_attention=False), "`block_size` with cross-attention"),
+        (dict(dtype=torch.float32), "`q` of dtype torch.float32"),
+        ({}, "`q` on cpu"),
+    ],
+)
+def test_unsupported_names_the_argument(change: dict, named: str) -> None:
+    q, _, v = _qkv(5, change.pop("dtype", torch.bfloat16))
+    options = dict(activation="softmax", block_size=None, kv_index=None, num_targets=None, self_attention=True)
+    reason = flash.unsupported(q, v, **{**options, **change})
+    assert reason is not None and reason.startswith(named), reason
+
+
+def test_impl_flash_refuses_what_fa4_does_not_compute() -> None:
+    q, k, v = _qkv(7)
+    offsets = torch.tensor([0, 3, 7])
+    with pytest.raises(ValueError, match=r"impl='flash' cannot compute `activation='silu'`"):
+        gdpa(q, k, v, offsets, activation="silu", causal=True, impl="flash")
+    with pytest.raises(ValueError, match=r"impl='flash' cannot compute `num_targets`"):
+        gdpa(q, k, v, offsets, num_targets=torch.tensor([1, 1]), impl="flash")
+
+
+def test_require_flash_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    missing = lightning_gem.imports.RequirementCache("lightning-gem-no-such-package==1.0")
+    monkeypatch.setattr(flash, "FA4_AVAILABLE", missing)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'lightning-gem\[fa4\]'"):
+        flash.require_flash()
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 7, 64])
+def test_block_offsets(block_size: int) -> None:
+    lengths = [0, 9, 1, 16, 0, 23, 5]
+    offsets = lengths_to_offsets(lengths)
+    total = sum(lengths)
+    got = flash.block_offsets(offsets, block_size, total)
+    assert got.dtype == torch.int32
+    assert got.numel() == total // block_size + len(lengths) + 1  # the bound, padded with empty segments
+    expected = []
+    for start, length in zip(offsets.tolist(), lengths, strict=False):
+        expected += list(range(start, start + length, block_size))
+    padded = expected + [total] * (got.numel() - len(expected))
+    assert got.tolist() == padded
+
+
+def test_window_keywords() -> None:
+    assert flash._window(True, None) == dict(window_size_left=None, window_size_right=None)
+    assert flash._window(True, 5) == dict(window_size_left=5, window_size_right=None)  # FA4 sets right = 0
+    assert flash._window(False, 5) == dict(window_size_left=5, window_size_right=5)
+
+
+def test_work_bucket() -> None:
+    from lightning_gem.ops.attention.impl.triton._tuning import work_bucket
+
+    assert work_bucket(1024, 4, 1024, 4) == (1024 * 4 * 256).bit_length()
+    assert work_bucket(1024, 4, 1024, 4) != work_bucket(1024, 8, 1024, 4)  # twice the heads, the next bucket
+    assert work_bucket(1000, 4, 1000, 4) == work_bucket(1024, 4, 1024, 4) - 1
+    assert work_bucket(0, 4, 0, 0) == 0
+    assert work_bucket(3.0, 4, 8, 1) is None  # not an int: no bucket
+
+
+def _triton_device() -> str:
+    pytest.importorskip("triton")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from lightning_gem.ops.attention.impl.triton import forward
+
+    if isinstance(forward._gdpa_fwd_kernel, InterpretedFunction):
+        return "cpu"
+    pytest.skip("the auto plumbing test runs the kernels under the interpreter")
+
+
+@pytest.fixture
+def auto_with_stand_in(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """``impl="auto"`` as if FlashAttention-4 were a candidate, with a stand-in for FA4 (the Triton kernels with a
+    fixed tile shape, whose output and log-sum-exp follow the same conventions), and a tuner that picks FA4 for
+    the phases listed in the returned dict's ``"flash"`` (timings made up: FA4 0.5 ms, each Triton tile 1 ms)."""
+    from lightning_gem.ops.attention.impl.triton import _tuning, backward, forward
+
+    device = _triton_device()
+    calls = {"flash": set(), "ran": []}
+
+    def stand_in_forward(q, k, v, q_offsets, kv_offsets, **mode):  # noqa: ANN001, ANN003, ANN202
+        calls["ran"].append("flash fwd")
+        mode.pop("max_seq_len_kv")
+        return forward.gdpa_forward(q, k, v, q_offsets, kv_offsets, None, None, activation="softmax",
+                                    tiles=_tuning.Tiles(16, 16, 1, 1), **mode)  # fmt: skip
+
+    def stand_in_backward(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, **mode):  # noqa: ANN001, ANN003, ANN202
+        calls["ran"].append("flash bwd")
+        return backward.gdpa_backward(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, None, None,
+                                      activation="softmax", dkdv_tiles=_tuning.Tiles(16, 16, 1, 1),
+                                      dq_tiles=_tuning.Tiles(16, 16, 1, 1), **mode)  # fmt: skip
+
+    def pick(registry, key, candidates, run, tensors, *, timings=None, **options):  # noqa: ANN001, ANN003, ANN202
+        timings.update({c: 0.5 if c == _tuning.FLASH else 1.0 for c in candidates})
+        choice = _tuning.FLASH if key[0] in calls["flash"] and _tuning.FLASH in candidates else candidates[0]
+        registry[key] = choice
+        return choice
+
+    monkeypatch.setattr(forward, "flash_candidate", lambda *args: True)
+    monkeypatch.setattr(backward, "flash_candidate", lambda *args: True)
+    monkeypatch.setattr(flash, "flash_forward", stand_in_forward)
+    monkeypatch.setattr(flash, "flash_backward", stand_in_backward)
+    monkeypatch.setattr(_tuning, "pick_fastest", pick)
+    _tuning.forget_choices()
+    calls["device"] = device
+    yield calls
+    _tuning.forget_choices()
+
+
+@pytest.mark.parametrize("flash_phases", [("fwd",), ("bwd",), ("fwd", "bwd"), ()])
+def test_auto_mixes_backends(auto_with_stand_in: dict, flash_phases: tuple, caplog: pytest.LogCaptureFixture) -> None:
+    from lightning_gem.ops.attention.impl.triton import _tuning
+
+    auto_with_stand_in["flash"] = set(flash_phases)
+    generator = torch.Generator().manual_seed(3)
+    inputs = make_gdpa_inputs("self", generator, q_lengths=[37, 0, 1, 20], heads=2, dim=16, dim_v=16,
+                              dtype=torch.float32)  # fmt: skip
+    leaves = [t.clone().requires_grad_() for t in (inputs.q, inputs.k, inputs.v)]
+    options = dict(activation="softmax", causal=True, window=None, block_size=None, scale=0.25)
+    with caplog.at_level(logging.INFO, logger=_tuning.__name__):
+        out = gdpa(*leaves, inputs.q_offsets, impl="triton", **options)  # the path "auto" takes on CUDA
+        # impl="triton" never offers FA4: nothing ran through the stand-in
+        assert auto_with_stand_in["ran"] == []
+        from lightning_gem.ops.attention.impl.triton import gdpa_triton
+
+        out = gdpa_triton(*leaves, inputs.q_offsets, inputs.q_offsets, activation="softmax", causal=True,
+                          window=None, block_size=None, scale=0.25, flash=True)  # fmt: skip
+        grad_out = torch.randn_like(out)
+        grads = torch.autograd.grad(out, leaves, grad_out)
+    expected = ["flash fwd"] * ("fwd" in flash_phases) + ["flash bwd"] * ("bwd" in flash_phases)
+    assert auto_with_stand_in["ran"] == expected
+    jagged = (inputs.q_offsets, inputs.q_offsets, None, None)
+    f64 = [t.double() for t in (inputs.q, inputs.k, inputs.v)]
+    oracle = [gdpa_reference(*f64, *jagged, **options)]
+    oracle += gdpa_reference_backward(grad_out.double(), *f64, *jagged, **options)
+    same = [gdpa_reference(inputs.q, inputs.k, inputs.v, *jagged, **options)]
+    same += gdpa_reference_backward(grad_out, inputs.q, inputs.k, inputs.v, *jagged, **options)
+    for name, got, exact, ref in zip(("out", "dq", "dk", "dv"), [out, *grads], oracle, same, strict=True):
+        assert_within_budget(got, exact, ref, name=name)
+    # The auto keys (ending in True) hold the choice; the same keys ending in False hold the best Triton tiles.
+    chosen = _tuning.chosen_tiles()
+    for kernel in ("fwd", "bwd"):
+        auto = [key for key in chosen if key[0] == kernel and key[-1] is True]
+        assert len(auto) == 1
+        assert (chosen[auto[0]] == _tuning.FLASH) == (kernel in flash_phases)
+        assert chosen[(*auto[0][:-1], False)] != _tuning.FLASH
+    assert sum("GDPA impl='auto'" in message for message in caplog.messages) == 2
+
+
+def test_auto_keys_hold_heads(auto_with_stand_in: dict) -> None:
+    from lightning_gem.ops.attention.impl.triton import _tuning, gdpa_triton
+
+    offsets = torch.tensor([0, 20, 33])
+    for heads in (2, 4):
+        q, k, v = (torch.randn(33, heads, 16) for _ in range(3))
+        gdpa_triton(q, k, v, offsets, offsets, activation="softmax", causal=True, window=None, block_size=None,
+                    scale=0.25, flash=True)  # fmt: skip
+    keys = [key for key in _tuning.chosen_tiles() if key[0] == "fwd" and key[-1] is True]
+    assert len(keys) == 2 and {key[-3] for key in keys} == {2, 4}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# FlashAttention-4 itself (GPU with FA4 installed)
+
+
+def _fa4_device() -> str:
+    if not torch.cuda.is_available():
+        pytest.skip("FlashAttention-4 needs a CUDA GPU")
+    if torch.cuda.get_device_capability()[0] not in (9, 10, 11):
+        pytest.skip("FlashAttention-4 runs on compute capability 9.x-11.x")
+    if not lightning_gem.imports.FA4_AVAILABLE:
+        pytest.skip(f"FlashAttention-4 is not installed ({lightning_gem.imports.FA4_AVAILABLE})")
+    return "cuda"
+
+
+FA4_MODES = [
+    ("self", dict(causal=True)),
+    ("self", dict(causal=False)),
+    ("self", dict(causal=True, window=24)),
+    ("self", dict(causal=False, block_size=64)),
+    ("self", dict(causal=True, block_size=32)),
+    ("cross", dict(causal=False)),
+    ("cross", dict(causal=True)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("layout", "mode"), FA4_MODES)
+@pytest.mark.parametrize("impl", ["flash", "auto"])
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_flash_matches_reference_gpu(layout: str, mode: dict, impl: str, dim: int) -> None:
+    _fa4_device()
+    generator = torch.Generator().manual_seed(dim)
+    inputs = make_gdpa_inputs(layout, generator, q_lengths=[300, 0, 1, 129, 77], max_len=400, heads=3, dim=dim,
+                              dim_v=dim, dtype=torch.bfloat16)  # fmt: skip
+    cuda = {n: t.cuda() for n, t in vars(inputs).items() if isinstance(t, torch.Tensor)}
+    q, k, v = cuda["q"], cuda["k"], cuda["v"]
+    kv_offsets = cuda.get("kv_offsets")
+    options = dict(activation="softmax", window=None, block_size=None, scale=1 / math.sqrt(dim), **mode)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = gdpa(*leaves, cuda["q_offsets"], kv_offsets, impl=impl, **options)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    jagged = (cuda["q_offsets"], cuda["q_offsets"] if kv_offsets is None else kv_offsets, None, None)
+    f64 = [t.double() for t in (q, k, v)]
+    oracle = [gdpa_reference(*f64, *jagged, **options)]
+    oracle += gdpa_reference_backward(grad_out.double(), *f64, *jagged, **options)
+    same = [gdpa_reference(q, k, v, *jagged, **options, compute_dtype=torch.bfloat16)]
+    same += gdpa_reference_backward(grad_out, q, k, v, *jagged, **options, compute_dtype=torch.bfloat16)
+    for name, got, exact, ref in zip(("out", "dq", "dk", "dv"), [out, *grads], oracle, same, strict=True):
+        assert_within_budget(got, exact, ref, name=f"{impl} {name}", ulps=2.0)
+
+
+@pytest.mark.gpu
+def test_flash_ops_opcheck_gpu() -> None:
+    _fa4_device()
+    offsets = torch.tensor([0, 100, 100, 229], device="cuda")
+    q, k, v = (torch.randn(229, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    args = (q, k, v, offsets, offsets, True, None, None, 0.125, 129, 129, False)
+    torch.library.opcheck(flash._gdpa_flash_op, args, test_utils=("test_schema", "test_faketensor"))

@@ -1,0 +1,33 @@
+"""The attention grid benchmark runs its whole path on tiny CPU cells (no timing is judged)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_attention_grid_quick(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "benchmarks" / "attention_grid.py"), "--quick", "--modes",
+         "silu causal targets", "softmax block 64", "--out-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    grid = json.loads((tmp_path / "grid.json").read_text())
+    assert [r["cell"]["mode"] for r in grid["results"]] == ["silu causal targets", "softmax block 64"]
+    pointwise, block = grid["results"]
+    for result in grid["results"]:
+        assert result["fwd_gflop"] > 0 and result["impls"]["auto"]["fwd_ms"] > 0
+        assert result["q_tokens"] == 384
+    # The padded baseline runs the pointwise cell (targets included); the softmax-only kernels say why they do not.
+    assert pointwise["impls"]["padded"]["both_ms"] > 0 and pointwise["x_fwd"] > 0
+    assert pointwise["impls"]["flex"]["skipped"].startswith("n/a")
+    assert block["impls"]["padded"]["skipped"] == "n/a (pointwise modes only)"
+    assert "n/a" in block["impls"]["fa4"]["skipped"]
+    table = (tmp_path / "grid.md").read_text()
+    assert "| silu causal targets, 1k, 2x16, 0.375K |" in table
+    assert (tmp_path / "grid.png").stat().st_size > 0
