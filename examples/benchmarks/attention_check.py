@@ -366,7 +366,76 @@ def _compile() -> None:
             print(f"compile {dtype}: {type(error).__name__}:\n{text[:800]}\n...\n{text[-2500:]}")
 
 
-SECTIONS = {"compile": _compile, "bf16": _check_bf16, "sweep": _sweep, "speed": _benchmark, "tiles": _tiles}
+def _flash_overhead(heads: int = 16, dim: int = 128, rounds: int = 5) -> None:
+    """What GDPA's path around FlashAttention-4 costs: on 64 sequences of clip(4096 u^3, 16, 4096) (causal softmax,
+    bf16), FA4's own ``flash_attn_varlen_func``, the kit's wrappers of its forward and backward called directly,
+    ``gdpa(impl="flash")`` and ``gdpa(impl="auto")``, forward and forward+backward, in ``rounds`` interleaved
+    rounds (median ms each), then the device kernels of one auto forward+backward (``torch.profiler``)."""
+    from flash_attn.cute.interface import flash_attn_varlen_func
+
+    from lightning_gem.ops import gdpa
+    from lightning_gem.ops.attention.impl.flash import flash_backward, flash_forward
+
+    gen = torch.Generator().manual_seed(0)
+    lengths = (4096 * torch.rand(64, generator=gen) ** 3).to(torch.int64).clamp(16, 4096)
+    offsets = _offsets(lengths).cuda()
+    cu = offsets.to(torch.int32)
+    total, longest = int(lengths.sum()), int(lengths.max())
+    q, k, v, grad = (torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    scale = 1 / math.sqrt(dim)
+    mode = dict(causal=True, window=None, block_size=None, scale=scale, max_seq_len_q=longest, max_seq_len_kv=longest)
+
+    def fa4(*t):  # noqa: ANN002, ANN202
+        return flash_attn_varlen_func(q=t[0], k=t[1], v=t[2], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                                      max_seqlen_k=longest, softmax_scale=scale, causal=True)[0]  # fmt: skip
+
+    def wrappers_both() -> None:
+        out, lse = flash_forward(q, k, v, offsets, offsets, **mode)
+        flash_backward(grad, q, k, v, out, lse, offsets, offsets, **mode)
+
+    def api(impl: str):  # noqa: ANN202
+        return lambda *t: gdpa(*t, offsets, activation="softmax", causal=True, scale=scale, max_seq_len_q=longest,
+                               impl=impl, check_offsets=False)  # fmt: skip
+
+    runs = {
+        "fa4 varlen fwd": lambda: fa4(q, k, v),
+        "kit wrapper fwd": lambda: flash_forward(q, k, v, offsets, offsets, **mode),
+        "gdpa flash fwd": lambda: api("flash")(q, k, v),
+        "gdpa auto fwd": lambda: api("auto")(q, k, v),
+        "fa4 varlen f+b": lambda: fa4(*leaves).backward(grad),
+        "kit wrappers f+b": wrappers_both,
+        "gdpa flash f+b": lambda: api("flash")(*leaves).backward(grad),
+        "gdpa auto f+b": lambda: api("auto")(*leaves).backward(grad),
+    }
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for name, fn in runs.items():  # warm-up: compiles and tunes
+        with torch.no_grad() if name.endswith("fwd") else torch.enable_grad():
+            fn()
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            with torch.no_grad() if name.endswith("fwd") else torch.enable_grad():
+                times[name].append(_bench(fn, leaves))
+    print(f"\n== FlashAttention-4 through the kit: {total} tokens, {heads} x {dim}, causal, {rounds} rounds ==")
+    for name, values in times.items():
+        print(f"{name:20s} {sorted(values)[len(values) // 2]:8.3f} ms   (rounds {min(values):.3f}-{max(values):.3f})")
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            api("auto")(*leaves).backward(grad)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+
+
+SECTIONS = {
+    "flash": _flash_overhead,
+    "compile": _compile,
+    "bf16": _check_bf16,
+    "sweep": _sweep,
+    "speed": _benchmark,
+    "tiles": _tiles,
+}
 
 
 def main() -> None:

@@ -94,11 +94,9 @@ class Cell:
 
 
 def grid_cells(args: argparse.Namespace) -> list[Cell]:
-    cells = [
-        Cell(m, h, d, n, args.tokens) for m in args.modes for n in args.lengths for h in args.heads for d in args.dims
-    ]
-    if args.long_tokens:
-        cells += [Cell(m, 8, 128, "4k", args.long_tokens) for m in args.modes]
+    """The named workloads first, then the grid with the modes innermost (so a ``--time-limit`` cuts shapes, never
+    whole modes), then one row per mode at ``--long-tokens``."""
+    cells = []
     if args.named:
         named = [
             Cell("softmax causal", 4, 128, "4k", 0, 64, name="64 seqs clip(4096 u^3), 4x128"),
@@ -109,6 +107,11 @@ def grid_cells(args: argparse.Namespace) -> list[Cell]:
             Cell("softmax cross", 4, 128, "2k", 0, 512, 32, name="cross: 512 x 32 over clip(2048 u^3), 4x128"),
         ]
         cells += [c for c in named if c.mode in args.modes]
+    cells += [
+        Cell(m, h, d, n, args.tokens) for n in args.lengths for h in args.heads for d in args.dims for m in args.modes
+    ]
+    if args.long_tokens:
+        cells += [Cell(m, 8, 128, "4k", args.long_tokens) for m in args.modes]
     return cells
 
 
@@ -154,7 +157,7 @@ class Case:
 def make_case(cell: Cell, device: torch.device, seed: int) -> Case:
     gen = torch.Generator().manual_seed(seed)
     spec = MODES[cell.mode]
-    longest, kind = LENGTHS.get(cell.lengths, (int(cell.lengths.rstrip("k")) * 1024, "cubic"))
+    longest, kind = LENGTHS[cell.lengths] if cell.lengths in LENGTHS else (int(cell.lengths[:-1]) * 1024, "cubic")
     kv_lengths = _lengths(kind, longest, cell.tokens, cell.num_segments, gen)
     if spec.get("cross"):
         lo, hi = CANDIDATES
@@ -670,7 +673,7 @@ def main() -> None:
     parser.add_argument("--no-named", dest="named", action="store_false", help="leave out the named workloads")
     parser.add_argument("--baselines", nargs="+", default=list(BASELINES), choices=list(BASELINES))
     parser.add_argument("--candidates", action="store_true", help="also time every Triton candidate alone")
-    parser.add_argument("--rep-runs", type=int, default=12, help="timed runs a measurement, about")
+    parser.add_argument("--rep-runs", type=int, default=10, help="timed runs a measurement, about")
     parser.add_argument("--time-limit", type=float, default=0, help="stop starting cells after this many seconds")
     parser.add_argument("--quick", action="store_true", help="tiny cells, one of each mode (a CPU smoke test)")
     parser.add_argument("--seed", type=int, default=0)

@@ -14,7 +14,7 @@ set -u
 OUT=${OUT:-gpu-results}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests attention precision host encoder balance balance_wide e2e scaling ml1m ml1m_reference
   ml1m_all_windows ml1m_best)
@@ -46,8 +46,11 @@ ml1m_step() {  # name config checkpoint-file-pattern: fit on MovieLens-1M, then 
 for s in "${steps[@]}"; do
   case $s in
     tests) step tests 600 $PY -m pytest -q -p no:cacheprovider -m gpu -s tests ;;
-    attention) step attention 600 $PY examples/benchmarks/attention.py --parallel-compile --rep 20 \
-      --out "$OUT/attention.md" ;;
+    attention)  # every backend on 200 random jagged shapes per mode, then the shape grid against FA4 and the rest
+      step attention_sweep 600 $PY examples/benchmarks/attention_check.py \
+        sweep --modes grid --impls triton,flash,auto --dims 64,128,256 --out "$OUT/attention_sweep.json"
+      step attention_grid 600 $PY examples/benchmarks/attention_grid.py \
+        --candidates --out-dir "$OUT/attention_grid" ;;
     precision) step precision 600 $PY examples/benchmarks/precision.py --tokens 16384 65536 --rounds 3 \
       --quality-steps 150 --profile --host-profile --out "$OUT/precision.json" ;;
     host) step host_overhead 120 $PY examples/benchmarks/host_overhead.py ;;

@@ -230,7 +230,7 @@ def test_flash_matches_reference_gpu(layout: str, mode: dict, impl: str, dim: in
     cuda = {n: t.cuda() for n, t in vars(inputs).items() if isinstance(t, torch.Tensor)}
     q, k, v = cuda["q"], cuda["k"], cuda["v"]
     kv_offsets = cuda.get("kv_offsets")
-    options = dict(activation="softmax", window=None, block_size=None, scale=1 / math.sqrt(dim), **mode)
+    options = dict(dict(activation="softmax", window=None, block_size=None, scale=1 / math.sqrt(dim)), **mode)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = gdpa(*leaves, cuda["q_offsets"], kv_offsets, impl=impl, **options)
     grad_out = torch.randn_like(out)

@@ -84,6 +84,9 @@ SHORT_QUERY_ROWS = 64
 
 
 _CHOSEN: dict[tuple, Tiles | BackwardTiles] = {}
+# (the key's compile-time part, candidate) of candidates that failed to compile or launch (registers, shared memory):
+# not listed again for keys that compile the same kernel.
+_FAILED: set[tuple] = set()
 # (key, variant) -> (the choice for key, the launch options built from it); filled once the choice is remembered.
 _LAUNCHES: dict[tuple, tuple] = {}
 
@@ -184,7 +187,8 @@ def backward_candidates(
     ``deterministic`` the dK/dV kernel with atomic dQ. Off CUDA the atomic one comes first (the interpreter
     then tests both kernels: ``deterministic=True`` picks the other). ``short_query`` (the launch can take the
     short-query kernel: no shared kv segments, no targets, every query segment within ``SHORT_QUERY_ROWS``) adds
-    that kernel's tiles, first on CUDA (its one pass over the keys is the best guess there), last elsewhere. ``tma``
+    that kernel's tiles (head dims up to 128: at 256 its one query tile and two key-tile accumulators exceed the
+    registers), first on CUDA (its one pass over the keys is the best guess there), last elsewhere. ``tma``
     (the launcher can reduce dQ tiles through the copy engine) adds the atomic kernel with bulk reductions, first of
     the non-short launches on CUDA."""
     dkdv = candidate_tiles("dkdv", dtype, device, head_dim, block_size=block_size, max_len_q=max_len_q)
@@ -192,7 +196,7 @@ def backward_candidates(
     merged = [BackwardTiles(dkdv[0], dq[0])]
     merged += [BackwardTiles(t, dq[0]) for t in dkdv[1:2]]
     merged += [BackwardTiles(dkdv[0], t) for t in dq[1:2]]
-    short = _short_tiles(dtype, device, max_len_q) if short_query else []
+    short = _short_tiles(dtype, device, max_len_q) if short_query and head_dim <= 128 else []
     if deterministic:
         return short + merged if device.type == "cuda" else merged + short
     atomic = [BackwardTiles(t) for t in dkdv[:4]]
@@ -228,12 +232,21 @@ def pick_tiles(
     if chosen is not None:
         return chosen
     timing = os.environ.get("LIGHTNING_GEM_GDPA_TUNE", "1") != "0"
-    listed = candidates()
+    static = _compiled_part(key)
+    listed = [c for c in candidates() if (static, c) not in _FAILED] or candidates()
     timings: dict = {}
     chosen = pick_fastest(_CHOSEN, key, listed, run, tensors, timing=timing, compile_first=True, timings=timings)
-    if timings and FLASH in listed:
-        _remember_auto(key, chosen, timings)
+    if timings:
+        _FAILED.update((static, c) for c in listed if c not in timings and c != FLASH)
+        if FLASH in listed:
+            _remember_auto(key, chosen, timings)
     return chosen
+
+
+def _compiled_part(key: tuple) -> tuple:
+    """What of a key fixes the compiled kernels (kernel, head dims, dtype, mode flags, block size): the keys of
+    :mod:`.forward` and :mod:`.backward` end in their length buckets, heads, work bucket and FlashAttention-4 flag."""
+    return key[:6] if key[0] == "fwd" else key[:7]
 
 
 def _remember_auto(key: tuple, chosen: object, timings: dict) -> None:
@@ -290,6 +303,7 @@ def forget_choices() -> None:
     candidates again, e.g. after a warm-up that shared the device with other work."""
     _CHOSEN.clear()
     _LAUNCHES.clear()
+    _FAILED.clear()
 
 
 def chosen_tiles() -> dict[tuple, Tiles | BackwardTiles]:
