@@ -23,15 +23,22 @@ def _run(code: str) -> str:
     return out.stdout.strip()
 
 
-def test_import_is_light() -> None:
+def _import_seconds(code: str) -> tuple[float, str]:
     start = time.perf_counter()
-    loaded = _run(
+    out = _run(code)
+    return time.perf_counter() - start, out
+
+
+def test_import_is_light() -> None:
+    # Against importing torch alone in the same way, so a slow or busy machine moves both: the kit's own import
+    # (its modules and the custom op registrations) adds under a second, and loads none of the heavy packages.
+    torch_alone = min(_import_seconds("import torch")[0] for _ in range(2))
+    elapsed, loaded = _import_seconds(
         "import sys, lightning_gem, lightning_gem.ops, lightning_gem.jagged; "
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'triton', 'torchrec', 'lightning', 'fbgemm_gpu'}))"
     )
-    elapsed = time.perf_counter() - start
     assert loaded == "[]", f"importing lightning_gem pulled {loaded}"
-    assert elapsed < 3.0, f"import took {elapsed:.2f} s"
+    assert elapsed - torch_alone < 1.0, f"import took {elapsed:.2f} s, torch alone {torch_alone:.2f} s"
 
 
 @pytest.mark.parametrize(

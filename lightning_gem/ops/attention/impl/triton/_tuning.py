@@ -227,8 +227,8 @@ def pick_tiles(
     candidate is remembered under the same key ending in False too, and the choice is logged."""
     try:
         chosen = _CHOSEN.get(key)
-    except TypeError:  # an unhashable SymInt in the key (tracing with dynamic shapes)
-        chosen = None
+    except TypeError:  # an unhashable SymInt in the key (tracing with dynamic shapes): nothing is looked up or kept
+        return candidates()[0]
     if chosen is not None:
         return chosen
     timing = os.environ.get("LIGHTNING_GEM_GDPA_TUNE", "1") != "0"
