@@ -10,7 +10,7 @@ from contextvars import ContextVar
 
 import torch
 
-__all__ = ["cdiv", "compile_only", "is_interpreted", "launch", "next_power_of_2", "plain_eager"]
+__all__ = ["cdiv", "compile_only", "is_interpreted", "launch", "next_power_of_2", "plain_eager", "records_graph"]
 
 _COMPILE_ONLY: ContextVar[bool] = ContextVar("lightning_gem_compile_only", default=False)
 
@@ -26,6 +26,14 @@ def plain_eager(args: Sequence[object]) -> bool:
         if type(a) not in _PLAIN_ARGS and isinstance(a, torch.Tensor):
             return False
     return True
+
+
+def records_graph(*tensors: torch.Tensor) -> bool:
+    """Whether autograd would record a call on ``tensors``: grad mode on and one of them requiring grad, or a
+    forward-mode AD level open (a dual tensor would carry a tangent the kernels cannot; the Function says so)."""
+    if torch.autograd.forward_ad._current_level >= 0:
+        return True
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # a weight passed as it is (FSDP2's unsharded ones too)

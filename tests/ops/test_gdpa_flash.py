@@ -110,10 +110,11 @@ def auto_with_stand_in(monkeypatch: pytest.MonkeyPatch) -> dict:
     from lightning_gem.ops.attention.impl.triton import _tuning, backward, forward
 
     device = _triton_device()
-    calls = {"flash": set(), "ran": []}
+    calls = {"flash": set(), "ran": [], "need_lse": []}
 
     def stand_in_forward(q, k, v, q_offsets, kv_offsets, **mode):  # noqa: ANN001, ANN003, ANN202
         calls["ran"].append("flash fwd")
+        calls["need_lse"].append(mode.get("need_lse", True))
         mode.pop("max_seq_len_kv")
         return forward.gdpa_forward(q, k, v, q_offsets, kv_offsets, None, None, activation="softmax",
                                     tiles=_tuning.Tiles(16, 16, 1, 1), **mode)  # fmt: skip
@@ -191,6 +192,22 @@ def test_auto_keys_hold_heads(auto_with_stand_in: dict) -> None:
                     scale=0.25, flash=True)  # fmt: skip
     keys = [key for key in _tuning.chosen_tiles() if key[0] == "fwd" and key[-1] is True]
     assert len(keys) == 2 and {key[-3] for key in keys} == {2, 4}
+
+
+def test_auto_inference_skips_the_log_sum_exp(auto_with_stand_in: dict) -> None:
+    from lightning_gem.ops.attention.impl.triton import gdpa_triton
+
+    auto_with_stand_in["flash"] = {"fwd"}
+    offsets = torch.tensor([0, 20, 20, 33])
+    q, k, v = (torch.randn(33, 2, 16, generator=torch.Generator().manual_seed(n)) for n in range(3))
+    options = dict(activation="softmax", causal=True, window=None, block_size=None, scale=0.25, flash=True)
+    with torch.no_grad():
+        inference = gdpa_triton(q, k, v, offsets, offsets, **options)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    training = gdpa_triton(*leaves, offsets, offsets, **options)
+    # FA4 is asked for the log-sum-exp only where a backward will read it; the outputs agree.
+    assert auto_with_stand_in["need_lse"] == [False, True]
+    torch.testing.assert_close(inference, training.detach(), rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from lightning_gem.imports import FA4_AVAILABLE, FA4_INSTALL
+from lightning_gem.ops._launch import plain_eager, records_graph
 from lightning_gem.ops.attention.ops import gdpa_flops
 
 __all__ = ["block_offsets", "flash_backward", "flash_forward", "gdpa_flash", "require_flash", "unsupported"]
@@ -140,18 +141,23 @@ def flash_forward(
     scale: float,
     max_seq_len_q: int,
     max_seq_len_kv: int,
+    need_lse: bool = True,
 ) -> tuple[Tensor, Tensor]:
-    """FA4's forward on validated inputs: ``(out [Tq, H, Dv], lse [H, Tq])`` (the kit's base-2 log-sum-exp)."""
+    """FA4's forward on validated inputs: ``(out [Tq, H, Dv], lse [H, Tq])`` (the kit's base-2 log-sum-exp).
+    ``need_lse=False`` (no backward will read it): FA4 runs its kernel without the log-sum-exp, returned as
+    ``[H, 0]``."""
     num_q, heads = q.shape[0], q.shape[1]
     if _empty(q, v):
         out = q.new_zeros(num_q, heads, v.shape[2])
-        return out, torch.full((heads, num_q), float("inf"), dtype=torch.float32, device=q.device)
+        return out, torch.full((heads, num_q if need_lse else 0), float("inf"), dtype=torch.float32, device=q.device)
     from flash_attn.cute.interface import _flash_attn_fwd
 
     out, lse, *_ = _flash_attn_fwd(
         q, k, v, **_varlen_args(q_offsets, kv_offsets, block_size, num_q, max_seq_len_q, max_seq_len_kv),
-        softmax_scale=scale, causal=causal, **_window(causal, window), return_lse=True,
+        softmax_scale=scale, causal=causal, **_window(causal, window), return_lse=need_lse,
     )  # fmt: skip
+    if not need_lse:
+        return out, torch.empty(heads, 0, dtype=torch.float32, device=q.device)
     # Natural log with -inf where a row sees nothing -> base 2 with +inf there (in place: two small launches).
     return out, lse.mul_(_LOG2E).nan_to_num_(posinf=float("inf"), neginf=float("inf"))
 
@@ -321,6 +327,10 @@ def gdpa_flash(
         max_seq_len_q = _max_length(q_offsets, q.shape[0])
     if max_seq_len_kv is None:
         max_seq_len_kv = _max_length(kv_offsets, k.shape[0])
-    out, _ = _gdpa_flash_op(q, k, v, q_offsets, kv_offsets, causal, window, block_size, float(scale),
-                            int(max_seq_len_q), int(max_seq_len_kv), deterministic)  # fmt: skip
-    return out
+    scale, max_q, max_kv = float(scale), int(max_seq_len_q), int(max_seq_len_kv)
+    if plain_eager((q, k, v, q_offsets, kv_offsets)) and not records_graph(q, k, v):
+        # Nothing will differentiate the call: FA4 runs without the log-sum-exp.
+        return flash_forward(q, k, v, q_offsets, kv_offsets, causal=causal, window=window, block_size=block_size,
+                             scale=scale, max_seq_len_q=max_q, max_seq_len_kv=max_kv, need_lse=False)[0]  # fmt: skip
+    return _gdpa_flash_op(q, k, v, q_offsets, kv_offsets, causal, window, block_size, scale, max_q, max_kv,
+                          deterministic)[0]  # fmt: skip

@@ -195,11 +195,13 @@ def gdpa_forward(
     max_seq_len_kv: int | None = None,
     flash: bool = False,
     tiles: Tiles | None = None,
+    need_lse: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Launch the forward kernel. Returns ``out [Tq, H, DV]`` (q's dtype) and ``lse [H, Tq]`` (fp32, base 2;
     empty for pointwise activations). ``max_seq_len_q`` sizes the grid and must bound every ``Lq``;
     ``tiles`` overrides the tuned choice (:mod:`._tuning`). ``flash`` (``impl="auto"``) lets the tuner pick
-    FlashAttention-4 instead (:func:`flash_candidate`), which needs ``max_seq_len_kv``.
+    FlashAttention-4 instead (:func:`flash_candidate`), which needs ``max_seq_len_kv``; ``need_lse=False`` (nothing
+    differentiates the call) lets FlashAttention-4 skip the log-sum-exp (the returned one is then empty).
     """
     (q, q_strides), (k, k_strides), (v, v_strides) = dense_rows(q), dense_rows(k), dense_rows(v)
     num_q, heads, head_dim = q.shape
@@ -257,7 +259,7 @@ def gdpa_forward(
     if tiles == FLASH:
         from lightning_gem.ops.attention.impl.flash import flash_forward
 
-        return flash_forward(q, k, v, q_offsets, kv_offsets, **mode)
+        return flash_forward(q, k, v, q_offsets, kv_offsets, **mode, need_lse=need_lse)
     run(tiles, meta)
     return out, lse
 

@@ -15,7 +15,7 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.library import triton_op
 from torch.utils.flop_counter import register_flop_formula
 
-from lightning_gem.ops._launch import plain_eager
+from lightning_gem.ops._launch import plain_eager, records_graph
 from lightning_gem.ops.attention.impl.triton._common import is_interpreted
 from lightning_gem.ops.attention.impl.triton.backward import gdpa_backward
 from lightning_gem.ops.attention.impl.triton.forward import _gdpa_fwd_kernel, gdpa_forward
@@ -176,14 +176,6 @@ class _GDPAEager(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-def _records_graph(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether autograd would record a call on ``q, k, v``: grad mode on and one of them requiring grad, or a
-    forward-mode AD level open (a dual tensor would carry a tangent the kernels cannot; the Function says so)."""
-    if torch.autograd.forward_ad._current_level >= 0:
-        return True
-    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-
-
 def _max_length(offsets: Tensor, num_rows: int) -> int:
     """Longest segment: read from the offsets (a sync) in eager, bounded by the row count under compile."""
     if torch.compiler.is_compiling() or offsets.shape[0] < 2:
@@ -243,6 +235,10 @@ def gdpa_triton(
                flash and not deterministic)  # fmt: skip
     if not plain_eager(tensors):
         return _gdpa_triton_op(*tensors, *options)[0]
-    if _records_graph(q, k, v):
+    if records_graph(q, k, v):
         return _GDPAEager.apply(*tensors, options)[0]
-    return _forward(*tensors, *options)[0]  # nothing to differentiate: no Function either
+    # Nothing to differentiate: no Function either, and FlashAttention-4 (if chosen) skips the log-sum-exp.
+    return gdpa_forward(
+        *tensors, activation=activation, causal=causal, window=window, block_size=block_size, scale=float(scale),
+        max_seq_len_q=max_seq_len_q, max_seq_len_kv=max_seq_len_kv, flash=options[-1], need_lse=False,
+    )[0]  # fmt: skip
