@@ -31,6 +31,7 @@ __all__ = [
     "RMSNorm",
     "RelativePositionBias",
     "RelativeTimeBias",
+    "compile_hstu_layers",
     "make_norm",
     "pad_tokens_to_multiple",
     "recency_positions",
@@ -482,6 +483,21 @@ def time_buckets(time_deltas: Tensor, num_buckets: int) -> Tensor:
     return torch.floor(2.0 * torch.log2(1.0 + seconds)).clamp(0, num_buckets - 1).to(torch.int64)
 
 
+def compile_hstu_layers(module: nn.Module) -> list[str]:
+    """``torch.compile`` every :class:`HSTULayer` in ``module`` in place, with dynamic shapes; returns their names.
+
+    ``nn.Module.compile`` keeps each layer's class, names, parameters and ``state_dict``, so activation
+    checkpointing (applied before) and FSDP2 (after) compose with it; with ``dynamic=True`` a new jagged token
+    count or longest length reuses the graph instead of recompiling. Idempotent.
+    """
+    names = [name for name, sub in module.named_modules() if isinstance(sub, HSTULayer)]
+    for name in names:
+        layer = module.get_submodule(name)
+        if getattr(layer, "_compiled_call_impl", None) is None:
+            layer.compile(dynamic=True)
+    return names
+
+
 class JaggedHistoryEncoder(nn.Module):
     """A stack of :class:`HSTULayer` over jagged history tokens, with recency and time encodings.
 
@@ -616,6 +632,11 @@ class JaggedHistoryEncoder(nn.Module):
         and the gradients of their :meth:`HSTULayer.tensor_parallel_token_local` parameters summed over it.
         """
         self._sequence_parallel_mesh = tp_mesh
+
+    def compile_layers(self) -> list[str]:
+        """``torch.compile`` each layer in place, with dynamic shapes (:func:`compile_hstu_layers`); returns their
+        names. ``GEM5DStrategy(compile_layers=True)`` calls this between tensor parallelism and FSDP2."""
+        return compile_hstu_layers(self.layers)
 
     @property
     def use_time(self) -> bool:
