@@ -24,7 +24,7 @@ from torch import Tensor
 
 from lightning_gem import jagged
 from lightning_gem.ops.attention.impl.reference import POINTWISE
-from lightning_gem.ops.attention.masks import allowed_mask
+from lightning_gem.ops.attention.masks import allowed_mask, segments
 
 __all__ = ["gdpa_padded"]
 
@@ -66,10 +66,7 @@ def gdpa_padded(
     """
     if q.shape[0] == 0 or k.shape[0] == 0:
         return q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
-    q_offsets, kv_offsets = q_offsets.to(torch.int64), kv_offsets.to(torch.int64)
-    len_q = q_offsets[1:] - q_offsets[:-1]
-    kv_seg = torch.arange(len_q.numel(), device=q.device) if kv_index is None else kv_index.to(torch.int64)
-    k_start, len_k = kv_offsets[:-1][kv_seg], (kv_offsets[1:] - kv_offsets[:-1])[kv_seg]
+    q_start, len_q, k_start, len_k, num_history = segments(q_offsets, kv_offsets, kv_index, num_targets)
     max_q = int(len_q.max()) if max_seq_len_q is None else max_seq_len_q
     max_k = int(len_k.max()) if max_seq_len_kv is None else max_seq_len_kv
     if max_q == 0 or max_k == 0:
@@ -78,16 +75,15 @@ def gdpa_padded(
         raise ValueError(
             f"`score_bias` must end in [L, L] = [{max_q}, {max_k}] (the padded lengths), got {tuple(score_bias.shape)}"
         )
-    q_BHLD, q_valid = _pad_rows(q, q_offsets[:-1], len_q, max_q)
+    q_BHLD, q_valid = _pad_rows(q, q_start, len_q, max_q)
     k_BHLD, _ = _pad_rows(k, k_start, len_k, max_k)
     v_BHLD, _ = _pad_rows(v, k_start, len_k, max_k)
 
     plain_causal = causal and kv_index is None and num_targets is None and window is None and block_size is None
-    plain_causal = plain_causal and score_bias is None
-    if activation == "softmax" and plain_causal and max_q == max_k and torch.equal(q_offsets, kv_offsets):
+    sdpa_causal = activation == "softmax" and plain_causal and score_bias is None and max_q == max_k
+    if sdpa_causal and torch.equal(q_offsets.to(torch.int64), kv_offsets.to(torch.int64)):
         out = F.scaled_dot_product_attention(q_BHLD, k_BHLD, v_BHLD, is_causal=True, scale=scale)
     else:
-        num_history = len_k if num_targets is None else len_k - num_targets.to(torch.int64)
         pos_q, pos_k = torch.arange(max_q, device=q.device), torch.arange(max_k, device=q.device)
         mask = allowed_mask(
             pos_q[None, :, None],
