@@ -91,6 +91,7 @@ def test_wheel_ships_components_and_strategies(tmp_path: Path) -> None:
         "lightning_gem/__init__.py",
         "lightning_gem/components/__init__.py",
         "lightning_gem/strategies/__init__.py",
+        "lightning_gem/strategies/activation_checkpointing/planner.py",
         "lightning_gem/ops/attention/impl/reference.py",
         "lightning_gem/data/datamodule.py",
     ):
