@@ -63,8 +63,8 @@ class ParallelModel:
 
 
 def compile_components(module: nn.Module) -> list[str]:
-    """Call ``compile_layers()`` of every submodule that declares it (e.g. the HSTU encoder: each of its layers
-    ``torch.compile`` d in place, with dynamic shapes); returns those submodules' names.
+    """Call ``compile_layers()`` of every submodule that declares it (e.g. the HSTU encoder, which compiles each of
+    its layers in place with dynamic shapes, idempotently); returns those submodules' names.
 
     The components decide what a compiled unit is; this only chooses when (after activation checkpointing and
     tensor parallelism, before FSDP2), so the strategy imports no component.
