@@ -10,7 +10,6 @@ query-key / value widths, ``S`` the tensor-parallel size (sequence parallelism: 
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -31,6 +30,7 @@ __all__ = [
     "RMSNorm",
     "RelativePositionBias",
     "RelativeTimeBias",
+    "compile_hstu_layers",
     "make_norm",
     "pad_tokens_to_multiple",
     "recency_positions",
@@ -104,8 +104,9 @@ class HSTULayer(nn.Module):
         relative_bias_length: add a learned bias of the relative position ``t - i`` to every score (HSTU's
             relative attention bias over positions; distances beyond ``relative_bias_length - 1`` share the
             last value). The GDPA kernels take no additive bias, so such a layer attends through
-            :func:`relative_bias_attention`, a dense path over ``[B, H, L, L]`` meant for short sequences
-            (a few hundred events); ``num_targets`` and tensor parallelism are not supported with it.
+            :func:`relative_bias_attention`: GDPA's ``score_bias`` on its dense path (``impl="padded"``, over
+            ``[B, H, L, L]``), meant for short sequences (a few hundred events); ``num_targets`` and tensor
+            parallelism are not supported with it.
         relative_time_buckets: add a learned bias of the time between the query's and the key's events to every
             score, one value per bucket of :func:`relative_time_buckets` (the time half of HSTU's relative
             attention bias); ``forward`` then needs ``time_buckets``. Dense path, as ``relative_bias_length``.
@@ -247,6 +248,7 @@ class HSTULayer(nn.Module):
                 normalization_length=self.normalization_length,
                 time_bias=self.time_bias,
                 time_buckets=time_buckets,
+                check_offsets=check_offsets,
             )
         else:
             attn_THD = gdpa(
@@ -259,15 +261,11 @@ class HSTULayer(nn.Module):
                 window=self.window,
                 num_targets=num_targets,
                 scale=self.attention_scale,
+                normalization_length=None if self.activation == "softmax" else self.normalization_length,
                 max_seq_len_q=max_seq_len,
                 impl=self.attention_impl,
                 check_offsets=check_offsets,
             )
-            if self.normalization_length is not None and self.activation != "softmax":
-                # GDPA divides by each sequence's own length: rescale each token's row to 1 / normalization_length.
-                lengths = jagged.offsets_to_lengths(offsets).to(attn_THD.dtype)
-                factor = lengths[jagged.segment_ids(offsets, num_tokens)] / self.normalization_length
-                attn_THD = attn_THD * factor[:, None, None]
         if self.per_head_norm:
             gated = (self.attention_norm(attn_THD) * u_THD).reshape(num_tokens, h * dv)
         else:
@@ -353,58 +351,46 @@ def relative_bias_attention(
     normalization_length: int | None = None,
     time_bias: RelativeTimeBias | None = None,
     time_buckets: Tensor | None = None,
+    check_offsets: bool = True,
 ) -> Tensor:
     """GDPA self-attention with ``bias(t - i)`` (and ``time_bias(time_buckets)``, ``[B, L, L]`` from
-    :func:`relative_time_buckets`) added to every score, computed densely: ``[T, H, Dv]``.
+    :func:`relative_time_buckets`) added to every score: ``[T, H, Dv]``.
 
-    The semantics of :func:`lightning_gem.ops.gdpa` (softmax, or a pointwise activation normalised by the
-    sequence's length; causal and window masks), on ``[B, H, L, L]`` padded scores (``L`` = ``max_seq_len``,
-    or the longest sequence, read from the device). No device sync with ``max_seq_len`` given; memory and time
-    grow with ``B L^2``: meant for short sequences until the kernels take a bias. ``normalization_length``
-    divides pointwise weights by that fixed length instead of each sequence's own (see :class:`HSTULayer`).
+    The biases become :func:`lightning_gem.ops.gdpa`'s ``score_bias`` over ``[B, H, L, L]`` padded scores
+    (``L`` = ``max_seq_len``, or the longest sequence, read from the device), which its dense path
+    (``impl="padded"``) computes. No device sync with ``max_seq_len`` given and ``check_offsets=False``;
+    memory and time grow with ``B L^2``: meant for short sequences until the kernels take a bias.
+    ``normalization_length`` divides pointwise weights by that fixed length instead of each sequence's own
+    (see :class:`HSTULayer`; softmax ignores it).
 
     Raises:
         ValueError: an unknown activation, or ``time_buckets`` missing or not ``[B, L, L]``.
     """
-    from lightning_gem.ops.attention.impl.reference import POINTWISE
-
-    if activation != "softmax" and activation not in POINTWISE:
-        raise ValueError(f"`activation` must be 'softmax' or one of {tuple(POINTWISE)}, got {activation!r}")
-    num_tokens, num_heads, dim = q.shape
-    if num_tokens == 0:
-        return v.new_zeros(0, num_heads, v.shape[2])
-    lengths = jagged.offsets_to_lengths(offsets).to(torch.int64)
     size = max(1, jagged.max_length(offsets) if max_seq_len is None else max_seq_len)
     if time_bias is not None and (time_buckets is None or time_buckets.shape != (offsets.shape[0] - 1, size, size)):
         got = None if time_buckets is None else tuple(time_buckets.shape)
         raise ValueError(f"`time_buckets` must be [B, L, L] = [{offsets.shape[0] - 1}, {size}, {size}], got {got}")
-    positions = torch.arange(size, device=q.device)
-    valid_BL = positions[None, :] < lengths[:, None]
-    rows_BL = (offsets[:-1, None].to(torch.int64) + positions[None, :]).clamp(max=max(num_tokens - 1, 0))
-
-    def padded(x: Tensor) -> Tensor:  # [T, H, D] -> [B, H, L, D], zeros past each sequence's end
-        return (x[rows_BL] * valid_BL[:, :, None, None].to(x.dtype)).transpose(1, 2)
-
-    scores = torch.einsum("bhid,bhtd->bhit", padded(q), padded(k)).float()
-    scores = scores * (1.0 / math.sqrt(dim) if scale is None else scale)
-    if bias is not None:
-        scores = scores + bias(size)
+    score_bias = None if bias is None else bias(size)  # [L, L]
     if time_bias is not None:
-        scores = scores + time_bias(time_buckets)
-    allowed = valid_BL[:, None, :, None] & valid_BL[:, None, None, :]
-    if causal:
-        allowed = allowed & (positions[None, :] <= positions[:, None])
-    if window is not None:
-        allowed = allowed & ((positions[None, :] - positions[:, None]).abs() <= window)
-    if activation == "softmax":  # a finite fill: padded query rows (no allowed key) stay finite in backward
-        weights = torch.softmax(scores.masked_fill(~allowed, -1e30), dim=-1) * allowed
-    else:
-        divisor = lengths.clamp_min(1)[:, None, None, None] if normalization_length is None else normalization_length
-        weights = POINTWISE[activation][0](scores) / divisor
-        weights = weights.masked_fill(~allowed, 0.0)
-    out_BHLD = torch.einsum("bhit,bhtd->bhid", weights.to(v.dtype), padded(v))
-    segment, position = jagged.segment_positions(offsets, num_tokens)
-    return out_BHLD.transpose(1, 2)[segment, position]
+        time_B1LL = time_bias(time_buckets)
+        score_bias = time_B1LL if score_bias is None else score_bias + time_B1LL
+    if score_bias is None:  # no bias given: the same dense path, adding zeros
+        score_bias = q.new_zeros(size, size, dtype=torch.float32)
+    return gdpa(
+        q,
+        k,
+        v,
+        offsets,
+        activation=activation,
+        causal=causal,
+        window=window,
+        scale=scale,
+        score_bias=score_bias,
+        normalization_length=None if activation == "softmax" else normalization_length,
+        max_seq_len_q=size,
+        impl="padded",
+        check_offsets=check_offsets,
+    )
 
 
 def pad_tokens_to_multiple(
@@ -480,6 +466,21 @@ def time_buckets(time_deltas: Tensor, num_buckets: int) -> Tensor:
     """
     seconds = torch.nan_to_num(time_deltas.to(torch.float32), nan=0.0).clamp_min(0.0)
     return torch.floor(2.0 * torch.log2(1.0 + seconds)).clamp(0, num_buckets - 1).to(torch.int64)
+
+
+def compile_hstu_layers(module: nn.Module) -> list[str]:
+    """``torch.compile`` every :class:`HSTULayer` in ``module`` in place, with dynamic shapes; returns their names.
+
+    ``nn.Module.compile`` keeps each layer's class, names, parameters and ``state_dict``, so activation
+    checkpointing (applied before) and FSDP2 (after) compose with it; with ``dynamic=True`` a new jagged token
+    count or longest length reuses the graph instead of recompiling. Idempotent.
+    """
+    names = [name for name, sub in module.named_modules() if isinstance(sub, HSTULayer)]
+    for name in names:
+        layer = module.get_submodule(name)
+        if getattr(layer, "_compiled_call_impl", None) is None:
+            layer.compile(dynamic=True)
+    return names
 
 
 class JaggedHistoryEncoder(nn.Module):
@@ -616,6 +617,11 @@ class JaggedHistoryEncoder(nn.Module):
         and the gradients of their :meth:`HSTULayer.tensor_parallel_token_local` parameters summed over it.
         """
         self._sequence_parallel_mesh = tp_mesh
+
+    def compile_layers(self) -> list[str]:
+        """``torch.compile`` each layer in place, with dynamic shapes (:func:`compile_hstu_layers`); returns their
+        names. ``GEM5DStrategy(compile_layers=True)`` calls this between tensor parallelism and FSDP2."""
+        return compile_hstu_layers(self.layers)
 
     @property
     def use_time(self) -> bool:

@@ -21,7 +21,6 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning_gem.strategies.parallelize import compile_hstu_layers
 from torch import Tensor, nn
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from typing_extensions import override
@@ -300,7 +299,7 @@ class SequentialRecommender(L.LightningModule):
             final_norm=hp.get("final_norm", True),
         )
         if hp.get("compile_layers", False):
-            compile_hstu_layers(self.encoder)
+            self.encoder.compile_layers()
         self.metrics = nn.ModuleDict(
             {
                 f"{stage}_{kind}_{k}": HitRate(k) if kind == "hr" else NDCG(k)

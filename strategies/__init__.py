@@ -6,7 +6,8 @@ config resolve to :class:`GEM5DStrategy` with its defaults.
 
 Modules: ``mesh`` (rank layout, sizes), ``sparse`` (torchrec 2D sharding, fused embedding optimizer),
 ``replication`` (torchrec's ``DMPCollection`` on CUDA or gem5d's replica sync keeping the table replicas equal),
-``dense`` (FSDP2/HSDP, tensor parallel), ``checkpoint_io`` (distributed checkpoints), ``gem5d`` (the
+``dense`` (FSDP2/HSDP, tensor parallel), ``activation_checkpointing`` (recomputation planned under a memory
+budget), ``distributed_checkpoint`` (save and load with ``torch.distributed.checkpoint``), ``gem5d`` (the
 Lightning adapter).
 """
 

@@ -1,6 +1,6 @@
 """``GEM5DStrategy`` (``strategy="gem5d"``): a thin Lightning adapter over plain functions: ``mesh.py``
-(layout), ``parallelize.py`` (over ``sparse.py``, ``replication.py`` and ``dense.py``), ``checkpoint_io.py``,
-``recompute.py`` (activation checkpointing), ``tp_batches.py`` and ``pipeline.py`` (the loaders).
+(layout), ``parallelize.py`` (over ``sparse.py``, ``replication.py`` and ``dense.py``), ``distributed_checkpoint.py``,
+``activation_checkpointing/``, ``tp_batches.py`` and ``pipeline.py`` (the loaders).
 
 Example:
     >>> import lightning as L
@@ -39,7 +39,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from . import checkpoint_io, dense, sparse
+from . import dense, distributed_checkpoint, sparse
 from .mesh import MeshLayout, build_device_mesh, check_size, resolve_layout
 from .parallelize import ParallelModel, parallelize_model
 from .replication import SparseReplication, check_replication, evaluate_without_inference_mode
@@ -375,7 +375,7 @@ class GEM5DStrategy(ParallelStrategy):
 
     def _apply_activation_checkpointing(self, module: torch.nn.Module, trainer: pl.Trainer | None) -> None:
         """Plan checkpointing on the first training batch under ``activation_memory_budget`` and apply it."""
-        from .recompute import plan_on_training_step
+        from .activation_checkpointing import plan_on_training_step
 
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return  # nothing trains, nothing to save memory for
@@ -394,7 +394,7 @@ class GEM5DStrategy(ParallelStrategy):
         plan = self.activation_checkpoint_plan
         if plan is None:
             return super().training_step(*args, **kwargs)
-        from .checkpointing import compile_memory_budget
+        from .activation_checkpointing import compile_memory_budget
 
         # Regions the user compiles get the same budget through the partitioner's activation memory budget.
         with compile_memory_budget(plan.compile_budget_fraction):
@@ -535,7 +535,7 @@ class GEM5DStrategy(ParallelStrategy):
         checkpoint.pop("state_dict", None)
         checkpoint.pop("optimizer_states", None)
         checkpoint["gem5d"] = self._checkpoint_meta()
-        checkpoint_io.save(
+        distributed_checkpoint.save(
             path,
             self.model,
             [_unwrap(o) for o in self.optimizers],
@@ -548,13 +548,13 @@ class GEM5DStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.model is not None
         path = Path(self.broadcast(str(checkpoint_path)))
-        meta = checkpoint_io.read_meta(path)
+        meta = distributed_checkpoint.read_meta(path)
         saved = meta.get("gem5d", {})
         current = self._checkpoint_meta()
         same_plan = saved.get("layout") == current["layout"] and saved.get("plan") == current["plan"]
         fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         optimizers = [_unwrap(o) for o in self.optimizers] if fitting else []
-        return checkpoint_io.load(
+        return distributed_checkpoint.load(
             path,
             self.model,
             optimizers,
@@ -567,12 +567,12 @@ class GEM5DStrategy(ParallelStrategy):
         """Load only the model weights of a gem5d checkpoint (any world size or layout) into the set-up model."""
         if self.model is None or self.layout is None:
             raise RuntimeError("load_weights needs the set-up model: pass `weights_from=` or call it after setup")
-        checkpoint_io.load(Path(self.broadcast(str(path))), self.model, [], None, same_embedding_plan=True)
+        distributed_checkpoint.load(Path(self.broadcast(str(path))), self.model, [], None, same_embedding_plan=True)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            checkpoint_io.remove(filepath)
+            distributed_checkpoint.remove(filepath)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -22,7 +22,7 @@ from . import dense, sparse
 from .mesh import MeshLayout
 from .replication import SparseReplication
 
-__all__ = ["ParallelModel", "compile_hstu_layers", "parallelize_model"]
+__all__ = ["ParallelModel", "compile_components", "parallelize_model"]
 
 _ATTRIBUTE = "_gem5d_parallel"  # on the model: what parallelize_model did to it
 
@@ -62,20 +62,16 @@ class ParallelModel:
         }
 
 
-def compile_hstu_layers(module: nn.Module) -> list[str]:
-    """``torch.compile`` every ``HSTULayer`` in ``module`` in place, with dynamic shapes; returns their names.
+def compile_components(module: nn.Module) -> list[str]:
+    """Call ``compile_layers()`` of every submodule that declares it (e.g. the HSTU encoder, which compiles each of
+    its layers in place with dynamic shapes, idempotently); returns those submodules' names.
 
-    ``nn.Module.compile`` keeps each layer's class, names, parameters and ``state_dict``, so activation
-    checkpointing (applied before) and FSDP2 (after) compose with it; with ``dynamic=True`` a new jagged token
-    count or longest length reuses the graph instead of recompiling. Idempotent.
+    The components decide what a compiled unit is; this only chooses when (after activation checkpointing and
+    tensor parallelism, before FSDP2), so the strategy imports no component.
     """
-    from lightning_gem.components.encoder import HSTULayer  # the components import this package: not at the top
-
-    names = [name for name, sub in module.named_modules() if isinstance(sub, HSTULayer)]
+    names = [name for name, sub in module.named_modules() if callable(getattr(type(sub), "compile_layers", None))]
     for name in names:
-        layer = module.get_submodule(name)
-        if getattr(layer, "_compiled_call_impl", None) is None:
-            layer.compile(dynamic=True)
+        module.get_submodule(name).compile_layers()
     return names
 
 
@@ -111,7 +107,7 @@ def parallelize_model(
         sequence_parallel: under tensor parallelism, run the components that can shard their tokens on
             token shards (see ``dense.py``); no effect when ``layout.tensor_parallel == 1``.
         train_pipeline: start each batch's embedding input all-to-all one batch ahead (needs ``move``).
-        compile_layers: ``torch.compile`` every HSTU layer (:func:`compile_hstu_layers`) after tensor parallelism,
+        compile_layers: ``torch.compile`` the components' layers (:func:`compile_components`) after tensor parallelism,
             before FSDP2.
         sparse_replication: how the embedding replicas are kept equal (``replication.py``).
         embedding_comm_precision: the precision of the embedding all-to-alls (``sparse.comm_codecs``).
@@ -160,7 +156,7 @@ def parallelize_model(
             module, dense_mesh["tensor_parallel"], sequence_parallel=sequence_parallel
         )
     if compile_layers:
-        compile_hstu_layers(module)
+        compile_components(module)
     # Gradients of the mean loss over the global batch: the mean over the data-parallel ranks (sparse.py).
     if layout.dense_shard == 1 and layout.tensor_parallel == 1:
         # Nothing to shard (pure data parallelism, or one process): the dense parameters stay plain tensors,

@@ -3,6 +3,7 @@ the "gem5d" strategy name resolves."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import tempfile
@@ -64,6 +65,19 @@ def test_subpackages_resolve_from_the_installed_package() -> None:
     assert Path(paths[1]).parent.name == "strategies"
 
 
+def test_strategies_import_no_component() -> None:
+    """Dependencies point one way: the components import the strategies (to register "gem5d"), never back."""
+    for path in sorted((ROOT / "strategies").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            assert not any(name.startswith("lightning_gem.components") for name in names), (path.name, node.lineno)
+
+
 @pytest.mark.slow
 def test_wheel_ships_components_and_strategies(tmp_path: Path) -> None:
     subprocess.run(
@@ -77,6 +91,7 @@ def test_wheel_ships_components_and_strategies(tmp_path: Path) -> None:
         "lightning_gem/__init__.py",
         "lightning_gem/components/__init__.py",
         "lightning_gem/strategies/__init__.py",
+        "lightning_gem/strategies/activation_checkpointing/planner.py",
         "lightning_gem/ops/attention/impl/reference.py",
         "lightning_gem/data/datamodule.py",
     ):

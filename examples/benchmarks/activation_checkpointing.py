@@ -7,7 +7,7 @@ tokens, and :class:`~lightning_gem.components.heads.MultiTaskHead`. A step is Ad
 fixed batch (bf16 autocast on CUDA). For each budget (a fraction of the unconstrained peak) the planner
 measures the model, the plan is applied, and the step's peak memory and median time are measured
 again. On CUDA the peak is ``torch.cuda.max_memory_allocated`` (everything resident); on CPU the
-peak of the step's own allocations (see :mod:`lightning_gem.strategies.checkpointing`).
+peak of the step's own allocations (see :mod:`lightning_gem.strategies.activation_checkpointing`).
 
 Usage:
     python examples/benchmarks/activation_checkpointing.py [--budgets 0.5 0.75] [--out results.json]
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from lightning_gem.components.encoder import JaggedHistoryEncoder
 from lightning_gem.components.heads import MultiTaskHead
 from lightning_gem.components.interaction import GDPAInteraction
-from lightning_gem.strategies.checkpointing import (
+from lightning_gem.strategies.activation_checkpointing import (
     apply_activation_checkpointing,
     measure_step_memory,
     plan_activation_checkpointing,

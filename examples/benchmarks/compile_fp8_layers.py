@@ -26,8 +26,7 @@ import statistics
 import time
 
 import torch
-from lightning_gem.components.encoder import HSTULayer
-from lightning_gem.strategies.parallelize import compile_hstu_layers
+from lightning_gem.components.encoder import HSTULayer, compile_hstu_layers
 from torch import nn
 
 from lightning_gem.precision import MXConfig, convert

@@ -39,12 +39,10 @@ from pathlib import Path
 import lightning as L
 import torch
 from gem_example import (
-    CProfileLastSteps,
-    ProfileLastSteps,
     StepClock,
-    SyncPoints,
     add_shape_arguments,
     gem_ranker,
+    profiling_callbacks,
     synthetic_users,
     use_tiny_shapes,
 )
@@ -72,13 +70,7 @@ def run_stack(
     data = GEMDataModule(source=source, batch_size=batch_size, seed=args.seed, balance=kit, pin_memory=pinned)
     monitor = MFUMonitor(flops_every_n_steps=args.warmup + args.steps + 1, plot=False)  # counts step 0 only
     clock = StepClock(batches_per_step=micro)
-    callbacks: list[L.Callback] = [monitor, clock]
-    if args.profile_steps:
-        callbacks.append(ProfileLastSteps(args.profile_steps, args.warmup + args.steps, stack))
-    if args.cprofile_steps:
-        callbacks.append(CProfileLastSteps(args.cprofile_steps, args.warmup + args.steps, stack))
-    if args.sync_debug:
-        callbacks.append(SyncPoints(args.warmup, stack))
+    callbacks: list[L.Callback] = [monitor, clock, *profiling_callbacks(args, args.warmup + args.steps, stack)]
     trainer = L.Trainer(
         accelerator="gpu" if cuda else "cpu",
         devices=1,

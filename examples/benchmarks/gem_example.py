@@ -252,6 +252,24 @@ class SyncPoints(L.Callback):
         self.counts["; ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-3:])] += 1
 
 
+def profiling_callbacks(args: argparse.Namespace, last_step: int, label: str, stem: str | None = None) -> list[Any]:
+    """The profilers the command line asks for (``--cprofile-steps``, ``--profile-steps``, ``--sync-debug``), over
+    the steps up to ``last_step`` and labelled ``label``; with ``stem``, each appends its report to a file of that
+    stem instead of printing it."""
+
+    def path(suffix: str) -> Path | None:
+        return None if stem is None else Path(stem + suffix)
+
+    callbacks: list[Any] = []
+    if args.cprofile_steps:
+        callbacks.append(CProfileLastSteps(args.cprofile_steps, last_step, label, path(".cprof.txt")))
+    if args.profile_steps:
+        callbacks.append(ProfileLastSteps(args.profile_steps, last_step, label, path(".prof.txt")))
+    if args.sync_debug:
+        callbacks.append(SyncPoints(args.warmup, label, path(".syncs.txt")))
+    return callbacks
+
+
 def _emit(text: str, path: Path | None) -> None:
     """Print ``text``, or append it to ``path`` when given (a long profile stays out of the console)."""
     if path is None:

@@ -35,12 +35,10 @@ import lightning as L
 import numpy as np
 import torch
 from gem_example import (
-    CProfileLastSteps,
-    ProfileLastSteps,
     StepClock,
-    SyncPoints,
     add_shape_arguments,
     gem_ranker,
+    profiling_callbacks,
     synthetic_users,
     use_tiny_shapes,
 )
@@ -151,12 +149,7 @@ def fit(rank: int, world_size: int, job: dict[str, Any], args: argparse.Namespac
         callbacks.append(monitor)
         if rank == 0 and args.profile_dir is not None:
             stem = str(args.profile_dir / job["name"].replace(" ", "").replace("/", "_").replace(",", "_"))
-            if args.cprofile_steps:
-                callbacks.append(CProfileLastSteps(args.cprofile_steps, steps, job["name"], Path(stem + ".cprof.txt")))
-            if args.profile_steps:
-                callbacks.append(ProfileLastSteps(args.profile_steps, steps, job["name"], Path(stem + ".prof.txt")))
-            if args.sync_debug:
-                callbacks.append(SyncPoints(args.warmup, job["name"], Path(stem + ".syncs.txt")))
+            callbacks += profiling_callbacks(args, steps, job["name"], stem)
     if job.get("save_every"):
         callbacks.append(
             L.pytorch.callbacks.ModelCheckpoint(

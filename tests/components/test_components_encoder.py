@@ -396,3 +396,88 @@ def test_absolute_positions_and_a_fixed_normalization_make_a_causal_encoding_ind
         assert torch.allclose(full[:5], prefix, atol=1e-5) == invariant, (positions, fixed)
     with pytest.raises(ValueError, match="position_encoding"):
         JaggedHistoryEncoder(**kwargs, position_encoding="rotary")
+
+
+def _dense_bias_attention_before(q, k, v, offsets, bias, max_seq_len, *, activation, causal, window, scale,
+                                 normalization_length, time_bias, time_buckets):  # fmt: skip
+    """The encoder's own dense relative-bias attention before it became GDPA's ``score_bias`` (kept as the oracle)."""
+    from lightning_gem import jagged
+    from lightning_gem.ops.attention.impl.reference import POINTWISE
+
+    num_tokens, num_heads, dim = q.shape
+    lengths = jagged.offsets_to_lengths(offsets).to(torch.int64)
+    size = max(1, jagged.max_length(offsets) if max_seq_len is None else max_seq_len)
+    positions = torch.arange(size)
+    valid_BL = positions[None, :] < lengths[:, None]
+    rows_BL = (offsets[:-1, None].to(torch.int64) + positions[None, :]).clamp(max=max(num_tokens - 1, 0))
+
+    def padded(x):
+        return (x[rows_BL] * valid_BL[:, :, None, None].to(x.dtype)).transpose(1, 2)
+
+    scores = torch.einsum("bhid,bhtd->bhit", padded(q), padded(k)).float()
+    scores = scores * (1.0 / dim**0.5 if scale is None else scale)
+    if bias is not None:
+        scores = scores + bias(size)
+    if time_bias is not None:
+        scores = scores + time_bias(time_buckets)
+    allowed = valid_BL[:, None, :, None] & valid_BL[:, None, None, :]
+    if causal:
+        allowed = allowed & (positions[None, :] <= positions[:, None])
+    if window is not None:
+        allowed = allowed & ((positions[None, :] - positions[:, None]).abs() <= window)
+    if activation == "softmax":
+        weights = torch.softmax(scores.masked_fill(~allowed, -1e30), dim=-1) * allowed
+    else:
+        divisor = lengths.clamp_min(1)[:, None, None, None] if normalization_length is None else normalization_length
+        weights = POINTWISE[activation][0](scores) / divisor
+        weights = weights.masked_fill(~allowed, 0.0)
+    out_BHLD = torch.einsum("bhit,bhtd->bhid", weights.to(v.dtype), padded(v))
+    segment, position = jagged.segment_positions(offsets, num_tokens)
+    return out_BHLD.transpose(1, 2)[segment, position]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    ("activation", "causal", "window", "normalization_length"),
+    [("silu", True, None, None), ("silu", True, None, 12), ("softmax", True, None, None), ("gelu", False, 2, None)],
+)
+@pytest.mark.parametrize("biases", ["position", "time", "both"])
+@pytest.mark.parametrize("max_seq_len", [None, 9])
+def test_relative_bias_attention_through_gdpa_equals_the_dense_path_it_replaced(
+    dtype: torch.dtype,
+    activation: str,
+    causal: bool,
+    window: int | None,
+    normalization_length: int | None,
+    biases: str,
+    max_seq_len: int | None,
+) -> None:
+    """GDPA's ``score_bias`` (``impl="padded"``) gives the outputs and gradients of the dense path the encoder
+    had: bit for bit with one bias; with both, the two biases are summed before they meet the scores, so within
+    fp32 rounding."""
+    from lightning_gem.components.encoder import (
+        RelativePositionBias,
+        RelativeTimeBias,
+        relative_bias_attention,
+        relative_time_buckets,
+    )
+
+    torch.manual_seed(0)
+    q, k, v = (x.to(dtype).requires_grad_() for x in _qkv(LENGTHS, heads=3, dim=4, seed=1))
+    offsets = _offsets(LENGTHS)
+    size = max(LENGTHS) if max_seq_len is None else max_seq_len
+    position = RelativePositionBias(5) if biases in ("position", "both") else None
+    time = RelativeTimeBias(16) if biases in ("time", "both") else None
+    buckets = relative_time_buckets(torch.rand(sum(LENGTHS)) * 1e5, offsets, size, 16)
+    kwargs = dict(activation=activation, causal=causal, window=window, scale=None,
+                  normalization_length=normalization_length, time_bias=time, time_buckets=buckets)  # fmt: skip
+    results = []
+    for attention in (relative_bias_attention, _dense_bias_attention_before):
+        out = attention(q, k, v, offsets, position, max_seq_len, **kwargs)
+        grads = torch.autograd.grad(out.square().sum(), [q, k, v, *(b.weight for b in (position, time) if b)])
+        results.append((out, *grads))
+    for got, expected in zip(*results, strict=True):
+        if biases == "both":  # the scores are fp32 (also for fp64 inputs): one fp32 rounding apart
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(got, expected)

@@ -80,6 +80,23 @@ ERRORS = {
     "targets-float": (_with(_self_call, num_targets=torch.tensor([1.0, 0.0, 1.0])), TypeError, "num_targets"),
     "max-seq-len-q": (_with(_valid_call, max_seq_len_q=3), ValueError, "max_seq_len_q"),
     "max-seq-len-kv": (_with(_valid_call, max_seq_len_kv=2), ValueError, "max_seq_len_kv"),
+    "score-bias-cross": (_with(_valid_call, score_bias=torch.zeros(4, 4)), ValueError, "score_bias"),
+    "score-bias-impl": (_with(_self_call, score_bias=torch.zeros(4, 4), impl="reference"), ValueError, "score_bias"),
+    "score-bias-targets": (
+        _with(_self_call, score_bias=torch.zeros(4, 4), num_targets=torch.tensor([1, 0, 1])),
+        ValueError,
+        "score_bias",
+    ),
+    "score-bias-int": (_with(_self_call, score_bias=torch.zeros(4, 4, dtype=torch.int64)), TypeError, "score_bias"),
+    "score-bias-heads": (_with(_self_call, score_bias=torch.zeros(3, H + 1, 4, 4)), ValueError, "score_bias"),
+    "score-bias-1d": (_with(_self_call, score_bias=torch.zeros(4)), ValueError, "score_bias"),
+    "score-bias-length": (_with(_self_call, score_bias=torch.zeros(5, 5)), ValueError, "score_bias"),
+    "normalization-length-zero": (
+        _with(_self_call, activation="silu", normalization_length=0),
+        ValueError,
+        "normalization_length",
+    ),
+    "normalization-length-softmax": (_with(_self_call, normalization_length=4), ValueError, "normalization_length"),
 }
 
 
@@ -130,6 +147,52 @@ def test_impl_auto_is_the_reference_on_cpu(activation: str) -> None:
 
 def _fp64_self_inputs(seed: int, **kwargs: object) -> jagged_inputs.GDPAInputs:
     return make_gdpa_inputs("self", torch.Generator().manual_seed(seed), q_lengths=[5, 0, 1, 9], **kwargs)
+
+
+@pytest.mark.parametrize("impl", ["reference", "padded"])
+def test_normalization_length_divides_pointwise_attention_by_it(impl: str) -> None:
+    inputs = _fp64_self_inputs(7)
+    qkv, offsets = (inputs.q, inputs.k, inputs.v), inputs.q_offsets
+    own = gdpa(*qkv, offsets, activation="silu", causal=True, impl=impl)
+    fixed = gdpa(*qkv, offsets, activation="silu", causal=True, normalization_length=12, impl=impl)
+    lengths = lightning_gem.jagged.offsets_to_lengths(offsets).double()
+    factor = lengths[lightning_gem.jagged.segment_ids(offsets, own.shape[0])] / 12
+    torch.testing.assert_close(fixed, own * factor[:, None, None], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        {"activation": "softmax", "causal": True},
+        {"activation": "silu", "window": 2},
+        {"activation": "gelu", "block_size": 3},
+    ],
+)
+def test_a_score_bias_of_zeros_is_gdpa(mode: dict) -> None:
+    """``score_bias`` resolves ``impl="auto"`` to the dense path, whose scores are fp32: fp32 tolerances."""
+    inputs = _fp64_self_inputs(3)
+    qkv, offsets = (inputs.q, inputs.k, inputs.v), inputs.q_offsets
+    biased = gdpa(*qkv, offsets, **mode, score_bias=torch.zeros(9, 9))
+    torch.testing.assert_close(biased, gdpa(*qkv, offsets, **mode, impl="reference"), rtol=1e-5, atol=1e-6)
+
+
+def test_a_score_bias_is_added_to_every_score_and_gets_a_gradient() -> None:
+    """Against a direct per-sequence computation: ``silu(scale q k^T + bias[b, h]) / L``, causal."""
+    inputs = _fp64_self_inputs(5)
+    qkv, offsets = (inputs.q, inputs.k, inputs.v), inputs.q_offsets
+    lengths = lightning_gem.jagged.offsets_to_lengths(offsets).tolist()
+    bias = torch.randn(len(lengths), inputs.q.shape[1], 9, 9, dtype=torch.float64, requires_grad=True)
+    out = gdpa(*qkv, offsets, activation="silu", causal=True, score_bias=bias, max_seq_len_q=9, impl="padded")
+    start = 0
+    for b, length in enumerate(lengths):
+        q, k, v = (x[start : start + length].transpose(0, 1) for x in qkv)
+        scores = q @ k.transpose(1, 2) / q.shape[-1] ** 0.5 + bias[b, :, :length, :length]
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        expected = (torch.nn.functional.silu(scores) * causal / max(length, 1)) @ v
+        torch.testing.assert_close(out[start : start + length], expected.transpose(0, 1), rtol=1e-5, atol=1e-6)
+        start += length
+    out.sum().backward()
+    assert bias.grad[0, :, :5, :5].abs().sum() > 0 and bias.grad[0, :, 5:].abs().sum() == 0  # padding: no gradient
 
 
 def test_jagged_flash_attention_is_causal_softmax() -> None:

@@ -151,7 +151,7 @@ def fit_gem(
     )
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     tested = trainer.test(model, datamodule=data, verbose=False) if then_test else None
-    from lightning_gem.strategies.checkpointing import checkpointed_modules
+    from lightning_gem.strategies.activation_checkpointing import checkpointed_modules
 
     return {
         "losses": recorder.losses,

@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning_gem.strategies import checkpointing as ckpt
-from lightning_gem.strategies.checkpointing import (
+from lightning_gem.strategies.activation_checkpointing import (
     ActivationCheckpointPlan,
+    CandidateStats,
     apply_activation_checkpointing,
     checkpointed_modules,
     compile_memory_budget,
@@ -21,6 +21,7 @@ from lightning_gem.strategies.checkpointing import (
     plan_activation_checkpointing,
     remove_activation_checkpointing,
 )
+from lightning_gem.strategies.activation_checkpointing import planner as ckpt
 from torch import nn
 
 NUM_TOKENS, DIM = 512, 16
@@ -133,7 +134,7 @@ def test_knapsack_is_exact_against_brute_force() -> None:
         for i in range(n):
             saved = rng.randint(1, 100)
             stats.append(
-                ckpt.CandidateStats(
+                CandidateStats(
                     name=str(i),
                     saved_bytes=saved,
                     freed_bytes=rng.randint(1, saved),

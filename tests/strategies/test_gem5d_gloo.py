@@ -296,7 +296,7 @@ def test_checkpoint_resumes_exactly_and_loads_at_another_world_size(tmp_path) ->
 
     # one ordinary Lightning checkpoint that the plain model loads in this (single, process-group-free) process
     from gem_workloads import make_model
-    from lightning_gem.strategies.checkpoint_io import consolidate
+    from lightning_gem.strategies.distributed_checkpoint import consolidate
 
     consolidate(tmp_path / "step=6.ckpt", tmp_path / "model.ckpt")
     plain = type(make_model(None, "adamw")).load_from_checkpoint(tmp_path / "model.ckpt", map_location="cpu")

@@ -34,6 +34,8 @@ def gdpa(
     block_size: int | None = None,
     num_targets: Tensor | None = None,
     scale: float | None = None,
+    score_bias: Tensor | None = None,
+    normalization_length: int | None = None,
     max_seq_len_q: int | None = None,
     max_seq_len_kv: int | None = None,
     impl: str = "auto",
@@ -67,7 +69,11 @@ def gdpa(
     - pointwise ``"silu" | "gelu" | "relu" | "sigmoid"`` (``gelu`` is the exact erf form):
       ``o_i = (1 / Lk) * sum_t act(s_it) v_t`` over allowed ``t``, where ``Lk`` is the length of the kv
       segment itself (history plus targets), never a batch maximum: a sample's output does not depend on
-      its batch. An empty kv segment outputs zeros.
+      its batch. An empty kv segment outputs zeros. ``normalization_length=N`` divides by ``N`` instead
+      (the HSTU reference's ``1 / N`` over its padded length).
+    - ``score_bias``: ``beta_it`` added to every score, ``act(s_it + beta_it)``, before the mask. It is a
+      dense ``[B, H, L, L]`` tensor (or one that broadcasts to it, e.g. ``[L, L]`` for a bias of relative
+      positions) over each segment's padded positions, so only the dense path takes it (see ``impl``).
 
     Output is ``[Tq, H, Dv]`` in q's dtype; accumulation is in fp32 (fp64 for fp64 inputs).
 
@@ -85,6 +91,12 @@ def gdpa(
         block_size: BlockAttention block length (``>= 1``), or None.
         num_targets: ``[B]`` int targets at the end of each self-attention segment, ``0 <= n <= L``.
         scale: score scale; default ``1 / sqrt(D)``.
+        score_bias: a float tensor broadcasting to ``[B, H, L, L]`` added to the scores (in fp32), ``L`` the
+            padded length (``max_seq_len_q``, or the longest segment); self-attention without targets only.
+            Its gradient is computed. Only ``impl="padded"`` takes it (``"auto"`` resolves to it): memory and time
+            grow with ``B L^2``, meant for short sequences (a few hundred tokens).
+        normalization_length: pointwise activations only: divide by this fixed length (``>= 1``) instead of
+            each kv segment's own length.
         max_seq_len_q, max_seq_len_kv: upper bounds on ``Lq`` / ``Lk`` (kernels use them as runtime
             hints to size grids without a device sync); checked when ``check_offsets``.
         impl: ``"reference"`` (pure PyTorch), ``"triton"`` (the kit's kernels: CUDA, or CPU under
@@ -97,7 +109,9 @@ def gdpa(
             ``torch.compile`` the Triton kernels with the tiles timed in eager for the key, else a default
             shape; elsewhere the reference. ``"padded"``: the baseline a model without jagged kernels runs (padded
             ``[B, H, Lmax, D]`` tensors, a dense mask, SDPA or eager pointwise; memory ``B * Lmax**2``),
-            kept to measure the kit against. A named impl never falls back: it raises if it cannot run.
+            kept to measure the kit against; with ``score_bias`` it is the dense path, scores in fp32 (einsum,
+            masked softmax or pointwise weights) instead of SDPA. A named impl never falls back: it raises if it
+            cannot run.
         check_offsets: validate offsets, indices and targets by reading their values (a device sync).
             Pass False only for offsets already validated upstream. Skipped under ``torch.compile``.
         deterministic: bitwise reproducible gradients. The Triton backward then computes dQ in a kernel of
@@ -156,35 +170,48 @@ def gdpa(
         _check_hint(max_seq_len_kv, kv_offsets, "max_seq_len_kv")
     if not isinstance(deterministic, bool):
         raise TypeError(f"`deterministic` must be a bool, got {type(deterministic).__name__}")
+    if normalization_length is not None:
+        _check_normalization_length(normalization_length, activation)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
 
-    resolved = resolve_impl(impl, q)
+    if score_bias is None:
+        resolved = resolve_impl(impl, q)
+    else:
+        resolved = _resolve_biased(impl, score_bias, q, self_attention, kv_index, num_targets, num_segments)
     tensors = (q, k, v, q_offsets, kv_offsets, kv_index, num_targets)
     if resolved == "triton":  # the hot path first, its arguments passed as they are (no dicts to unpack)
         from lightning_gem.ops.attention.impl.triton import gdpa_triton
 
-        return gdpa_triton(
+        out = gdpa_triton(
             *tensors, activation=activation, causal=causal, window=window, block_size=block_size, scale=float(scale),
             max_seq_len_q=max_seq_len_q, max_seq_len_kv=max_seq_len_kv, deterministic=deterministic,
             flash=impl == "auto",
         )  # fmt: skip
-    mode = {"activation": activation, "causal": causal, "window": window, "block_size": block_size}
-    hints = {"max_seq_len_q": max_seq_len_q, "max_seq_len_kv": max_seq_len_kv}
-    if resolved == "flash":
-        from lightning_gem.ops.attention.impl.flash import gdpa_flash
-
-        return gdpa_flash(*tensors, **mode, scale=float(scale), **hints, deterministic=deterministic,
-                          self_attention=self_attention)  # fmt: skip
-    if resolved == "padded":
+    elif resolved == "padded":  # divides by normalization_length itself
         from lightning_gem.ops.attention.impl.padded import gdpa_padded
 
-        return gdpa_padded(*tensors, **mode, scale=float(scale), **hints)
-    # Imported on first use: registering FLOP formulas imports torch.utils.flop_counter, which imports
-    # Triton. FLOP counting that starts before the first call imports this module itself (lightning_gem.flops).
-    from lightning_gem.ops.attention.ops import gdpa_reference_op
+        mode = {"activation": activation, "causal": causal, "window": window, "block_size": block_size}
+        return gdpa_padded(
+            *tensors, **mode, scale=float(scale), score_bias=score_bias, normalization_length=normalization_length,
+            max_seq_len_q=max_seq_len_q, max_seq_len_kv=max_seq_len_kv,
+        )  # fmt: skip
+    elif resolved == "flash":
+        from lightning_gem.ops.attention.impl.flash import gdpa_flash
 
-    return gdpa_reference_op(*tensors, activation, causal, window, block_size, float(scale))
+        mode = {"activation": activation, "causal": causal, "window": window, "block_size": block_size}
+        hints = {"max_seq_len_q": max_seq_len_q, "max_seq_len_kv": max_seq_len_kv}
+        out = gdpa_flash(*tensors, **mode, scale=float(scale), **hints, deterministic=deterministic,
+                         self_attention=self_attention)  # fmt: skip
+    else:
+        # Imported on first use: registering FLOP formulas imports torch.utils.flop_counter, which imports
+        # Triton. FLOP counting that starts before the first call imports this module itself (lightning_gem.flops).
+        from lightning_gem.ops.attention.ops import gdpa_reference_op
+
+        out = gdpa_reference_op(*tensors, activation, causal, window, block_size, float(scale))
+    if normalization_length is not None:
+        out = _renormalized(out, q_offsets, kv_offsets, kv_index, normalization_length)
+    return out
 
 
 def resolve_impl(impl: str, q: Tensor) -> str:
@@ -198,6 +225,51 @@ def resolve_impl(impl: str, q: Tensor) -> str:
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and _capability(q.device) >= (8, 0):
         return "triton"
     return "reference"
+
+
+def _resolve_biased(
+    impl: str,
+    score_bias: Tensor,
+    q: Tensor,
+    self_attention: bool,
+    kv_index: Tensor | None,
+    num_targets: Tensor | None,
+    num_segments: int,
+) -> str:
+    """``"padded"``, the one implementation that takes ``score_bias``, after checking the bias and the mode."""
+    if impl not in ("auto", "padded"):
+        raise ValueError(f"`score_bias` needs impl='padded' (the dense path) or 'auto', got impl={impl!r}")
+    if not self_attention or kv_index is not None or num_targets is not None:
+        raise ValueError(
+            "`score_bias` needs self-attention without targets: no `kv_offsets`, `kv_index` or `num_targets`"
+        )
+    jagged.check_floating(score_bias, "score_bias")
+    jagged.check_device(score_bias, "score_bias", q.device)
+    wanted = (num_segments, q.shape[1])[4 - score_bias.dim() :] if 2 <= score_bias.dim() <= 4 else None
+    if wanted is None or any(n not in (1, w) for n, w in zip(score_bias.shape[:-2], wanted, strict=True)):
+        raise ValueError(
+            f"`score_bias` must broadcast to [B, H, L, L] = [{num_segments}, {q.shape[1]}, L, L], got shape "
+            f"{tuple(score_bias.shape)}"
+        )
+    return "padded"
+
+
+def _check_normalization_length(normalization_length: int, activation: str) -> None:
+    if isinstance(normalization_length, bool) or not isinstance(normalization_length, int) or normalization_length < 1:
+        raise ValueError(f"`normalization_length` must be a positive int or None, got {normalization_length!r}")
+    if activation == "softmax":
+        raise ValueError("`normalization_length` divides pointwise attention; softmax takes none")
+
+
+def _renormalized(
+    out: Tensor, q_offsets: Tensor, kv_offsets: Tensor, kv_index: Tensor | None, normalization_length: int
+) -> Tensor:
+    """Pointwise ``out`` (divided by each kv segment's length) divided by ``normalization_length`` instead."""
+    lengths = jagged.offsets_to_lengths(kv_offsets).to(out.dtype)
+    if kv_index is not None:
+        lengths = lengths[kv_index.to(torch.int64)]
+    factor = lengths[jagged.segment_ids(q_offsets, out.shape[0])] / normalization_length
+    return out * factor[:, None, None]
 
 
 @functools.cache

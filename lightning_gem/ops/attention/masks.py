@@ -18,12 +18,35 @@ So a target never sees another target, and no history query sees a target.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
 from lightning_gem import jagged
 
-__all__ = ["allowed_mask", "key_ranges", "num_allowed_pairs"]
+__all__ = ["Segments", "allowed_mask", "key_ranges", "num_allowed_pairs", "segments"]
+
+
+class Segments(NamedTuple):
+    """Per query segment ``b`` (``[B]`` int64 each): where its queries and its kv segment's keys start, their
+    lengths, and ``h``, the history length (``Lk`` less the targets)."""
+
+    q_start: Tensor
+    len_q: Tensor
+    k_start: Tensor
+    len_k: Tensor
+    num_history: Tensor
+
+
+def segments(q_offsets: Tensor, kv_offsets: Tensor, kv_index: Tensor | None, num_targets: Tensor | None) -> Segments:
+    """The :class:`Segments` of validated offsets, kv index and targets (see the module docstring)."""
+    q_offsets, kv_offsets = q_offsets.to(torch.int64), kv_offsets.to(torch.int64)
+    q_start, len_q = q_offsets[:-1], q_offsets[1:] - q_offsets[:-1]
+    kv_seg = torch.arange(len_q.numel(), device=q_offsets.device) if kv_index is None else kv_index.to(torch.int64)
+    k_start, len_k = kv_offsets[:-1][kv_seg], (kv_offsets[1:] - kv_offsets[:-1])[kv_seg]
+    num_history = len_k if num_targets is None else len_k - num_targets.to(torch.int64)
+    return Segments(q_start, len_q, k_start, len_k, num_history)
 
 
 def allowed_mask(
@@ -101,15 +124,12 @@ def num_allowed_pairs(
     block_size: int | None,
 ) -> int:
     """Number of allowed (query, key) pairs over the batch, per head: O(Tq) work, no mask is built."""
-    len_q_b = (q_offsets[1:] - q_offsets[:-1]).to(torch.int64)
-    len_k_all = (kv_offsets[1:] - kv_offsets[:-1]).to(torch.int64)
-    len_k_b = len_k_all if kv_index is None else len_k_all[kv_index.to(torch.int64)]
-    hist_b = len_k_b if num_targets is None else len_k_b - num_targets.to(torch.int64)
-    total_q = int(len_q_b.sum())
+    _, len_q, _, len_k, num_history = segments(q_offsets, kv_offsets, kv_index, num_targets)
+    total_q = int(len_q.sum())
     if total_q == 0:
         return 0
     seg, q_pos = jagged.segment_positions(q_offsets, total_q)
     lo, hi, own = key_ranges(
-        q_pos, len_q_b[seg], len_k_b[seg], hist_b[seg], causal=causal, window=window, block_size=block_size
+        q_pos, len_q[seg], len_k[seg], num_history[seg], causal=causal, window=window, block_size=block_size
     )
     return int((hi - lo).clamp_min(0).sum() + own.sum())

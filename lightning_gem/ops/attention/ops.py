@@ -14,7 +14,7 @@ from torch.utils.flop_counter import register_flop_formula
 from lightning_gem.ops.attention.impl.reference import gdpa_reference, gdpa_reference_backward
 from lightning_gem.ops.attention.masks import num_allowed_pairs
 
-__all__ = ["gdpa_flops", "gdpa_reference_op"]
+__all__ = ["gdpa_flops", "gdpa_op_flops", "gdpa_reference_op"]
 
 
 @torch.library.custom_op("lightning_gem::gdpa_reference", mutates_args=())
@@ -148,58 +148,20 @@ def _is_fake(tensor: Tensor) -> bool:
     return isinstance(tensor, FakeTensor)
 
 
+def gdpa_op_flops(qkv: tuple, rest: tuple, *, backward: bool) -> int:
+    """:func:`gdpa_flops` from a GDPA op's positional arguments: ``qkv`` and what follows the op's tensors
+    (``q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size, ...``)."""
+    q_offsets, kv_offsets, kv_index, num_targets, _activation, causal, window, block_size = rest[:8]
+    jagged = (q_offsets, kv_offsets, kv_index, num_targets)
+    return gdpa_flops(*qkv, *jagged, causal=causal, window=window, block_size=block_size, backward=backward)
+
+
 @register_flop_formula(torch.ops.lightning_gem.gdpa_reference, get_raw=True)
-def _gdpa_flop(
-    q,
-    k,
-    v,
-    q_offsets,
-    kv_offsets,
-    kv_index,
-    num_targets,
-    activation,
-    causal,
-    window,
-    block_size,
-    scale,
-    *,
-    out_val=None,
-    **kwargs,
-) -> int:  # noqa: ANN001, E501
-    return gdpa_flops(
-        q, k, v, q_offsets, kv_offsets, kv_index, num_targets, causal=causal, window=window, block_size=block_size
-    )
+def _gdpa_flop(*args, out_val=None, **kwargs) -> int:
+    return gdpa_op_flops(args[:3], args[3:], backward=False)
 
 
 @register_flop_formula(torch.ops.lightning_gem.gdpa_reference_backward, get_raw=True)
-def _gdpa_backward_flop(
-    grad_out,
-    q,
-    k,
-    v,
-    q_offsets,
-    kv_offsets,
-    kv_index,
-    num_targets,
-    activation,
-    causal,
-    window,
-    block_size,
-    scale,
-    *,
-    out_val=None,
-    **kwargs,
-) -> int:  # noqa: ANN001, E501
-    return gdpa_flops(
-        q,
-        k,
-        v,
-        q_offsets,
-        kv_offsets,
-        kv_index,
-        num_targets,
-        causal=causal,
-        window=window,
-        block_size=block_size,
-        backward=True,
-    )
+def _gdpa_backward_flop(*args, out_val=None, **kwargs) -> int:
+    # (grad_out, q, k, v, q_offsets, ...)
+    return gdpa_op_flops(args[1:4], args[4:], backward=True)

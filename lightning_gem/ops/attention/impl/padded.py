@@ -10,6 +10,10 @@ padding sits after each sequence, so real queries never see it.
 Memory and FLOPs grow with ``B * Lmax**2``, not with the sum of the segments' squares: that is the
 point of comparison, not a recommended path. Autograd differentiates it; it runs wherever PyTorch
 does, in the inputs' dtype (SDPA and matmuls accumulate in fp32 on GPUs).
+
+It is also the one implementation that takes a ``score_bias`` (a learned bias of relative positions or
+times, as HSTU's relative attention bias), since it alone holds the ``[B, H, L, L]`` scores: then the scores
+are computed in fp32, the bias added, and the masked softmax or pointwise weights multiply the values.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_gem import jagged
 from lightning_gem.ops.attention.impl.reference import POINTWISE
-from lightning_gem.ops.attention.masks import allowed_mask
+from lightning_gem.ops.attention.masks import allowed_mask, segments
 
 __all__ = ["gdpa_padded"]
 
@@ -48,6 +53,8 @@ def gdpa_padded(
     window: int | None,
     block_size: int | None,
     scale: float,
+    score_bias: Tensor | None = None,
+    normalization_length: int | None = None,
     max_seq_len_q: int | None = None,
     max_seq_len_kv: int | None = None,
 ) -> Tensor:
@@ -55,26 +62,28 @@ def gdpa_padded(
 
     Shapes as :func:`~lightning_gem.ops.attention.impl.reference.gdpa_reference`; ``max_seq_len_q`` /
     ``max_seq_len_kv`` are the padded lengths (read from the offsets, a device sync, when omitted).
+    ``score_bias`` (self-attention without targets) broadcasts to ``[B, H, Lq, Lk]`` of those lengths.
     """
     if q.shape[0] == 0 or k.shape[0] == 0:
         return q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
-    q_offsets, kv_offsets = q_offsets.to(torch.int64), kv_offsets.to(torch.int64)
-    len_q = q_offsets[1:] - q_offsets[:-1]
-    kv_seg = torch.arange(len_q.numel(), device=q.device) if kv_index is None else kv_index.to(torch.int64)
-    k_start, len_k = kv_offsets[:-1][kv_seg], (kv_offsets[1:] - kv_offsets[:-1])[kv_seg]
+    q_start, len_q, k_start, len_k, num_history = segments(q_offsets, kv_offsets, kv_index, num_targets)
     max_q = int(len_q.max()) if max_seq_len_q is None else max_seq_len_q
     max_k = int(len_k.max()) if max_seq_len_kv is None else max_seq_len_kv
     if max_q == 0 or max_k == 0:
         return q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
-    q_BHLD, q_valid = _pad_rows(q, q_offsets[:-1], len_q, max_q)
+    if score_bias is not None and tuple(score_bias.shape[-2:]) != (max_q, max_k):
+        raise ValueError(
+            f"`score_bias` must end in [L, L] = [{max_q}, {max_k}] (the padded lengths), got {tuple(score_bias.shape)}"
+        )
+    q_BHLD, q_valid = _pad_rows(q, q_start, len_q, max_q)
     k_BHLD, _ = _pad_rows(k, k_start, len_k, max_k)
     v_BHLD, _ = _pad_rows(v, k_start, len_k, max_k)
 
     plain_causal = causal and kv_index is None and num_targets is None and window is None and block_size is None
-    if activation == "softmax" and plain_causal and max_q == max_k and torch.equal(q_offsets, kv_offsets):
+    sdpa_causal = activation == "softmax" and plain_causal and score_bias is None and max_q == max_k
+    if sdpa_causal and torch.equal(q_offsets.to(torch.int64), kv_offsets.to(torch.int64)):
         out = F.scaled_dot_product_attention(q_BHLD, k_BHLD, v_BHLD, is_causal=True, scale=scale)
     else:
-        num_history = len_k if num_targets is None else len_k - num_targets.to(torch.int64)
         pos_q, pos_k = torch.arange(max_q, device=q.device), torch.arange(max_k, device=q.device)
         mask = allowed_mask(
             pos_q[None, :, None],
@@ -86,7 +95,14 @@ def gdpa_padded(
             window=window,
             block_size=block_size,
         )[:, None]  # [B, 1, Lq, Lk]
-        if activation == "softmax":
+        if score_bias is not None:
+            divisor = len_k.clamp_min(1)[:, None, None, None] if normalization_length is None else normalization_length
+            out = _biased(q_BHLD, k_BHLD, v_BHLD, mask, score_bias, activation=activation, scale=scale, divisor=divisor)
+            # Rows gathered by position, not by the validity mask: no data-dependent shape, so a compiled
+            # layer keeps one graph.
+            segment, position = jagged.segment_positions(q_offsets, q.shape[0])
+            return out.transpose(1, 2)[segment, position]
+        elif activation == "softmax":
             # A query that sees no key (an empty history, padding) would be NaN in SDPA: let it see
             # everything, then zero it.
             empty = ~mask.any(dim=-1, keepdim=True)
@@ -95,5 +111,28 @@ def gdpa_padded(
         else:
             scores = torch.matmul(q_BHLD, k_BHLD.transpose(-1, -2)) * scale
             weights = torch.where(mask, POINTWISE[activation][0](scores), torch.zeros_like(scores))
-            out = torch.matmul(weights, v_BHLD) / len_k.clamp_min(1).to(q.dtype)[:, None, None, None]
+            divisor = len_k.clamp_min(1).to(q.dtype)[:, None, None, None]
+            out = torch.matmul(weights, v_BHLD) / (divisor if normalization_length is None else normalization_length)
     return out.transpose(1, 2)[q_valid]  # [Tq, H, Dv]: the valid rows, in segment order
+
+
+def _biased(
+    q_BHLD: Tensor,
+    k_BHLD: Tensor,
+    v_BHLD: Tensor,
+    mask: Tensor,
+    score_bias: Tensor,
+    *,
+    activation: str,
+    scale: float,
+    divisor: Tensor | int,
+) -> Tensor:
+    """``[B, H, Lq, Dv]`` attention of padded ``q``, ``k``, ``v`` with ``score_bias`` added to the fp32 scores;
+    ``mask [B, 1, Lq, Lk]`` the allowed pairs, ``divisor`` the pointwise normaliser (``[B, 1, 1, 1]`` lengths or
+    a fixed length)."""
+    scores = torch.einsum("bhid,bhtd->bhit", q_BHLD, k_BHLD).float() * scale + score_bias
+    if activation == "softmax":  # a finite fill: padded query rows (no allowed key) stay finite in backward
+        weights = torch.softmax(scores.masked_fill(~mask, -1e30), dim=-1) * mask
+    else:
+        weights = (POINTWISE[activation][0](scores) / divisor).masked_fill(~mask, 0.0)
+    return torch.einsum("bhit,bhtd->bhid", weights.to(v_BHLD.dtype), v_BHLD)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_gem.ops.attention.masks import allowed_mask
+from lightning_gem.ops.attention.masks import allowed_mask, segments
 
 __all__ = ["ACTIVATIONS", "gdpa_reference", "gdpa_reference_backward"]
 
@@ -78,13 +78,7 @@ def _buckets(
 ) -> Iterator[_Bucket]:
     """Groups of segments with similar lengths, padded to the group's longest; skips empty work."""
     device = q_offsets.device
-    q_offsets = q_offsets.to(torch.int64)
-    kv_offsets = kv_offsets.to(torch.int64)
-    q_start, len_q = q_offsets[:-1], q_offsets[1:] - q_offsets[:-1]
-    kv_seg = torch.arange(len_q.numel(), device=device) if kv_index is None else kv_index.to(torch.int64)
-    k_start = kv_offsets[:-1][kv_seg]
-    len_k = (kv_offsets[1:] - kv_offsets[:-1])[kv_seg]
-    num_history = len_k if num_targets is None else len_k - num_targets.to(torch.int64)
+    q_start, len_q, k_start, len_k, num_history = segments(q_offsets, kv_offsets, kv_index, num_targets)
     keys = _pow2_bucket(len_q) * (1 << 32) + _pow2_bucket(len_k)
     for key in torch.unique(keys).tolist():
         seg = torch.nonzero(keys == key).squeeze(1)

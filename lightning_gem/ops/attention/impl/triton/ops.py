@@ -3,7 +3,7 @@
 Both are :func:`torch.library.triton_op` s whose bodies launch the kernels through
 :func:`torch.library.wrap_triton`, so ``torch.compile`` sees (and can fuse around) the kernels, and the
 body itself is the fake impl (it only allocates outputs and launches, which fake tensors trace). The
-autograd formula calls the backward op; ``FlopCounterMode`` counts both with :func:`gdpa_flops`. Plain eager
+autograd formula calls the backward op; ``FlopCounterMode`` counts both with :func:`gdpa_op_flops`. Plain eager
 calls skip the ops' dispatch (host time only) through a private ``autograd.Function`` over the same bodies.
 """
 
@@ -19,7 +19,7 @@ from lightning_gem.ops._launch import plain_eager, records_graph
 from lightning_gem.ops.attention.impl.triton._common import is_interpreted
 from lightning_gem.ops.attention.impl.triton.backward import gdpa_backward
 from lightning_gem.ops.attention.impl.triton.forward import _gdpa_fwd_kernel, gdpa_forward
-from lightning_gem.ops.attention.ops import gdpa_flops
+from lightning_gem.ops.attention.ops import gdpa_op_flops
 
 __all__ = ["SUPPORTED_DTYPES", "gdpa_triton"]
 
@@ -137,22 +137,15 @@ if is_interpreted(_gdpa_fwd_kernel):
         _op.register_torch_dispatch(FunctionalTensorMode, _keep_opaque)
 
 
-def _flops(qkv: tuple, rest: tuple, *, backward: bool) -> int:
-    """``gdpa_flops`` from the ops' arguments: ``qkv`` and ``(q_offsets, ..., block_size, ...)``."""
-    q_offsets, kv_offsets, kv_index, num_targets, _activation, causal, window, block_size = rest[:8]
-    jagged = (q_offsets, kv_offsets, kv_index, num_targets)
-    return gdpa_flops(*qkv, *jagged, causal=causal, window=window, block_size=block_size, backward=backward)
-
-
 @register_flop_formula(torch.ops.lightning_gem.gdpa_triton, get_raw=True)
 def _gdpa_triton_flop(*args, out_val=None, **kwargs) -> int:  # noqa: ANN002, ANN003
-    return _flops(args[:3], args[3:], backward=False)
+    return gdpa_op_flops(args[:3], args[3:], backward=False)
 
 
 @register_flop_formula(torch.ops.lightning_gem.gdpa_triton_backward, get_raw=True)
 def _gdpa_triton_backward_flop(*args, out_val=None, **kwargs) -> int:  # noqa: ANN002, ANN003
     # (grad_out, q, k, v, out, lse, q_offsets, ...)
-    return _flops(args[1:4], args[6:], backward=True)
+    return gdpa_op_flops(args[1:4], args[6:], backward=True)
 
 
 class _GDPAEager(torch.autograd.Function):

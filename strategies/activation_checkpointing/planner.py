@@ -59,27 +59,22 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
-from lightning_gem.strategies.activation_memory import (
+from lightning_gem.strategies.activation_checkpointing.measure import (
     CandidateStats,
-    StepMemory,
     _device_of,
     _forward_seconds,
     _measure_timeline,
     _Profile,
-    measure_step_memory,
 )
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 __all__ = [
     "ActivationCheckpointPlan",
-    "CandidateStats",
-    "StepMemory",
     "apply_activation_checkpointing",
     "checkpointed_modules",
     "compile_memory_budget",
     "default_checkpoint_candidates",
-    "measure_step_memory",
     "plan_activation_checkpointing",
     "remove_activation_checkpointing",
 ]

@@ -4,7 +4,8 @@
 resident; CPU: the bytes the step's own ops allocate and still hold, tracked through a dispatch mode).
 ``_measure_timeline`` splits that peak where backward finishes each candidate block; ``_Profile``
 records, per candidate, the bytes its forward saves for backward, the part checkpointing frees, and its
-forward FLOPs, as :class:`CandidateStats`. :mod:`lightning_gem.strategies.checkpointing` plans from them.
+forward FLOPs, as :class:`CandidateStats`. :mod:`~lightning_gem.strategies.activation_checkpointing.planner`
+plans from them.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Activation checkpointing for gem5d: plan it on a real training step, the same plan on every rank.
 
-Glue between the strategy and :mod:`lightning_gem.strategies.checkpointing` (the planner). The planner
+Glue between the strategy and :mod:`~lightning_gem.strategies.activation_checkpointing.planner`. The planner
 runs the step several times; :func:`traceless_step` makes those runs leave the model as it found it:
 the fused embedding optimizer updates the tables inside the backward, so the tables and their optimizer
 state are restored afterwards, gradients are dropped and the RNG state is put back.
@@ -69,9 +69,9 @@ def plan_on_training_step(
         candidates: submodules that may be checkpointed; default: the planner's.
 
     Returns:
-        The applied :class:`~lightning_gem.strategies.checkpointing.ActivationCheckpointPlan`.
+        The applied :class:`~lightning_gem.strategies.activation_checkpointing.ActivationCheckpointPlan`.
     """
-    from .checkpointing import apply_activation_checkpointing, plan_activation_checkpointing
+    from .planner import apply_activation_checkpointing, plan_activation_checkpointing
 
     trainer = getattr(module, "_trainer", None)
 
