@@ -1,10 +1,12 @@
-"""Each shipped config runs through the ``lightning-gem`` CLI (a few batches, on CPU)."""
+"""Each shipped config runs through the ``lightning-gem`` CLI (a few batches, on CPU); each overlay is run composed
+on its base config, and the overlays compose to the recipes docs/results.md names."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import yaml
 
 from lightning_gem.cli import main
 
@@ -20,11 +22,12 @@ SHORT = [
 ]
 
 
-def _fit(config: str, tmp_path: Path, *extra: str) -> None:
+def _fit(config: str | tuple[str, ...], tmp_path: Path, *extra: str) -> None:
+    configs = (config,) if isinstance(config, str) else config
     main(
         [
             "fit",
-            f"--config={CONFIGS / config}",
+            *(f"--config={CONFIGS / name}" for name in configs),
             *SHORT,
             f"--trainer.default_root_dir={tmp_path}",
             f"--trainer.logger.init_args.save_dir={tmp_path}",
@@ -52,24 +55,87 @@ def test_quickstart_config_trains(tmp_path: Path, capsys: pytest.CaptureFixture[
 ON_CPU = ["--trainer.accelerator=cpu", "--trainer.precision=32-true", "--trainer.check_val_every_n_epoch=1"]
 
 
+ML1M_HSTU = "ml1m_hstu_h200.yaml"
+OVERLAYS = sorted(path.name for path in (CONFIGS / "ml1m_hstu_h200").glob("*.yaml"))
+EAGER = "--model.init_args.compile_layers=false"  # eager on CPU: compiling the layers would take minutes
+
+
 @pytest.mark.parametrize(
     ("config", "folder", "extra"),
     [
         ("ml100k_ctr.yaml", "ml-100k", []),
         ("ml1m_retrieval.yaml", "ml-1m", []),
-        ("ml1m_hstu_h200.yaml", "ml-1m", ON_CPU),
-        ("ml1m_hstu_h200_reference.yaml", "ml-1m", ON_CPU),
-        ("ml1m_hstu_h200_all_windows.yaml", "ml-1m", [*ON_CPU, "--model.init_args.compile_layers=false"]),
-        ("ml1m_hstu_h200_best.yaml", "ml-1m", [*ON_CPU, "--model.init_args.compile_layers=false"]),
+        (ML1M_HSTU, "ml-1m", [*ON_CPU, EAGER]),
+        *[
+            pytest.param((ML1M_HSTU, f"ml1m_hstu_h200/{overlay}"), "ml-1m", [*ON_CPU, EAGER], id=f"base+{overlay}")
+            for overlay in OVERLAYS
+        ],
     ],
 )
 def test_movielens_config_trains(
-    config: str, folder: str, extra: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    config: str | tuple[str, ...], folder: str, extra: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     if not (DATA / folder).is_dir():
         pytest.skip(f"MovieLens data not found at {DATA / folder}")
     path = f"--data.init_args.source.init_args.path={DATA / folder}"
     _fit(config, tmp_path, path, "--data.init_args.batch_size=32", *extra)
     printed = capsys.readouterr().out
-    expected = "val/auc_ctr=" if "ctr" in config else "val/hr@10="
+    expected = "val/auc_ctr=" if "ctr" in str(config) else "val/hr@10="
     assert expected in printed
+
+
+def _composed(configs: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> dict:
+    with pytest.raises(SystemExit):
+        main(["fit", *(f"--config={CONFIGS / name}" for name in configs), "--print_config"])
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(
+    ("overlays", "expected"),
+    [
+        # (input_projection, final_norm, train_windows, lr_schedule, compile_layers, max_epochs, validation item
+        # trained on, the checkpoint callback's monitor and save_last)
+        pytest.param((), (False, False, "all", "cosine", True, 135, True, None, True), id="base"),
+        pytest.param(
+            ("projection_and_norm",), (True, True, "all", "cosine", True, 135, True, None, True), id="projection"
+        ),
+        pytest.param(
+            ("projection_and_norm", "recent_window"),
+            (True, True, "last", "constant", False, 100, True, None, True),
+            id="reference_recipe",
+        ),
+        pytest.param(
+            ("projection_and_norm", "recent_window", "holdout"),
+            (True, True, "last", "constant", False, 100, False, "val/ndcg@10", False),
+            id="first_recipe",
+        ),
+        pytest.param(
+            ("holdout",), (False, False, "all", "cosine", True, 135, False, "val/ndcg@10", False), id="holdout"
+        ),
+    ],
+)
+def test_overlays_compose_on_the_base(
+    overlays: tuple[str, ...], expected: tuple, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _composed((ML1M_HSTU, *(f"ml1m_hstu_h200/{name}.yaml" for name in overlays)), capsys)
+    model, source = config["model"]["init_args"], config["data"]["init_args"]["source"]["init_args"]
+    callbacks = config["trainer"]["callbacks"]
+    checkpoint = next(c["init_args"] for c in callbacks if c["class_path"].endswith("ModelCheckpoint"))
+    assert [c["class_path"].rsplit(".", 1)[1] for c in callbacks] == ["ThroughputReport", "ModelCheckpoint"]
+    assert (
+        model["input_projection"],
+        model["final_norm"],
+        source["train_windows"],
+        model["lr_schedule"],
+        model["compile_layers"],
+        config["trainer"]["max_epochs"],
+        source["train_on_validation_item"],
+        checkpoint["monitor"],
+        bool(checkpoint["save_last"]),
+    ) == expected
+    assert (model["embedding_dim"], model["num_layers"], model["num_heads"], model["relative_attention_bias"]) == (
+        50,
+        8,
+        2,
+        True,
+    )

@@ -7,7 +7,8 @@
 # Usage (from the repository root, with the kit installed, see run_gpu_suite.sh):
 #   OUT=ml1m-variants ML1M=PATH/TO/ml-1m bash examples/benchmarks/ml1m_variants.sh [VARIANTS_FILE]
 # VARIANTS_FILE: one variant a line, `name overrides...` (CLI overrides of CONFIG); default: the list below.
-# CONFIG: the base config (default examples/configs/ml1m_hstu_h200_best.yaml, which keeps last.ckpt).
+# CONFIG: the config (default examples/configs/ml1m_hstu_h200.yaml, which keeps last.ckpt); a variant's overrides may
+# add an overlay, e.g. `proj --config examples/configs/ml1m_hstu_h200/projection_and_norm.yaml`.
 # MAX_TIME: each fit's limit, DD:HH:MM:SS (default 00:00:08:00). The default list: the config with three seeds
 # (run-to-run spread), and width 512 for 40 epochs in bf16 and under MXFP8Precision (on an H200 the FP8
 # GEMMs need dims that are multiples of 512; narrower Linears stay in bf16, which would compare bf16 to bf16).
@@ -15,7 +16,7 @@
 set -u
 OUT=${OUT:-ml1m-variants}
 PY=${PYTHON:-python3}
-CONFIG=${CONFIG:-examples/configs/ml1m_hstu_h200_best.yaml}
+CONFIG=${CONFIG:-examples/configs/ml1m_hstu_h200.yaml}
 MAX_TIME=${MAX_TIME:-00:00:08:00}
 : "${ML1M:?set ML1M to the ml-1m folder (https://grouplens.org/datasets/movielens/1m/)}"
 mkdir -p "$OUT"

@@ -5,8 +5,8 @@
 # Usage (from the repository root, on a CUDA machine with torchrec, fbgemm-gpu and the kit installed: the
 # package maps components/ and strategies/ into lightning_gem, so `pip install -e .` rather than PYTHONPATH=.):
 #   OUT=gpu-results ML1M=PATH/TO/ml-1m bash examples/benchmarks/run_gpu_suite.sh [STEP ...]
-# STEP: any of tests attention precision host encoder balance balance_wide e2e scaling ml1m ml1m_reference
-# ml1m_all_windows ml1m_best (default: all, in that order).
+# STEP: any of tests attention precision host encoder balance balance_wide e2e scaling ml1m ml1m_projection
+# ml1m_reference ml1m_holdout (default: all, in that order).
 # ML1M: the MovieLens-1M folder from https://grouplens.org/datasets/movielens/1m/ (the ml1m step needs it).
 # PYTHON: the interpreter (default python3). The first process on a fresh machine compiles and tunes the Triton
 # kernels (minutes): the limits allow it.
@@ -16,8 +16,8 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests attention precision host encoder balance balance_wide e2e scaling ml1m ml1m_reference
-  ml1m_all_windows ml1m_best)
+[ ${#steps[@]} -eq 0 ] && steps=(tests attention precision host encoder balance balance_wide e2e scaling ml1m ml1m_projection
+  ml1m_reference ml1m_holdout)
 gpus=$($PY -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi -L > "$OUT/gpus.txt" 2>&1
 
@@ -29,18 +29,21 @@ step() {  # name limit_s command...
   echo "$name: exit $? after $(($(date +%s) - start)) s (limit $limit s)" | tee -a "$OUT/summary.txt"
 }
 
-ml1m_step() {  # name config checkpoint-file-pattern: fit on MovieLens-1M, then test that checkpoint
-  local name=$1 config=$2 pattern=$3 ckpt
+ml1m_step() {  # name checkpoint-file-pattern config...: fit on MovieLens-1M (the configs composed in order), then
+  # test that checkpoint
+  local name=$1 pattern=$2 ckpt config configs=()
+  shift 2
+  for config in "$@"; do configs+=(--config "$config"); done
   if [ -z "${ML1M:-}" ]; then
     echo "$name: skipped (set ML1M to the ml-1m folder)" | tee -a "$OUT/summary.txt"
     return
   fi
   local data=(--data.init_args.source.init_args.path "$ML1M")
-  step "${name}_fit" 900 $PY -m lightning_gem.cli fit --config "$config" "${data[@]}" \
-    --trainer.logger.init_args.save_dir "$OUT/ml1m"
-  ckpt=$(ls "$OUT"/ml1m/$(basename "$config" .yaml)/version_*/checkpoints/$pattern 2> /dev/null | tail -1)
-  [ -n "$ckpt" ] && step "${name}_test" 300 $PY -m lightning_gem.cli test --config "$config" "${data[@]}" \
-    --trainer.logger false --trainer.default_root_dir "$OUT/ml1m" --ckpt_path "$ckpt"
+  step "${name}_fit" 900 $PY -m lightning_gem.cli fit "${configs[@]}" "${data[@]}" \
+    --trainer.logger.init_args.save_dir "$OUT/$name"
+  ckpt=$(ls "$OUT/$name"/*/version_*/checkpoints/$pattern 2> /dev/null | tail -1)
+  [ -n "$ckpt" ] && step "${name}_test" 300 $PY -m lightning_gem.cli test "${configs[@]}" "${data[@]}" \
+    --trainer.logger false --trainer.default_root_dir "$OUT/$name" --ckpt_path "$ckpt"
 }
 
 for s in "${steps[@]}"; do
@@ -98,13 +101,19 @@ for s in "${steps[@]}"; do
       else
         echo "scaling: skipped ($gpus GPU)" | tee -a "$OUT/summary.txt"
       fi ;;
-    ml1m) ml1m_step ml1m examples/configs/ml1m_hstu_h200.yaml "*.ckpt" ;;  # the best-on-validation checkpoint
-    # The reference recipe trains on the validation item too: its last checkpoint is tested.
-    ml1m_reference) ml1m_step ml1m_reference examples/configs/ml1m_hstu_h200_reference.yaml last.ckpt ;;
-    # The reference recipe trained on every window of a long history, compiled layers, a cosine schedule.
-    ml1m_all_windows) ml1m_step ml1m_all_windows examples/configs/ml1m_hstu_h200_all_windows.yaml last.ckpt ;;
-    # The same with the reference's input and output (no input projection, no final norm): the best recipe.
-    ml1m_best) ml1m_step ml1m_best examples/configs/ml1m_hstu_h200_best.yaml last.ckpt ;;
+    # The ML-1M recipe (docs/results.md's top row); it trains on the validation item too, so its last checkpoint
+    # is tested. The other steps compose overlays on it (examples/configs/ml1m_hstu_h200/).
+    ml1m) ml1m_step ml1m last.ckpt examples/configs/ml1m_hstu_h200.yaml ;;
+    # With the kit's input projection and final norm.
+    ml1m_projection) ml1m_step ml1m_projection last.ckpt examples/configs/ml1m_hstu_h200.yaml \
+      examples/configs/ml1m_hstu_h200/projection_and_norm.yaml ;;
+    # The HSTU reference recipe as first run: the most recent window only, 100 epochs, constant learning rate.
+    ml1m_reference) ml1m_step ml1m_reference last.ckpt examples/configs/ml1m_hstu_h200.yaml \
+      examples/configs/ml1m_hstu_h200/projection_and_norm.yaml examples/configs/ml1m_hstu_h200/recent_window.yaml ;;
+    # The same on the kit's split: the validation item held out, the best-on-validation checkpoint tested.
+    ml1m_holdout) ml1m_step ml1m_holdout "epoch=*.ckpt" examples/configs/ml1m_hstu_h200.yaml \
+      examples/configs/ml1m_hstu_h200/projection_and_norm.yaml examples/configs/ml1m_hstu_h200/recent_window.yaml \
+      examples/configs/ml1m_hstu_h200/holdout.yaml ;;
     *) echo "unknown step $s" >&2 ;;
   esac
 done

@@ -40,8 +40,10 @@ class MXConfig:
     """
 
     recipe: str = "auto"
-    """``"auto"`` (the fastest honest recipe for the device: MXFP8 on sm_100+, FP8 blockwise on sm_90, FP8
-    rowwise on sm_89, emulated MXFP8 elsewhere), ``"mxfp8"``, ``"fp8-blockwise"`` or ``"fp8-rowwise"``."""
+    """``"auto"`` (the fastest tested recipe for the device: FP8 blockwise on sm_90, FP8 rowwise on sm_89 and on
+    sm_100+ (native MXFP8 GEMMs have not run on an sm_100 GPU yet, so ``auto`` does not pick them), emulated
+    MXFP8 elsewhere), ``"mxfp8"`` (native on sm_100+, emulated elsewhere), ``"fp8-blockwise"`` or
+    ``"fp8-rowwise"``."""
     backend: str | None = None
     """Force one of :data:`BACKENDS` (e.g. ``"mx_emulated"`` for exact MXFP8 numerics on a Hopper GPU); a
     forced backend never substitutes: ``mx_native`` off sm_100 raises at the first forward."""
@@ -118,7 +120,9 @@ def _default_backend(recipe: str, device: torch.device) -> str:
     if recipe == "fp8-rowwise":
         return "fp8_rowwise"
     if capability >= (10, 0):
-        return "mx_native"
+        # A default never picks a path that has not run: mx_native has not run on an sm_100 GPU yet, so `auto`
+        # takes FP8 rowwise there (scaled_mm's rowwise GEMMs, run on sm_90) until it has; `mxfp8` asks for it.
+        return "mx_native" if recipe == "mxfp8" else "fp8_rowwise"
     if capability >= (9, 0):
         return "fp8_blockwise"  # no MXFP8 GEMMs on Hopper; 1x128 / 128x128 blocks are its closest fast path
     if recipe == "auto" and capability >= (8, 9):

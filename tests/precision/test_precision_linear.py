@@ -159,6 +159,35 @@ def test_plans(caplog: pytest.LogCaptureFixture) -> None:
         MXConfig(recipe="fp4")
 
 
+@pytest.mark.parametrize(
+    ("capability", "recipe", "backend", "gemm"),
+    [
+        ((10, 0), "auto", "fp8_rowwise", "scaled_mm"),  # mx_native has not run on an sm_100 GPU: not a default
+        ((10, 0), "mxfp8", "mx_native", "scaled_mm"),  # asked for by name, it runs
+        ((12, 0), "auto", "fp8_rowwise", "scaled_mm"),
+        ((9, 0), "auto", "fp8_blockwise", "scaled_mm"),
+        ((8, 9), "auto", "fp8_rowwise", "scaled_mm"),
+        ((8, 0), "auto", "mx_emulated", "emulated"),
+    ],
+)
+def test_auto_picks_a_tested_path_for_each_device(
+    capability: tuple[int, int], recipe: str, backend: str, gemm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The device's capability as a CUDA device would report it, on any machine; plans are cached per device, so
+    # the cache is emptied around the faked devices.
+    import lightning_gem.precision.config as config_module
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    config_module._resolve.cache_clear()
+    try:
+        plan = resolve_plan(MXConfig(recipe=recipe), torch.device("cuda", 0))
+    finally:
+        config_module._resolve.cache_clear()
+    assert (plan.backend, plan.gemm) == (backend, gemm)
+    sm = f"sm_{capability[0]}{capability[1]}"
+    assert plan.description.startswith(f"requested {recipe} on {sm}: running {backend.replace('_', '-')}")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
 @pytest.mark.parametrize("backend", ["fp8_blockwise", "fp8_rowwise"])
