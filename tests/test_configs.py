@@ -16,8 +16,8 @@ DATA = ROOT.parent / "shared" / "data"
 SHORT = [
     "--trainer.max_epochs=1",
     "--trainer.limit_train_batches=3",
-    "--trainer.limit_val_batches=1",
-    "--trainer.limit_test_batches=1",
+    "--trainer.limit_val_batches=2",  # 2 batches: the CLI reads 1 as 1.0, all of them
+    "--trainer.limit_test_batches=2",
     "--trainer.enable_progress_bar=false",
 ]
 
@@ -78,7 +78,7 @@ def test_movielens_config_trains(
     if not (DATA / folder).is_dir():
         pytest.skip(f"MovieLens data not found at {DATA / folder}")
     path = f"--data.init_args.source.init_args.path={DATA / folder}"
-    _fit(config, tmp_path, path, "--data.init_args.batch_size=32", *extra)
+    _fit(config, tmp_path, path, "--data.init_args.batch_size=32", "--data.init_args.eval_batch_size=32", *extra)
     printed = capsys.readouterr().out
     expected = "val/auc_ctr=" if "ctr" in str(config) else "val/hr@10="
     assert expected in printed

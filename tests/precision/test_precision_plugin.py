@@ -105,7 +105,7 @@ def test_quickstart_mxfp8_config_trains(tmp_path: Path, capsys: pytest.CaptureFi
             f"--config={ROOT / 'examples' / 'configs' / 'quickstart_mxfp8.yaml'}",
             "--trainer.max_epochs=1",
             "--trainer.limit_train_batches=2",
-            "--trainer.limit_val_batches=1",
+            "--trainer.limit_val_batches=2",  # 2 batches: the CLI reads 1 as 1.0, all of them
             "--trainer.val_check_interval=2",
             "--trainer.enable_progress_bar=false",
             f"--trainer.default_root_dir={tmp_path}",

@@ -390,7 +390,7 @@ def test_cli_fits_the_gem5d_config_on_two_processes(tmp_path) -> None:
         "fit",
         f"--config={root / 'examples' / 'configs' / 'quickstart_gem5d.yaml'}",
         "--trainer.max_steps=3",
-        "--trainer.limit_val_batches=1",
+        "--trainer.limit_val_batches=2",  # 2 batches: the CLI reads 1 as 1.0, all of them
         "--trainer.enable_progress_bar=false",
         f"--trainer.default_root_dir={tmp_path}",
         f"--trainer.logger.init_args.save_dir={tmp_path}",
