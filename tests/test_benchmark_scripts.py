@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -100,9 +101,15 @@ def test_encoder_step_times_each_norm_variant(tmp_path: Path) -> None:
 
 def test_compile_fp8_layers_runs_both_variants() -> None:
     printed = _run("compile_fp8_layers.py", "--device", "cpu", "--dim", "128", "--max-length", "24", "--reps", "1")
-    for variant in ("bf16", "fp8"):
+    # Compiled layers compute what the eager ones do (fp32 on CPU: to rounding; fp8's emulated GEMMs quantize the
+    # same values, so the two differ by the order of their sums only), in a bounded number of graphs.
+    for variant, tolerance in (("bf16", 1e-2), ("fp8", 5e-2)):
         line = next(line for line in printed.splitlines() if line.startswith(f"{variant}:"))
-        assert line.startswith(f"{variant}: runs;"), line
+        pattern = rf"{variant}: runs; largest relative difference (\S+); eager (\S+) ms, compiled (\S+) ms a step"
+        found = re.match(pattern + r" \(\S+x\); (\d+) graphs", line)
+        assert found, line
+        difference, eager_ms, compiled_ms, graphs = float(found[1]), float(found[2]), float(found[3]), int(found[4])
+        assert difference < tolerance and eager_ms > 0 and compiled_ms > 0 and 1 <= graphs <= 8, line
 
 
 def test_ml1m_variants_fits_tests_and_tabulates(tmp_path: Path) -> None:
@@ -111,7 +118,8 @@ def test_ml1m_variants_fits_tests_and_tabulates(tmp_path: Path) -> None:
         pytest.skip(f"MovieLens data not found at {data}")
     tiny = (
         "--trainer.accelerator cpu --trainer.precision 32-true --trainer.max_epochs 1 --trainer.limit_train_batches 2"
-        " --trainer.limit_test_batches 1 --model.init_args.compile_layers false --model.init_args.num_layers 1"
+        " --trainer.limit_test_batches 2 --data.init_args.eval_batch_size 32 --model.init_args.compile_layers false"
+        " --model.init_args.num_layers 1"
     )
     variants = tmp_path / "variants.txt"
     variants.write_text(f"a {tiny}\nb {tiny} --model.init_args.embedding_dim 16\n")
