@@ -84,8 +84,10 @@ def _cubic(gen: torch.Generator, n: int, lo: int, hi: int) -> Tensor:
 def make_workload(name: str, tiny: bool, seed: int) -> Workload:
     seed = seed + WORKLOAD_NAMES.index(name)
     gen = torch.Generator().manual_seed(seed)
-    causal = [("softmax causal", dict(activation="softmax", causal=True)),
-              ("silu causal", dict(activation="silu", causal=True))]  # fmt: skip
+    causal = [
+        ("softmax causal", dict(activation="softmax", causal=True)),
+        ("silu causal", dict(activation="silu", causal=True)),
+    ]
     if name == "jagged4k":
         n, hi, lo, heads, dim = (4, 64, 4, 2, 16) if tiny else (64, 4096, 16, 4, 128)
         return Workload(name, _cubic(gen, n, lo, hi), None, heads, dim, causal, seed)
@@ -246,8 +248,10 @@ def build_flex(case: Case) -> Impl | str:
     torch.cuda.synchronize()
     first_ms = (time.perf_counter() - start) * 1e3
     rebuild_ms = _bench_cuda(build, None, 50)
-    case.notes.append(f"flex block mask ({pad_q} x {pad_k}): first build {first_ms:.1f} ms (incl. compile), "
-                      f"rebuild {rebuild_ms:.3f} ms; not in the flex timings")  # fmt: skip
+    case.notes.append(
+        f"flex block mask ({pad_q} x {pad_k}): first build {first_ms:.1f} ms (incl. compile), "
+        f"rebuild {rebuild_ms:.3f} ms; not in the flex timings"
+    )
 
     def to_flex(t: Tensor, padded: int) -> Tensor:
         t = torch.cat([t, t.new_zeros(padded - t.shape[0], *t.shape[1:])])
@@ -323,8 +327,10 @@ def build_sdpa_padded(case: Case) -> Impl | str:
         with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, scale=scale)
 
-    case.notes.append("sdpa padded: EFFICIENT_ATTENTION backend with a boolean key-padding mask "
-                      "(the flash backend takes no attn_mask)")  # fmt: skip
+    case.notes.append(
+        "sdpa padded: EFFICIENT_ATTENTION backend with a boolean key-padding mask "
+        "(the flash backend takes no attn_mask)"
+    )
     return Impl(inputs, call_masked, grad_out, lambda out: _unpad(out, q_lengths), (key_mask,))
 
 
@@ -390,8 +396,9 @@ def build_eager_padded(case: Case) -> Impl | str:
 def _bench_cuda(fn: Callable, grad_to_none: list[Tensor] | None, rep: int) -> float:
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=max(rep // 3, 10), rep=rep, grad_to_none=grad_to_none,
-                                   return_mode="median")  # fmt: skip
+    return triton.testing.do_bench(
+        fn, warmup=max(rep // 3, 10), rep=rep, grad_to_none=grad_to_none, return_mode="median"
+    )
 
 
 def _bench_cpu(fn: Callable, grad_to_none: list[Tensor] | None, repeats: int = 11) -> float:
@@ -611,8 +618,10 @@ def _summary(sections: list[dict], gdpa_impl: str) -> list[str]:
         both_x = "-" if flex is None else f"{flex['both_ms'] / ours['both_ms']:.2f}"
         ratio = (ours["both_ms"] - ours["fwd_ms"]) / ours["fwd_ms"]
         tflops = _tflops(section["fwd_flops"], ours["fwd_ms"])
-        lines.append(f"| {section['title'].split(' | ')[0]} | {ours['fwd_ms']:.3f} | {ours['both_ms']:.3f} | "
-                     f"{tflops} | {ratio:.2f} | {fwd_x} | {both_x} |")  # fmt: skip
+        lines.append(
+            f"| {section['title'].split(' | ')[0]} | {ours['fwd_ms']:.3f} | {ours['both_ms']:.3f} | "
+            f"{tflops} | {ratio:.2f} | {fwd_x} | {both_x} |"
+        )
         if section["block_size"] is not None:
             block_fwd[section["max_len"]] = ours["fwd_ms"]
     if len(block_fwd) > 1:
@@ -633,8 +642,10 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, copy
         lengths = workload.q_lengths
         kv = "" if workload.kv_lengths is None else (
             f", kv {int(workload.kv_lengths.sum())} tokens (max {int(workload.kv_lengths.max())})")  # fmt: skip
-        title = (f"{name}: {label} | {len(lengths)} segments, {int(lengths.sum())} q tokens "
-                 f"(max {int(lengths.max())}){kv}, H={workload.heads}, D={workload.dim}, bf16")  # fmt: skip
+        title = (
+            f"{name}: {label} | {len(lengths)} segments, {int(lengths.sum())} q tokens "
+            f"(max {int(lengths.max())}){kv}, H={workload.heads}, D={workload.dim}, bf16"
+        )
         case_start = time.perf_counter()
         if device.type == "cuda":
             from lightning_gem.ops.attention.impl.triton._tuning import chosen_tiles
@@ -648,9 +659,11 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, copy
         if case.block_size is not None and gdpa_result is not None and copy_tbs:
             moved = sum(t.numel() * t.element_size() for t in (case.q, case.k, case.v, case.q))  # Q, K, V, O
             tbs = moved / gdpa_result.fwd_ms / 1e9
-            case.notes.append(f"forward moves Q, K, V, O ({moved / 1e6:.1f} MB) at {tbs:.2f} TB/s = "
-                              f"{100 * tbs / copy_tbs:.0f}% of the measured copy bandwidth "
-                              f"({copy_tbs:.2f} TB/s)")  # fmt: skip
+            case.notes.append(
+                f"forward moves Q, K, V, O ({moved / 1e6:.1f} MB) at {tbs:.2f} TB/s = "
+                f"{100 * tbs / copy_tbs:.0f}% of the measured copy bandwidth "
+                f"({copy_tbs:.2f} TB/s)"
+            )
         if device.type == "cuda":
             for key, tiles in chosen_tiles().items():
                 if key not in chosen_before:
@@ -763,8 +776,10 @@ def main() -> None:
     start = time.perf_counter()
     top = header(device)
     print("\n".join(top), flush=True)
-    legend = ("x = baseline ms / gdpa ms (>1: GDPA faster); TF/s = useful (unpadded, allowed-pair) FLOPs / time; "
-              "MiB = peak above pre-call allocation; in MiB = inputs + masks in the impl's layout")  # fmt: skip
+    legend = (
+        "x = baseline ms / gdpa ms (>1: GDPA faster); TF/s = useful (unpadded, allowed-pair) FLOPs / time; "
+        "MiB = peak above pre-call allocation; in MiB = inputs + masks in the impl's layout"
+    )
     print(legend)
     md = ["# GDPA attention benchmark", "", *[f"- {line}" for line in top], f"- {legend}", ""]
     copy_tbs = _copy_bandwidth(device)

@@ -138,15 +138,18 @@ def _benchmark() -> None:
     both = _bench(lambda: flex(fq, fk, fv, block_mask=block_mask, scale=scale).backward(fgrad), [fq, fk, fv])
     rows.append(("flex_attention softmax", fwd, both))
     # Same-answer check for the softmax pair (bf16 on both sides).
-    ours = gdpa_triton(q, k, v, offsets, offsets, activation="softmax", causal=True, window=None, block_size=None,
-                       scale=scale)  # fmt: skip
+    ours = gdpa_triton(
+        q, k, v, offsets, offsets, activation="softmax", causal=True, window=None, block_size=None, scale=scale
+    )
     theirs = flex(fq, fk, fv, block_mask=block_mask, scale=scale)[0].transpose(0, 1)[:total]
     print(f"max |gdpa - flex| (softmax, bf16): {float((ours.float() - theirs.float()).abs().max()):.3e}")
     print(f"flex block mask: first build {mask_ms:.1f} ms (incl. compile), then {block_mask_ms:.3f} ms per batch")
     print(f"{'impl':26s} {'fwd ms':>8s} {'fwd TF/s':>9s} {'fwd+bwd ms':>11s} {'fwd+bwd TF/s':>13s}")
     for name, fwd, both in rows:
-        print(f"{name:26s} {fwd:8.3f} {fwd_flops / fwd / 1e9:9.1f} {both:11.3f} "
-              f"{(fwd_flops + bwd_flops) / both / 1e9:13.1f}")  # fmt: skip
+        print(
+            f"{name:26s} {fwd:8.3f} {fwd_flops / fwd / 1e9:9.1f} {both:11.3f} "
+            f"{(fwd_flops + bwd_flops) / both / 1e9:13.1f}"
+        )
 
 
 def _tile_workloads() -> list[tuple[str, torch.Tensor, torch.Tensor | None, int, int, dict]]:
@@ -201,11 +204,14 @@ def _tiles() -> None:
         print(f"\n== tiles: {name} (H={heads}, D={dim}, {total} q tokens, fwd {fwd_flops / 1e9:.3g} GFLOP) ==")
         fwd = candidate_tiles("fwd", q.dtype, q.device, dim, block_size=options["block_size"], max_len_q=max_q)
         fwd += [t for t in extra_fwd if t not in fwd and (max_q > 64 or t.block_m <= 64)]
-        bwd = backward_candidates(q.dtype, q.device, dim, deterministic=False, block_size=options["block_size"],
-                                  max_len_q=max_q)  # fmt: skip
+        bwd = backward_candidates(
+            q.dtype, q.device, dim, deterministic=False, block_size=options["block_size"], max_len_q=max_q
+        )
         bwd += [t for t in extra_bwd if t not in bwd and (max_q > 64 or t.dkdv.block_m <= 64)]
-        runs = [(f"forward {tuple(t)}", partial(gdpa_forward, q, k, v, *jagged, **options, max_seq_len_q=max_q,
-                                                tiles=t)) for t in fwd]  # fmt: skip
+        runs = [
+            (f"forward {tuple(t)}", partial(gdpa_forward, q, k, v, *jagged, **options, max_seq_len_q=max_q, tiles=t))
+            for t in fwd
+        ]
         for plan in bwd:
             label = f"backward {tuple(plan.dkdv)} " + ("atomic dQ" if plan.dq is None else f"dQ {tuple(plan.dq)}")
             run = partial(gdpa_backward, grad_out, q, k, v, out, lse, *jagged, **options, **lens,
@@ -274,8 +280,10 @@ def _sweep(
     from lightning_gem.testing.numerics import max_abs_error
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    print(f"\n== sweep: {num_shapes} random jagged shapes per mode, {dtype}, head dims {dims}, impls {impls}, "
-          "forward + backward vs float64 (FlashAttention's rule) ==")  # fmt: skip
+    print(
+        f"\n== sweep: {num_shapes} random jagged shapes per mode, {dtype}, head dims {dims}, impls {impls}, "
+        "forward + backward vs float64 (FlashAttention's rule) =="
+    )
     print(f"{'mode':32s} {'impl':7s} {'shapes':>6s} {'failed':>6s} {'non-finite':>10s} {'worst err/budget':>16s}")
     total_failed = 0
     for name in modes or list(SWEEP_MODES):
@@ -344,8 +352,9 @@ def _compile() -> None:
     lengths = torch.tensor([37, 0, 1, 300, 129])
     offsets = _offsets(lengths).cuda()
     total = int(lengths.sum())
-    options = dict(activation="softmax", causal=True, window=None, block_size=8, scale=0.125,
-                   max_seq_len_q=300, max_seq_len_kv=300)  # fmt: skip
+    options = dict(
+        activation="softmax", causal=True, window=None, block_size=8, scale=0.125, max_seq_len_q=300, max_seq_len_kv=300
+    )
 
     def loss(q, k, v):  # noqa: ANN001, ANN202
         return gdpa_triton(q, k, v, offsets, offsets, **options).float().square().sum()

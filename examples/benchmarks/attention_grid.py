@@ -189,8 +189,10 @@ def case_flops(case: Case) -> tuple[int, int]:
     kv_offsets = case.q_offsets if case.kv_offsets is None else case.kv_offsets
     jag = (case.q_offsets, kv_offsets, None, case.num_targets)
     mode = dict(causal=case.options["causal"], window=None, block_size=case.options["block_size"])
-    return (gdpa_flops(case.q, case.k, case.v, *jag, **mode),
-            gdpa_flops(case.q, case.k, case.v, *jag, **mode, backward=True))  # fmt: skip
+    return (
+        gdpa_flops(case.q, case.k, case.v, *jag, **mode),
+        gdpa_flops(case.q, case.k, case.v, *jag, **mode, backward=True),
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -367,8 +369,10 @@ def build_padded(case: Case) -> Built | str:
 
     def pad(x: Tensor, lengths: Tensor, width: int) -> Tensor:
         doc = torch.repeat_interleave(torch.arange(len(lengths)), lengths).to(dev)
-        pos_ = (torch.arange(int(lengths.sum())) - _offsets(lengths)[:-1][torch.repeat_interleave(
-            torch.arange(len(lengths)), lengths)]).to(dev)  # fmt: skip
+        pos_ = (
+            torch.arange(int(lengths.sum()))
+            - _offsets(lengths)[:-1][torch.repeat_interleave(torch.arange(len(lengths)), lengths)]
+        ).to(dev)
         out = x.new_zeros(len(lengths), width, *x.shape[1:])
         out[doc, pos_] = x
         return out.transpose(1, 2).contiguous()
@@ -435,11 +439,13 @@ def time_candidates(case: Case, runs: int) -> dict[str, dict[str, float]]:
     o = case.options
     kv_offsets = case.q_offsets if case.kv_offsets is None else case.kv_offsets
     jag = (case.q, case.k, case.v, case.q_offsets, kv_offsets, None, case.num_targets)
-    mode = dict(activation=o["activation"], causal=o["causal"], window=None, block_size=o["block_size"],
-                scale=o["scale"])  # fmt: skip
+    mode = dict(
+        activation=o["activation"], causal=o["causal"], window=None, block_size=o["block_size"], scale=o["scale"]
+    )
     fwd, bwd = {}, {}
-    for tiles in candidate_tiles("fwd", DTYPE, case.q.device, case.cell.dim, block_size=o["block_size"],
-                                 max_len_q=o["max_seq_len_q"]):  # fmt: skip
+    for tiles in candidate_tiles(
+        "fwd", DTYPE, case.q.device, case.cell.dim, block_size=o["block_size"], max_len_q=o["max_seq_len_q"]
+    ):
         try:
             fwd[str(tuple(tiles))] = bench(
                 lambda t=tiles: gdpa_forward(*jag, **mode, max_seq_len_q=o["max_seq_len_q"], tiles=t), None, runs
@@ -472,8 +478,9 @@ def _auto_choices(before: dict, after: dict) -> dict[str, str]:
         if key in before or key[0] not in ("fwd", "bwd"):
             continue
         if key[-1] is True or key[0] not in picked:
-            picked[key[0]] = "fa4" if choice == "flash" else _plan(choice) if hasattr(choice, "dkdv") else str(
-                tuple(choice))  # fmt: skip
+            picked[key[0]] = (
+                "fa4" if choice == "flash" else _plan(choice) if hasattr(choice, "dkdv") else str(tuple(choice))
+            )
     return picked
 
 
@@ -560,8 +567,10 @@ def _ratios(result: dict) -> None:
 
 
 def markdown(results: list[dict], meta: dict) -> str:
-    head = ("| cell | GFLOP fwd | auto fwd TF/s | best baseline fwd | x fwd | auto f+b TF/s | best baseline f+b "
-            "| x f+b | auto / triton best fwd, f+b | chosen fwd / bwd |")  # fmt: skip
+    head = (
+        "| cell | GFLOP fwd | auto fwd TF/s | best baseline fwd | x fwd | auto f+b TF/s | best baseline f+b "
+        "| x f+b | auto / triton best fwd, f+b | chosen fwd / bwd |"
+    )
     lines = [f"Grid: {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, FA4 {meta['fa4']}, "
              f"commit {meta['commit']}, {meta['date']}. Command: `{meta['command']}`", "", head,
              "|" + " --- |" * (head.count("|") - 1)]  # fmt: skip
@@ -591,14 +600,18 @@ def summary(results: list[dict]) -> str:
         xs = [(r[f"x_{phase}"], r["label"]) for r in results if f"x_{phase}" in r]
         if xs:
             worst = min(xs)
-            lines.append(f"auto / best baseline ({phase}): min {worst[0]:.3f} ({worst[1]}), median "
-                         f"{statistics.median(x for x, _ in xs):.3f}, cells below 0.97: {sum(x < 0.97 for x, _ in xs)}"
-                         f" of {len(xs)}")  # fmt: skip
+            lines.append(
+                f"auto / best baseline ({phase}): min {worst[0]:.3f} ({worst[1]}), median "
+                f"{statistics.median(x for x, _ in xs):.3f}, cells below 0.97: {sum(x < 0.97 for x, _ in xs)}"
+                f" of {len(xs)}"
+            )
         vs = [(r[f"vs_triton_best_{phase}"], r["label"]) for r in results if f"vs_triton_best_{phase}" in r]
         if vs:
             worst = max(vs)
-            lines.append(f"auto / best Triton candidate ({phase}): max {worst[0]:.3f} ({worst[1]}), cells above "
-                         f"1.05: {sum(x > 1.05 for x, _ in vs)} of {len(vs)}")  # fmt: skip
+            lines.append(
+                f"auto / best Triton candidate ({phase}): max {worst[0]:.3f} ({worst[1]}), cells above "
+                f"1.05: {sum(x > 1.05 for x, _ in vs)} of {len(vs)}"
+            )
     return "\n".join(lines)
 
 
@@ -613,8 +626,10 @@ def heatmap(results: list[dict], path: Path) -> None:
     if not grid:
         return
     rows = sorted({r["cell"]["mode"] for r in grid}, key=list(MODES).index)
-    cols = sorted({(r["cell"]["lengths"], r["cell"]["heads"], r["cell"]["dim"], r["cell"]["tokens"]) for r in grid},
-                  key=lambda c: (c[3], list(LENGTHS).index(c[0]) if c[0] in LENGTHS else 9, c[1], c[2]))  # fmt: skip
+    cols = sorted(
+        {(r["cell"]["lengths"], r["cell"]["heads"], r["cell"]["dim"], r["cell"]["tokens"]) for r in grid},
+        key=lambda c: (c[3], list(LENGTHS).index(c[0]) if c[0] in LENGTHS else 9, c[1], c[2]),
+    )
     fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.32 * len(cols) + 3), 2 + 1.1 * len(rows) * 2), squeeze=False)
     for ax, phase in zip(axes[:, 0], ("fwd", "both"), strict=True):
         data = np.full((len(rows), len(cols)), np.nan)

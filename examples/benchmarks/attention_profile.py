@@ -98,8 +98,9 @@ def _candidates(case, kwargs: dict) -> None:  # noqa: ANN001
 
     q, k, v = case.q, case.k, case.v
     jagged = (case.q_offsets, case.kv_offsets, None, None)
-    mode = dict(activation=case.activation, causal=case.causal, window=None, block_size=case.block_size,
-                scale=case.scale)  # fmt: skip
+    mode = dict(
+        activation=case.activation, causal=case.causal, window=None, block_size=case.block_size, scale=case.scale
+    )
     max_q, max_kv = kwargs["max_seq_len_q"], kwargs["max_seq_len_kv"]
     fwd = candidate_tiles("fwd", q.dtype, q.device, q.shape[2], block_size=case.block_size, max_len_q=max_q)
     out, lse = gdpa_forward(q, k, v, *jagged, **mode, max_seq_len_q=max_q)
@@ -119,8 +120,9 @@ def _candidates(case, kwargs: dict) -> None:  # noqa: ANN001
         tiles = {"short_tiles": plan.dkdv} if plan.short else {"dkdv_tiles": plan.dkdv, "dq_tiles": plan.dq}
 
         def run(tiles=tiles) -> None:  # noqa: ANN001
-            gdpa_backward(case.grad_out, q, k, v, out, lse, *jagged, **mode, max_seq_len_q=max_q, max_seq_len_kv=max_kv,
-                          **tiles)  # fmt: skip
+            gdpa_backward(
+                case.grad_out, q, k, v, out, lse, *jagged, **mode, max_seq_len_q=max_q, max_seq_len_kv=max_kv, **tiles
+            )
 
         try:
             ms = triton.testing.do_bench(run, warmup=10, rep=50, return_mode="median")
@@ -290,8 +292,10 @@ def profile_host(name: str, calls: int, cprofile: bool) -> None:
     ones = dataclasses.replace(full, q_lengths=torch.ones_like(full.q_lengths), kv_lengths=one_kv)
     for label, options in full.modes:
         case = make_case(ones, label, options, torch.device("cpu"))
-        print(f"\n== {name}: {label} | {len(case.q_lengths)} segments, H={case.q.shape[1]}, D={case.q.shape[2]}, "
-              f"{case.q.dtype}, hints {hints} ==")  # fmt: skip
+        print(
+            f"\n== {name}: {label} | {len(case.q_lengths)} segments, H={case.q.shape[1]}, D={case.q.shape[2]}, "
+            f"{case.q.dtype}, hints {hints} =="
+        )
         _profile_host_case(case, hints, launches, calls, cprofile)
 
 

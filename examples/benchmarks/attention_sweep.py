@@ -69,12 +69,12 @@ def sweep_case(case, quick: bool, parts: tuple[str, ...] = ("fwd", "bwd")) -> di
     q, k, v = case.q, case.k, case.v
     head_dim = q.shape[2]
     jagged = (case.q_offsets, case.kv_offsets, None, None)
-    mode = dict(activation=case.activation, causal=case.causal, window=None, block_size=case.block_size,
-                scale=case.scale)  # fmt: skip
+    mode = dict(
+        activation=case.activation, causal=case.causal, window=None, block_size=case.block_size, scale=case.scale
+    )
     max_q, max_kv = int(case.q_lengths.max()), int(case.kv_lengths.max())
     fwd_flops = gdpa_flops(q, k, v, *jagged, causal=case.causal, window=None, block_size=case.block_size)
-    bwd_flops = gdpa_flops(q, k, v, *jagged, causal=case.causal, window=None, block_size=case.block_size,
-                           backward=True)  # fmt: skip
+    bwd_flops = gdpa_flops(q, k, v, *jagged, causal=case.causal, window=None, block_size=case.block_size, backward=True)
     result: dict = {"forward": [], "backward": []}
 
     # Forward: the tuner's candidates and the wider set.
@@ -102,8 +102,9 @@ def sweep_case(case, quick: bool, parts: tuple[str, ...] = ("fwd", "bwd")) -> di
     # Backward: plans against the one-launch plan's gradients.
     out, lse = forward(best_tiles)
     tma = bulk_reduction_ok(q)
-    plans = backward_candidates(q.dtype, q.device, head_dim, deterministic=False, block_size=case.block_size,
-                                max_len_q=max_q, tma=tma)  # fmt: skip
+    plans = backward_candidates(
+        q.dtype, q.device, head_dim, deterministic=False, block_size=case.block_size, max_len_q=max_q, tma=tma
+    )
     if not quick:
         extra = [Tiles(*s) for s in BACKWARD_SHAPES.get(head_dim, [])]
         plans += [BackwardTiles(t) for t in extra] + ([BackwardTiles(t, tma=True) for t in extra] if tma else [])
@@ -112,8 +113,9 @@ def sweep_case(case, quick: bool, parts: tuple[str, ...] = ("fwd", "bwd")) -> di
     def backward(plan: BackwardTiles) -> tuple:
         tiles = {"short_tiles": plan.dkdv} if plan.short else {"dkdv_tiles": plan.dkdv, "dq_tiles": plan.dq,
                                                               "bulk_dq": plan.tma}  # fmt: skip
-        return gdpa_backward(case.grad_out, q, k, v, out, lse, *jagged, **mode, max_seq_len_q=max_q,
-                             max_seq_len_kv=max_kv, **tiles)  # fmt: skip
+        return gdpa_backward(
+            case.grad_out, q, k, v, out, lse, *jagged, **mode, max_seq_len_q=max_q, max_seq_len_kv=max_kv, **tiles
+        )
 
     reference = None
     for plan in plans:
@@ -136,8 +138,10 @@ def sweep_case(case, quick: bool, parts: tuple[str, ...] = ("fwd", "bwd")) -> di
         result["backward"].append({"plan": label, "dkdv": list(plan.dkdv), "dq": dq_tiles, "ms": ms,
                                    "tflops": bwd_flops / ms / 1e9, "rel_err": err})  # fmt: skip
         dq = "" if plan.dq is None else f" dq {tuple(plan.dq)}"
-        print(f"    {ms * 1e3:8.1f} us {bwd_flops / ms / 1e9:7.1f} TF/s  err {err:.1e}  {label:10s} "
-              f"{tuple(plan.dkdv)}{dq}")  # fmt: skip
+        print(
+            f"    {ms * 1e3:8.1f} us {bwd_flops / ms / 1e9:7.1f} TF/s  err {err:.1e}  {label:10s} "
+            f"{tuple(plan.dkdv)}{dq}"
+        )
     return result
 
 

@@ -33,8 +33,9 @@ from lightning_gem.data.balancing import CostModel, ResumableEpochSampler, _chec
 __all__ = ["BatchedDataset", "TokenBudgetSampler", "pack_by_tokens"]
 
 
-def _pack_step(pool: list[int], lengths: np.ndarray, costs: np.ndarray, max_tokens: int, num_parts: int,
-               max_batch_size: int | None) -> tuple[list[np.ndarray], list[int]]:  # fmt: skip
+def _pack_step(
+    pool: list[int], lengths: np.ndarray, costs: np.ndarray, max_tokens: int, num_parts: int, max_batch_size: int | None
+) -> tuple[list[np.ndarray], list[int]]:
     """Split ``pool`` over ``num_parts`` by cost under the caps: greedy LPT; returns (parts, left over)."""
     order = sorted(pool, key=lambda i: -costs[i])  # stable: ties keep the pool's order
     load, tokens = np.zeros(num_parts), np.zeros(num_parts, dtype=np.int64)

@@ -116,8 +116,9 @@ def auto_with_stand_in(monkeypatch: pytest.MonkeyPatch) -> dict:
         calls["ran"].append("flash fwd")
         calls["need_lse"].append(mode.get("need_lse", True))
         mode.pop("max_seq_len_kv")
-        return forward.gdpa_forward(q, k, v, q_offsets, kv_offsets, None, None, activation="softmax",
-                                    tiles=_tuning.Tiles(16, 16, 1, 1), **mode)  # fmt: skip
+        return forward.gdpa_forward(
+            q, k, v, q_offsets, kv_offsets, None, None, activation="softmax", tiles=_tuning.Tiles(16, 16, 1, 1), **mode
+        )
 
     def stand_in_backward(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, **mode):  # noqa: ANN001, ANN003, ANN202
         calls["ran"].append("flash bwd")
@@ -148,8 +149,9 @@ def test_auto_mixes_backends(auto_with_stand_in: dict, flash_phases: tuple, capl
 
     auto_with_stand_in["flash"] = set(flash_phases)
     generator = torch.Generator().manual_seed(3)
-    inputs = make_gdpa_inputs("self", generator, q_lengths=[37, 0, 1, 20], heads=2, dim=16, dim_v=16,
-                              dtype=torch.float32)  # fmt: skip
+    inputs = make_gdpa_inputs(
+        "self", generator, q_lengths=[37, 0, 1, 20], heads=2, dim=16, dim_v=16, dtype=torch.float32
+    )
     leaves = [t.clone().requires_grad_() for t in (inputs.q, inputs.k, inputs.v)]
     options = dict(activation="softmax", causal=True, window=None, block_size=None, scale=0.25)
     with caplog.at_level(logging.INFO, logger=_tuning.__name__):

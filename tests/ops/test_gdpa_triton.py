@@ -352,11 +352,13 @@ def test_short_query_backward_refuses_what_it_cannot_serve(device: str) -> None:
     options = _options("silu", False, None, None)
     args = (inputs.q, inputs.q, inputs.k, inputs.v, None, None, inputs.q_offsets, inputs.kv_offsets)
     with pytest.raises(ValueError, match="short_tiles needs no kv_index"):
-        gdpa_backward(*args, inputs.kv_index, None, **options, max_seq_len_q=4, max_seq_len_kv=64,
-                      short_tiles=Tiles(16, 16, 1, 1))  # fmt: skip
+        gdpa_backward(
+            *args, inputs.kv_index, None, **options, max_seq_len_q=4, max_seq_len_kv=64, short_tiles=Tiles(16, 16, 1, 1)
+        )
     with pytest.raises(ValueError, match="block_m >= max_seq_len_q"):
-        gdpa_backward(*args, None, None, **options, max_seq_len_q=32, max_seq_len_kv=64,
-                      short_tiles=Tiles(16, 16, 1, 1))  # fmt: skip
+        gdpa_backward(
+            *args, None, None, **options, max_seq_len_q=32, max_seq_len_kv=64, short_tiles=Tiles(16, 16, 1, 1)
+        )
 
 
 @pytest.mark.gpu
@@ -370,8 +372,9 @@ def test_short_query_backward_bf16_gpu(activation: str) -> None:
     from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
 
     q_lengths, kv_lengths = [32, 0, 1, 17, 32, 5], [300, 40, 0, 1, 129, 64]
-    inputs = _inputs("cross", 12, torch.bfloat16, "cuda", q_lengths=q_lengths, kv_lengths=kv_lengths, dim=128,
-                     dim_v=128)  # fmt: skip
+    inputs = _inputs(
+        "cross", 12, torch.bfloat16, "cuda", q_lengths=q_lengths, kv_lengths=kv_lengths, dim=128, dim_v=128
+    )
     options = {**_options(activation, False, None, None), "scale": 1 / math.sqrt(128)}
     jagged = (inputs.q_offsets, inputs.kv_offsets, None, None)
     plans = [p for p in backward_candidates(torch.bfloat16, torch.device("cuda"), 128, deterministic=True,
@@ -402,8 +405,9 @@ def test_bulk_reduced_dq_gpu(layout: str, mask: tuple) -> None:
     from lightning_gem.ops.attention.impl.triton.backward import bulk_reduction_ok, gdpa_backward
     from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
 
-    inputs = _inputs(layout, 13, torch.bfloat16, "cuda", q_lengths=[77, 0, 1, 64, 130, 3], max_len=140, dim=64,
-                     dim_v=64)  # fmt: skip
+    inputs = _inputs(
+        layout, 13, torch.bfloat16, "cuda", q_lengths=[77, 0, 1, 64, 130, 3], max_len=140, dim=64, dim_v=64
+    )
     if not bulk_reduction_ok(inputs.q):
         pytest.skip("bulk tensor reductions need an sm_90+ GPU")
     options = {**_options("softmax", *mask), "scale": 1 / math.sqrt(64)}
@@ -413,8 +417,9 @@ def test_bulk_reduced_dq_gpu(layout: str, mask: tuple) -> None:
     for tiles in (Tiles(64, 128, 8, 3), Tiles(32, 64, 4, 2)):
 
         def run(grad_out: torch.Tensor, tiles=tiles) -> tuple:  # noqa: ANN001
-            out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, *jagged, **options,
-                                    max_seq_len_q=lens["max_seq_len_q"])  # fmt: skip
+            out, lse = gdpa_forward(
+                inputs.q, inputs.k, inputs.v, *jagged, **options, max_seq_len_q=lens["max_seq_len_q"]
+            )
             grads = gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, *jagged, **options, **lens,
                                   dkdv_tiles=tiles, bulk_dq=True)  # fmt: skip
             return out, grads
@@ -442,8 +447,9 @@ def test_bulk_reduced_dq_falls_back_when_traced(device: str, monkeypatch: pytest
     grad_out = torch.randn_like(out)
     tiles = Tiles(16, 16, 1, 1) if device == "cpu" else Tiles(64, 64, 4, 2)
     with FlopCounterMode(display=False):
-        grads = backward.gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, *jagged, **options, **lens,
-                                       dkdv_tiles=tiles, bulk_dq=True)  # fmt: skip
+        grads = backward.gdpa_backward(
+            grad_out, inputs.q, inputs.k, inputs.v, out, lse, *jagged, **options, **lens, dkdv_tiles=tiles, bulk_dq=True
+        )
     assert not made, "a traced launch built a tensor descriptor"
     cpu64 = [t.cpu().double() for t in (inputs.q, inputs.k, inputs.v)]
     jagged = tuple(None if t is None else t.cpu() for t in jagged)

@@ -531,12 +531,14 @@ def _kernels_of_sharded_tables(rank: int, world_size: int) -> list[str]:
     meta = torch.device("meta")
     model = torch.nn.ModuleDict(
         {
-            "pooled": EmbeddingBagCollection([EmbeddingBagConfig(name="p", embedding_dim=8, num_embeddings=10,
-                                                                 feature_names=["f"])], device=meta),
-            "sequence": EmbeddingCollection([EmbeddingConfig(name="s", embedding_dim=8, num_embeddings=10,
-                                                             feature_names=["g"])], device=meta),
+            "pooled": EmbeddingBagCollection(
+                [EmbeddingBagConfig(name="p", embedding_dim=8, num_embeddings=10, feature_names=["f"])], device=meta
+            ),
+            "sequence": EmbeddingCollection(
+                [EmbeddingConfig(name="s", embedding_dim=8, num_embeddings=10, feature_names=["g"])], device=meta
+            ),
         }
-    )  # fmt: skip
+    )
     sharded = DistributedModelParallel(model, device=torch.device("cpu"))
     names = {type(m).__name__ for m in embedding_kernels(sharded)}
     assert not any("Batched" in type(m).__name__ for m in sharded.modules())  # the reason for embedding_kernels

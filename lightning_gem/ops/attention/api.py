@@ -201,8 +201,9 @@ def gdpa(
 
         mode = {"activation": activation, "causal": causal, "window": window, "block_size": block_size}
         hints = {"max_seq_len_q": max_seq_len_q, "max_seq_len_kv": max_seq_len_kv}
-        out = gdpa_flash(*tensors, **mode, scale=float(scale), **hints, deterministic=deterministic,
-                         self_attention=self_attention)  # fmt: skip
+        out = gdpa_flash(
+            *tensors, **mode, scale=float(scale), **hints, deterministic=deterministic, self_attention=self_attention
+        )
     else:
         # Imported on first use: registering FLOP formulas imports torch.utils.flop_counter, which imports
         # Triton. FLOP counting that starts before the first call imports this module itself (lightning_gem.flops).

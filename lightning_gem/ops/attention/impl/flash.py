@@ -332,5 +332,6 @@ def gdpa_flash(
         # Nothing will differentiate the call: FA4 runs without the log-sum-exp.
         return flash_forward(q, k, v, q_offsets, kv_offsets, causal=causal, window=window, block_size=block_size,
                              scale=scale, max_seq_len_q=max_q, max_seq_len_kv=max_kv, need_lse=False)[0]  # fmt: skip
-    return _gdpa_flash_op(q, k, v, q_offsets, kv_offsets, causal, window, block_size, scale, max_q, max_kv,
-                          deterministic)[0]  # fmt: skip
+    return _gdpa_flash_op(
+        q, k, v, q_offsets, kv_offsets, causal, window, block_size, scale, max_q, max_kv, deterministic
+    )[0]

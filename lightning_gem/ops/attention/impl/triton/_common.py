@@ -267,8 +267,9 @@ def _activation_grad(x, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(base, offs_r, stride_r, offs_c, rows_ok, NUM_COLS: tl.constexpr, BLOCK_C: tl.constexpr,
-               CHECK_ROWS: tl.constexpr):  # fmt: skip
+def _load_tile(
+    base, offs_r, stride_r, offs_c, rows_ok, NUM_COLS: tl.constexpr, BLOCK_C: tl.constexpr, CHECK_ROWS: tl.constexpr
+):
     """A ``[R, BLOCK_C]`` tile of rows ``offs_r``; masks only what can be out of range (zeros there)."""
     ptrs = base + offs_r[:, None] * stride_r + offs_c[None, :]
     if CHECK_ROWS:
@@ -292,10 +293,12 @@ def _query_rows(Q, DO, LSE, q_start, head, offs_m, row_ok, stride_qt, stride_qh,
     log-sum-exp ``[M]`` (``+inf`` past the rows; zeros for pointwise activations)."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_MD = _load_tile(Q + q_start * stride_qt + head * stride_qh, offs_m, stride_qt, offs_d, row_ok,
-                      HEAD_DIM, BLOCK_D, True)  # fmt: skip
-    do_MDV = _load_tile(DO + q_start * stride_dot + head * stride_doh, offs_m, stride_dot, offs_dv, row_ok,
-                        HEAD_DIM_V, BLOCK_DV, True)  # fmt: skip
+    q_MD = _load_tile(
+        Q + q_start * stride_qt + head * stride_qh, offs_m, stride_qt, offs_d, row_ok, HEAD_DIM, BLOCK_D, True
+    )
+    do_MDV = _load_tile(
+        DO + q_start * stride_dot + head * stride_doh, offs_m, stride_dot, offs_dv, row_ok, HEAD_DIM_V, BLOCK_DV, True
+    )
     lse_M = tl.zeros([BLOCK_M], dtype=tl.float32)
     if ACTIVATION == "softmax":
         lse_M = tl.load(LSE + head * stride_lse_h + q_start + offs_m, mask=row_ok, other=float("inf"))

@@ -258,10 +258,12 @@ def _remember_auto(key: tuple, chosen: object, timings: dict) -> None:
     best_kernel = min(kernels.items(), key=lambda item: item[1]) if kernels else None
     log.info(
         "GDPA impl='auto' %s: %s (%.3f ms); FlashAttention-4 %s, best Triton %s",
-        key[0], "FlashAttention-4" if chosen == FLASH else f"Triton {tuple(chosen)}", timings.get(chosen, float("nan")),
+        key[0],
+        "FlashAttention-4" if chosen == FLASH else f"Triton {tuple(chosen)}",
+        timings.get(chosen, float("nan")),
         f"{timings[FLASH]:.3f} ms" if FLASH in timings else "failed",
         f"{tuple(best_kernel[0])} {best_kernel[1]:.3f} ms" if best_kernel else "none",
-    )  # fmt: skip
+    )
 
 
 def pick_launch(

@@ -166,10 +166,12 @@ def _dkdv_program(
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
         col_ok = offs_n < len_k
-        k_ND = _load_tile(K + k_start * stride_kt + head * stride_kh, offs_n, stride_kt, offs_d, col_ok,
-                          HEAD_DIM, BLOCK_D, True)  # fmt: skip
-        v_NDV = _load_tile(V + k_start * stride_vt + head * stride_vh, offs_n, stride_vt, offs_dv, col_ok,
-                           HEAD_DIM_V, BLOCK_DV, True)  # fmt: skip
+        k_ND = _load_tile(
+            K + k_start * stride_kt + head * stride_kh, offs_n, stride_kt, offs_d, col_ok, HEAD_DIM, BLOCK_D, True
+        )
+        v_NDV = _load_tile(
+            V + k_start * stride_vt + head * stride_vh, offs_n, stride_vt, offs_dv, col_ok, HEAD_DIM_V, BLOCK_DV, True
+        )
         dk_ND = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv_NDV = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
         inv_len_k = 1.0 / len_k.to(tl.float32)
@@ -509,8 +511,7 @@ def gdpa_backward(
     in the inputs' dtypes. ``flash`` (``impl="auto"``, softmax modes FlashAttention-4 computes exactly) lets the
     tuner pick FlashAttention-4's backward instead, from the same ``out`` and ``lse``.
     """
-    use_flash = flash and flash_candidate(q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation,
-                                          block_size)  # fmt: skip
+    use_flash = flash and flash_candidate(q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation, block_size)
     flash_mode = dict(causal=causal, window=window, block_size=block_size, scale=scale, max_seq_len_q=max_seq_len_q,
                       max_seq_len_kv=max_seq_len_kv)  # fmt: skip
     flash_inputs = (grad_out, q, k, v, out, lse, q_offsets, kv_offsets)
@@ -633,8 +634,9 @@ def gdpa_backward(
                                         tma=bulk_reduction_ok(q))  # fmt: skip
             return [*plans, FLASH] if use_flash else plans
 
-        plan, meta = pick_launch(key, (q.device.type, fast), candidates, lambda p: run(p, options(p)),
-                                 (q, k, v, grad_out), options)  # fmt: skip
+        plan, meta = pick_launch(
+            key, (q.device.type, fast), candidates, lambda p: run(p, options(p)), (q, k, v, grad_out), options
+        )
     if plan == FLASH:
         from lightning_gem.ops.attention.impl.flash import flash_backward
 

@@ -41,12 +41,16 @@ def _zero_key_rows(dk_base, dv_base, stride_dkt, stride_dvt, n_lo, n_hi,
     for n_start in tl.range(n_lo, n_hi, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
         rows = offs_n < n_hi
-        tl.store(dk_base + offs_n[:, None] * stride_dkt + offs_d[None, :],
-                 tl.zeros([BLOCK_N, BLOCK_D], dtype=dk_base.dtype.element_ty),
-                 mask=rows[:, None] & (offs_d[None, :] < HEAD_DIM))  # fmt: skip
-        tl.store(dv_base + offs_n[:, None] * stride_dvt + offs_dv[None, :],
-                 tl.zeros([BLOCK_N, BLOCK_DV], dtype=dv_base.dtype.element_ty),
-                 mask=rows[:, None] & (offs_dv[None, :] < HEAD_DIM_V))  # fmt: skip
+        tl.store(
+            dk_base + offs_n[:, None] * stride_dkt + offs_d[None, :],
+            tl.zeros([BLOCK_N, BLOCK_D], dtype=dk_base.dtype.element_ty),
+            mask=rows[:, None] & (offs_d[None, :] < HEAD_DIM),
+        )
+        tl.store(
+            dv_base + offs_n[:, None] * stride_dvt + offs_dv[None, :],
+            tl.zeros([BLOCK_N, BLOCK_DV], dtype=dv_base.dtype.element_ty),
+            mask=rows[:, None] & (offs_dv[None, :] < HEAD_DIM_V),
+        )
 
 
 @triton.jit
@@ -135,8 +139,9 @@ def _gdpa_bwd_short_kernel(
     )  # fmt: skip
     delta_M = tl.zeros([BLOCK_M], dtype=tl.float32)
     if ACTIVATION == "softmax":
-        o_MDV = _load_tile(OUT + q_start * stride_ot + head * stride_oh, offs_m, stride_ot, offs_dv, row_ok,
-                           HEAD_DIM_V, BLOCK_DV, True)  # fmt: skip
+        o_MDV = _load_tile(
+            OUT + q_start * stride_ot + head * stride_oh, offs_m, stride_ot, offs_dv, row_ok, HEAD_DIM_V, BLOCK_DV, True
+        )
         delta_M = tl.sum(o_MDV.to(tl.float32) * do_MDV.to(tl.float32), axis=1)
     k_base = K + k_start * stride_kt + head * stride_kh
     v_base = V + k_start * stride_vt + head * stride_vh
@@ -164,8 +169,9 @@ def _gdpa_bwd_short_kernel(
         )  # fmt: skip
     # Keys before lo and from hi on: no query sees them (the walk stored rows of [lo, hi) only).
     _zero_key_rows(dk_base, dv_base, stride_dkt, stride_dvt, 0, lo, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N)
-    _zero_key_rows(dk_base, dv_base, stride_dkt, stride_dvt, hi, len_k, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-                   BLOCK_N)  # fmt: skip
+    _zero_key_rows(
+        dk_base, dv_base, stride_dkt, stride_dvt, hi, len_k, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N
+    )
     tl.store(
         DQ + (q_start + offs_m)[:, None] * stride_dqt + head * stride_dqh + offs_d[None, :],
         (dq_MD * scale).to(DQ.dtype.element_ty),

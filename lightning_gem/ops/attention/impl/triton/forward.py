@@ -225,8 +225,7 @@ def gdpa_forward(
     flags = mode_flags(activation, causal, window, block_size, kv_index, num_targets)
     fast = fast_math(q)
 
-    use_flash = flash and flash_candidate(q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation,
-                                          block_size)  # fmt: skip
+    use_flash = flash and flash_candidate(q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation, block_size)
     mode = dict(causal=causal, window=window, block_size=block_size, scale=scale, max_seq_len_q=max_seq_len_q,
                 max_seq_len_kv=max_seq_len_kv)  # fmt: skip
 
@@ -252,8 +251,9 @@ def gdpa_forward(
             tiles = candidate_tiles("fwd", q.dtype, q.device, head_dim, block_size=block_size, max_len_q=max_seq_len_q)
             return [*tiles, FLASH] if use_flash else tiles
 
-        tiles, meta = pick_launch(key, (q.device.type, fast), candidates, lambda t: run(t, options(t)), (q, k, v),
-                                  options)  # fmt: skip
+        tiles, meta = pick_launch(
+            key, (q.device.type, fast), candidates, lambda t: run(t, options(t)), (q, k, v), options
+        )
     else:
         meta = options(tiles)
     if tiles == FLASH:
