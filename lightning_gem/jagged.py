@@ -33,6 +33,7 @@ __all__ = [
     "check_ids",
     "lengths_to_offsets",
     "max_length",
+    "max_length_hint",
     "offsets_to_lengths",
     "segment_ids",
     "segment_positions",
@@ -178,6 +179,14 @@ def max_length(offsets: Tensor) -> int:
     """The longest sequence's length (0 for an empty batch). Reads the values: a device sync."""
     if offsets.numel() <= 1:
         return 0
+    return int((offsets[1:] - offsets[:-1]).max())
+
+
+def max_length_hint(offsets: Tensor, num_rows: int) -> int:
+    """A bound on the longest sequence for sizing a launch: :func:`max_length` in eager (a device sync), the row
+    count ``num_rows`` under ``torch.compile`` (no sync; correct, but larger than needed)."""
+    if torch.compiler.is_compiling() or offsets.shape[0] < 2:
+        return num_rows
     return int((offsets[1:] - offsets[:-1]).max())
 
 

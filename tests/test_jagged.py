@@ -163,6 +163,14 @@ def test_max_length_and_segment_ids(lengths: list[int]) -> None:
     assert jagged.segment_ids(offsets, num_values=sum(lengths)).tolist() == expected
 
 
+def test_max_length_hint_reads_in_eager_and_bounds_under_compile() -> None:
+    offsets = torch.tensor([0, 3, 3, 10, 12])
+    assert jagged.max_length_hint(offsets, 12) == 7
+    assert jagged.max_length_hint(torch.tensor([0]), 5) == 5  # no segment: the row count bounds nothing wrongly
+    compiled = torch.compile(lambda o: torch.full((jagged.max_length_hint(o, 12),), 1.0), backend="eager")
+    assert compiled(offsets).shape == (12,)  # traced: the row count, no sync
+
+
 @pytest.mark.parametrize("lengths", LENGTH_CASES, ids=str)
 @pytest.mark.parametrize("trailing", [(), (2, 3)], ids=["1-D", "3-D"])
 def test_to_padded_from_padded_round_trip(lengths: list[int], trailing: tuple[int, ...]) -> None:

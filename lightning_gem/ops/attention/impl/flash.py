@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.utils.flop_counter import register_flop_formula
 
 from lightning_gem.imports import FA4_AVAILABLE, FA4_INSTALL
+from lightning_gem.jagged import max_length_hint
 from lightning_gem.ops._launch import plain_eager, records_graph
 from lightning_gem.ops.attention.ops import gdpa_flops
 
@@ -285,13 +286,6 @@ def _gdpa_flash_backward_flop(*args, out_val=None, **kwargs) -> int:  # noqa: AN
     return _flops(*args[1:4], args[6:], backward=True)
 
 
-def _max_length(offsets: Tensor, num_rows: int) -> int:
-    """Longest segment, read from the offsets (a sync) in eager; the row count under compile."""
-    if torch.compiler.is_compiling() or offsets.shape[0] < 2:
-        return num_rows
-    return int((offsets[1:] - offsets[:-1]).max())
-
-
 def gdpa_flash(
     q: Tensor,
     k: Tensor,
@@ -324,9 +318,9 @@ def gdpa_flash(
         raise ValueError(f"impl='flash' cannot compute {reason}; impl='triton' or impl='auto' can")
     require_flash()
     if max_seq_len_q is None:
-        max_seq_len_q = _max_length(q_offsets, q.shape[0])
+        max_seq_len_q = max_length_hint(q_offsets, q.shape[0])
     if max_seq_len_kv is None:
-        max_seq_len_kv = _max_length(kv_offsets, k.shape[0])
+        max_seq_len_kv = max_length_hint(kv_offsets, k.shape[0])
     scale, max_q, max_kv = float(scale), int(max_seq_len_q), int(max_seq_len_kv)
     if plain_eager((q, k, v, q_offsets, kv_offsets)) and not records_graph(q, k, v):
         # Nothing will differentiate the call: FA4 runs without the log-sum-exp.

@@ -15,6 +15,7 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.library import triton_op
 from torch.utils.flop_counter import register_flop_formula
 
+from lightning_gem.jagged import max_length_hint
 from lightning_gem.ops._launch import plain_eager, records_graph
 from lightning_gem.ops.attention.impl.triton._common import is_interpreted
 from lightning_gem.ops.attention.impl.triton.backward import gdpa_backward
@@ -169,13 +170,6 @@ class _GDPAEager(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-def _max_length(offsets: Tensor, num_rows: int) -> int:
-    """Longest segment: read from the offsets (a sync) in eager, bounded by the row count under compile."""
-    if torch.compiler.is_compiling() or offsets.shape[0] < 2:
-        return num_rows
-    return int((offsets[1:] - offsets[:-1]).max())
-
-
 def gdpa_triton(
     q: Tensor,
     k: Tensor,
@@ -220,9 +214,9 @@ def gdpa_triton(
             "TRITON_INTERPRET=1, set before Triton is imported)"
         )
     if max_seq_len_q is None:
-        max_seq_len_q = _max_length(q_offsets, q.shape[0])
+        max_seq_len_q = max_length_hint(q_offsets, q.shape[0])
     if max_seq_len_kv is None:
-        max_seq_len_kv = _max_length(kv_offsets, k.shape[0])
+        max_seq_len_kv = max_length_hint(kv_offsets, k.shape[0])
     tensors = (q, k, v, q_offsets, kv_offsets, kv_index, num_targets)
     options = (activation, causal, window, block_size, float(scale), max_seq_len_q, max_seq_len_kv, deterministic,
                flash and not deterministic)  # fmt: skip
