@@ -27,6 +27,7 @@ def _run(script: str, *args: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_e2e_trains_both_stacks(tmp_path: Path) -> None:
     out = tmp_path / "e2e.json"
     printed = _run(
@@ -54,6 +55,7 @@ def test_balance_ranks_splits_and_times_every_share(tmp_path: Path) -> None:
         assert p["tokens"] == b["tokens"] and b["cost_imbalance"] <= p["cost_imbalance"] + 1e-9
 
 
+@pytest.mark.slow
 def test_scaling_runs_every_configuration_on_two_cpu_ranks(tmp_path: Path) -> None:
     out = tmp_path / "scaling.json"
     printed = _run(
@@ -89,6 +91,7 @@ def test_gpu_suite_skips_what_the_machine_lacks(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.slow
 def test_encoder_step_times_each_norm_variant(tmp_path: Path) -> None:
     out = tmp_path / "encoder.json"
     sizes = ["--dim", "32", "--num-layers", "2", "--num-heads", "2", "--batch-size", "3", "--max-history-length", "48"]
@@ -99,6 +102,7 @@ def test_encoder_step_times_each_norm_variant(tmp_path: Path) -> None:
     assert all(r["step_ms"] > 0 and r["tokens"] >= 3 * 16 for r in results)
 
 
+@pytest.mark.slow
 def test_compile_fp8_layers_runs_both_variants() -> None:
     printed = _run("compile_fp8_layers.py", "--device", "cpu", "--dim", "128", "--max-length", "24", "--reps", "1")
     # Compiled layers compute what the eager ones do (fp32 on CPU: to rounding; fp8's emulated GEMMs quantize the
@@ -112,6 +116,7 @@ def test_compile_fp8_layers_runs_both_variants() -> None:
         assert difference < tolerance and eager_ms > 0 and compiled_ms > 0 and 1 <= graphs <= 8, line
 
 
+@pytest.mark.slow
 def test_ml1m_variants_fits_tests_and_tabulates(tmp_path: Path) -> None:
     data = ROOT.parent / "shared" / "data" / "ml-1m"
     if not data.is_dir():
@@ -134,6 +139,7 @@ def test_ml1m_variants_fits_tests_and_tabulates(tmp_path: Path) -> None:
     assert cells[1].strip() == "1" and all(0.0 <= float(c) <= 1.0 for c in cells[2:])
 
 
+@pytest.mark.slow
 def test_ml1m_score_precision_ranks_three_ways() -> None:
     data = ROOT.parent / "shared" / "data" / "ml-1m"
     if not data.is_dir():

@@ -204,6 +204,7 @@ def test_checkpoint_round_trip_rebuilds_the_model(batches, tmp_path, quiet_train
     torch.testing.assert_close(loaded.eval()(batch), model.eval()(batch))
 
 
+@pytest.mark.slow
 def test_compiled_layers_match_eager_layers(batches) -> None:
     """compile_layers=True compiles every HSTU layer (one graph over batches of other shapes) and changes neither
     the parameter names nor the loss and gradients of a training step."""

@@ -71,6 +71,7 @@ print(json.dumps(sizes))
 """
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_sm90() -> None:
     pytest.importorskip("triton")
     from triton.backends.nvidia.compiler import get_ptxas  # noqa: F401  (the CUDA backend is installed)

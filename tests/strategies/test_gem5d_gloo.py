@@ -110,6 +110,7 @@ BAD_LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_every_layout_trains_like_one_process(world_size: int) -> None:
     layouts = _layouts(world_size)
@@ -227,6 +228,7 @@ def _sequence_parallel_encoder(rank: int, world_size: int, cases: list[tuple[str
     return seen
 
 
+@pytest.mark.slow
 def test_sequence_parallel_encoder_matches_the_encoder_on_every_token() -> None:
     # odd and even token counts (padded and not), a batch of 1 token (rank 1 holds only padding), none
     cases = [("rms", [3, 0, 5, 1]), ("layer", [4, 2, 6]), ("rms", [1]), ("rms", [0, 0])]
@@ -277,6 +279,7 @@ def _load_elsewhere(rank: int, world_size: int, path: str) -> dict[str, Any]:
     return {"weights": weights, "started": started["weights"], "error": error} if rank == 0 else {}
 
 
+@pytest.mark.slow
 def test_checkpoint_resumes_exactly_and_loads_at_another_world_size(tmp_path) -> None:
     out = run_ranks(_save_then_resume, 4, str(tmp_path))[0]
     straight, resumed = out["straight"], out["resumed"]
@@ -306,6 +309,7 @@ def test_checkpoint_resumes_exactly_and_loads_at_another_world_size(tmp_path) ->
         np.testing.assert_array_equal(state[name].numpy(), value, err_msg=name)
 
 
+@pytest.mark.slow
 def test_checkpoint_resumes_exactly_in_one_process(tmp_path) -> None:
     """World size 1 keeps the dense parameters plain (no FSDP2 over one rank): its checkpoints resume too."""
     out = run_ranks(_save_then_resume, 1, str(tmp_path), {"embedding_optimizer": "rowwise_adagrad"})[0]
@@ -332,6 +336,7 @@ def _dynamo_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.slow
 def test_compiled_layers_train_like_eager_ones_under_fsdp2_and_checkpointing() -> None:
     """compile_layers: each HSTU layer compiled with dynamic shapes between activation checkpointing and FSDP2
     over 2 ranks: the same losses and weights as the eager layers, without a graph per jagged batch size."""
@@ -502,6 +507,7 @@ def _dmpcollection_groups_and_plans(rank: int, world_size: int) -> list[dict[str
     return out
 
 
+@pytest.mark.slow
 def test_dmpcollection_builds_our_groups_and_readdresses_the_plan_as_we_do() -> None:
     """``DMPCollection(use_inter_host_allreduce=True)``: sharding groups ``rank // S`` and replica groups
     ``{j, j + S, ...}``, those of ``mesh.py``; given the group-local plan it moves every shard to the ranks
