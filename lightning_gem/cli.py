@@ -40,13 +40,21 @@ class _GEMArgumentParser(LightningArgumentParser):
 
 
 class GEMCLI(LightningCLI):
-    """LightningCLI whose model takes the DataModule's feature schema (``data.schema -> model.schema``)."""
+    """LightningCLI whose model takes the DataModule's feature schema (``data.schema -> model.schema``) and whose
+    help opens with what the kit is."""
+
+    def __init__(
+        self, *args: Any, parser_class: type[LightningArgumentParser] = _GEMArgumentParser, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, parser_class=parser_class, **kwargs)
 
     @override
     def setup_parser(
         self, add_subcommands: bool, main_kwargs: dict[str, Any], subparser_kwargs: dict[str, Any]
     ) -> None:
-        main_kwargs = {"summary": SUMMARY, "description": _DESCRIPTION, **main_kwargs}
+        if issubclass(self.parser_class, _GEMArgumentParser):
+            main_kwargs = {"summary": SUMMARY, **main_kwargs}
+        main_kwargs = {"description": _DESCRIPTION, **main_kwargs}
         super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
         self.parser.add_argument(
             "--version", action="version", version=f"lightning-gem {__version__}", help="Print the kit's version."
@@ -76,7 +84,6 @@ def main(args: list[str] | None = None) -> None:
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
-        parser_class=_GEMArgumentParser,
         args=args,
     )
 
