@@ -10,13 +10,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_attention_grid_quick(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "benchmarks" / "attention_grid.py"), "--quick", "--modes",
-         "silu causal targets", "softmax block 64", "--out-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
-    )  # fmt: skip
+def _grid(*args: str) -> None:
+    script = ROOT / "examples" / "benchmarks" / "attention_grid.py"
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+def test_attention_grid_quick(tmp_path: Path) -> None:
+    modes = ("--quick", "--modes", "silu causal targets", "softmax block 64")
+    _grid(*modes, "--out-dir", str(tmp_path))
     grid = json.loads((tmp_path / "grid.json").read_text())
     assert [r["cell"]["mode"] for r in grid["results"]] == ["silu causal targets", "softmax block 64"]
     pointwise, block = grid["results"]
@@ -31,3 +33,13 @@ def test_attention_grid_quick(tmp_path: Path) -> None:
     table = (tmp_path / "grid.md").read_text()
     assert "| silu causal targets, 1k, 2x16, 0.375K |" in table
     assert (tmp_path / "grid.png").stat().st_size > 0
+    # A slice from the second cell on holds that cell alone, on the same inputs; slices tabulate as one grid.
+    _grid(*modes, "--first-cell", "1", "--out-dir", str(tmp_path / "slice"))
+    (sliced,) = json.loads((tmp_path / "slice" / "grid.json").read_text())["results"]
+    assert sliced["label"] == block["label"] and sliced["fwd_gflop"] == block["fwd_gflop"]
+    first = tmp_path / "first.json"
+    first.write_text(json.dumps({"meta": grid["meta"], "results": [pointwise]}))
+    _grid("--render", str(first), str(tmp_path / "slice" / "grid.json"), "--out-dir", str(tmp_path / "both"))
+    rows = [line for line in (tmp_path / "both" / "grid.md").read_text().splitlines() if line.startswith("| ")]
+    labels = [row.split(" | ")[0].removeprefix("| ") for row in rows[2:]]
+    assert labels == ["silu causal targets, 1k, 2x16, 0.375K", block["label"]]

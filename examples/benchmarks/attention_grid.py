@@ -26,7 +26,14 @@ Run on a CUDA machine from the repository root::
     python examples/benchmarks/attention_grid.py --modes "silu causal" --heads 16 --dims 128 --lengths 4k-uniform
     python examples/benchmarks/attention_grid.py --quick --out-dir /tmp/g  # CPU smoke test: tiny cells
 
-Writes ``grid.json`` (every measurement), ``grid.md`` (the table) and ``grid.png`` (a heatmap of ``x``).
+Writes ``grid.json`` (every measurement), ``grid.md`` (the table) and ``grid.png`` (a heatmap of ``x``). A grid
+too long for one sitting runs in slices: ``--time-limit S`` stops starting cells after S seconds and names the
+next cell, ``--first-cell N`` starts there (each cell's inputs are seeded by its place, so the slices measure the
+inputs of one whole run), and ``--render a/grid.json b/grid.json ...`` tabulates the slices as one grid::
+
+    python examples/benchmarks/attention_grid.py --time-limit 500 --out-dir g0          # "... --first-cell 41"
+    python examples/benchmarks/attention_grid.py --time-limit 500 --first-cell 41 --out-dir g1
+    python examples/benchmarks/attention_grid.py --render g0/grid.json g1/grid.json --out-dir grid
 """
 
 from __future__ import annotations
@@ -690,6 +697,8 @@ def main() -> None:
     parser.add_argument("--candidates", action="store_true", help="also time every Triton candidate alone")
     parser.add_argument("--rep-runs", type=int, default=10, help="timed runs a measurement, about")
     parser.add_argument("--time-limit", type=float, default=0, help="stop starting cells after this many seconds")
+    parser.add_argument("--first-cell", type=int, default=0, help="start at this cell (a slice of a longer run)")
+    parser.add_argument("--render", nargs="+", type=Path, default=None, help="only tabulate these grid.json files")
     parser.add_argument("--quick", action="store_true", help="tiny cells, one of each mode (a CPU smoke test)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", type=Path, default=Path("attention_grid"))
@@ -698,28 +707,46 @@ def main() -> None:
         args.heads, args.dims, args.lengths, args.tokens, args.long_tokens = [2], [16], ["1k"], 384, 0
         args.named, args.rep_runs = False, 4
         LENGTHS["1k"] = (64, "cubic")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    if args.render:
+        write_tables(*_saved(args.render), args.out_dir)
+        return
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     meta = _meta(args)
     print(json.dumps(meta), flush=True)
     cells = grid_cells(args)
     results: list[dict] = []
     start = time.perf_counter()
     for n, cell in enumerate(cells):
+        if n < args.first_cell:
+            continue
         if args.time_limit and time.perf_counter() - start > args.time_limit:
-            print(f"time limit: {len(cells) - n} cells not run", flush=True)
+            print(f"time limit: cells {n}-{len(cells) - 1} not run (go on with --first-cell {n})", flush=True)
             break
-        case = make_case(cell, device, args.seed + n)
+        case = make_case(cell, device, args.seed + n)  # seeded by the cell's place: slices repeat one run's inputs
         result = run_cell(case, args)
         results.append(result)
         del case
         line = " ".join(f"{k}={result[k]:.2f}" for k in ("x_fwd", "x_both", "vs_triton_best_fwd",
                                                           "vs_triton_best_both") if k in result)  # fmt: skip
-        print(f"[{time.perf_counter() - start:6.0f} s] {cell.label}: {line} chosen {result['chosen']}", flush=True)
+        elapsed = time.perf_counter() - start
+        print(f"[{elapsed:6.0f} s] cell {n}: {cell.label}: {line} chosen {result['chosen']}", flush=True)
         (args.out_dir / "grid.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    text = markdown(results, meta)
-    (args.out_dir / "grid.md").write_text(text + "\n" + summary(results) + "\n")
-    heatmap(results, args.out_dir / "grid.png")
+    write_tables(results, meta, args.out_dir)
+
+
+def _saved(paths: list[Path]) -> tuple[list[dict], dict]:
+    """The results of several ``grid.json`` files (slices of one grid) in order, and the first one's meta with
+    every slice's command."""
+    saved = [json.loads(path.read_text()) for path in paths]
+    meta = dict(saved[0]["meta"], command=" ; ".join(s["meta"]["command"] for s in saved))
+    return [r for s in saved for r in s["results"]], meta
+
+
+def write_tables(results: list[dict], meta: dict, out_dir: Path) -> None:
+    """``grid.md`` (the table and its summary lines) and ``grid.png`` in ``out_dir``; the summary printed too."""
+    (out_dir / "grid.md").write_text(markdown(results, meta) + "\n" + summary(results) + "\n")
+    heatmap(results, out_dir / "grid.png")
     print(summary(results))
 
 
