@@ -1,25 +1,80 @@
 """``lightning-gem``: LightningCLI over the kit's LightningModules and DataModules.
 
+``--ckpt_path last`` resumes the newest run: the shipped configs keep a ``last.ckpt`` (``ModelCheckpoint(save_last=
+True)``) in each run's ``checkpoints/`` folder, and every run logs to a new ``version_N`` folder, so the CLI looks
+for the newest ``last.ckpt`` over the runs of the logger's ``save_dir/name`` and says in one line which it takes
+(or that there is none, and the run starts from the beginning).
+
 Example:
     lightning-gem fit --config examples/configs/quickstart.yaml
+    lightning-gem fit --config examples/configs/quickstart.yaml --ckpt_path last  # after an interruption
     lightning-gem test --config examples/configs/ml100k_ctr.yaml --ckpt_path PATH/TO/CHECKPOINT.ckpt
 """
 
 from __future__ import annotations
 
-from lightning.pytorch import LightningDataModule, LightningModule
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
-__all__ = ["GEMCLI", "main"]
+__all__ = ["GEMCLI", "find_last_checkpoint", "main"]
+
+
+def find_last_checkpoint(trainer: Trainer) -> tuple[Path | None, Path]:
+    """``(the newest last checkpoint of the trainer's runs or None, the folder searched)``.
+
+    Searched: each ``ModelCheckpoint`` with ``save_last``: its ``dirpath`` when it has one, else the
+    ``*/checkpoints`` folders of the first logger's runs (``save_dir/name/version_*``) or, without a logger,
+    ``default_root_dir/checkpoints``, where Lightning puts a run's checkpoints. Newest by modification time (of
+    ``meta.pt`` for a gem5d directory checkpoint, written last).
+    """
+    callbacks = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.save_last]
+    candidates: list[Path] = []
+    searched = Path(trainer.default_root_dir)
+    for callback in callbacks:
+        name = f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
+        if callback.dirpath is not None:
+            searched = Path(callback.dirpath)
+            candidates += [searched / name]
+        elif trainer.loggers:
+            logger = trainer.loggers[0]
+            searched = Path(logger.save_dir or trainer.default_root_dir, str(logger.name or ""))
+            candidates += searched.glob(f"*/checkpoints/{name}")
+        else:
+            searched = Path(trainer.default_root_dir, "checkpoints")
+            candidates += [searched / name]
+    stamps = {path: _written_at(path) for path in candidates if path.exists()}
+    return (max(stamps, key=stamps.__getitem__) if stamps else None), searched
+
+
+def _written_at(path: Path) -> float:
+    meta = path / "meta.pt"  # strategies.checkpoint_io.META_FILENAME: a directory checkpoint is done when it exists
+    return (meta if path.is_dir() and meta.is_file() else path).stat().st_mtime
 
 
 class GEMCLI(LightningCLI):
-    """LightningCLI whose model takes the DataModule's feature schema (``data.schema -> model.schema``)."""
+    """LightningCLI whose model takes the DataModule's feature schema (``data.schema -> model.schema``) and
+    whose ``fit --ckpt_path last`` takes the newest run's ``last.ckpt`` (:func:`find_last_checkpoint`)."""
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.schema", "model.init_args.schema", apply_on="instantiate")
+
+    def fit(self, model: LightningModule, ckpt_path: str | None = None, **kwargs: Any) -> None:
+        """``trainer.fit``, with ``ckpt_path="last"`` resolved over the runs and the choice printed."""
+        if ckpt_path == "last":
+            found, searched = find_last_checkpoint(self.trainer)
+            if self.trainer.is_global_zero:
+                if found is None:
+                    print(f"--ckpt_path last: no last.ckpt under {searched}; training from the start", flush=True)
+                else:
+                    print(f"--ckpt_path last: resuming from {found}", flush=True)
+            ckpt_path = None if found is None else str(found)
+        self.trainer.fit(model, ckpt_path=ckpt_path, **kwargs)
 
 
 def main(args: list[str] | None = None) -> None:
