@@ -34,6 +34,7 @@ from lightning_gem.data.balancing import AttentionCostModel
 from lightning_gem.data.batch import RankingBatch
 from lightning_gem.data.schema import RankingSchema, RetrievalSchema, SparseFeature
 from lightning_gem.metrics import BinaryAUROC, NormalizedEntropy
+from lightning_gem.ops.attention import ACTIVATIONS, IMPLS
 
 from .embeddings import (
     build_embedding_bag_collection,
@@ -41,7 +42,7 @@ from .embeddings import (
     concat_sequence_embeddings,
     tables_from_features,
 )
-from .encoder import JaggedHistoryEncoder, NormKind
+from .encoder import JaggedHistoryEncoder, NormKind, check_option
 from .heads import MultiTaskHead
 from .interaction import GDPAInteraction
 
@@ -178,8 +179,12 @@ class GEMRanker(L.LightningModule):
         attention_impl: str = "auto",
     ) -> None:
         super().__init__()
-        if loss_reduction not in ("sum", "mean"):
-            raise ValueError(f"`loss_reduction` must be 'sum' or 'mean', got {loss_reduction!r}")
+        # Checked here, not only in the layers: under the CLI the layers are built at fit start (configure_model).
+        check_option(attention_activation, "attention_activation", ACTIVATIONS)
+        check_option(interaction_activation, "interaction_activation", ACTIVATIONS)
+        check_option(attention_impl, "attention_impl", IMPLS)
+        check_option(norm, "norm", ("rms", "layer"))
+        check_option(loss_reduction, "loss_reduction", ("sum", "mean"))
         schema = schema_from_hparams(schema, RankingSchema)  # a dict when loaded from a checkpoint
         self.save_hyperparameters(ignore=["schema"])
         self.hparams["schema"] = None if schema is None else schema_to_hparams(schema)

@@ -5,6 +5,10 @@ True)``) in each run's ``checkpoints/`` folder, and every run logs to a new ``ve
 for the newest ``last.ckpt`` over the runs of the logger's ``save_dir/name`` and says in one line which it takes
 (or that there is none, and the run starts from the beginning).
 
+A wrong value that a constructor refuses (an option outside its allowed values, a data folder without its files)
+ends the command with that one message, not with the chained tracebacks of the parser's trying each type of a
+``class_path`` union.
+
 Example:
     lightning-gem fit --config examples/configs/quickstart.yaml
     lightning-gem fit --config examples/configs/quickstart.yaml --ckpt_path last  # after an interruption
@@ -63,6 +67,19 @@ class GEMCLI(LightningCLI):
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("data.schema", "model.init_args.schema", apply_on="instantiate")
+
+    @override
+    def instantiate_classes(self) -> None:
+        """Build the model, data and trainer; a ``ValueError``, ``TypeError`` or ``OSError`` raised by one of their
+        constructors exits with its own message (one line: ``lightning-gem: FileNotFoundError: ...``)."""
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError, OSError) as error:
+            cause = error
+            while cause.__cause__ is not None:  # jsonargparse re-raises a constructor's error from each union type
+                cause = cause.__cause__
+            message = " ".join(str(cause).split())
+            raise SystemExit(f"lightning-gem: {type(cause).__name__}: {message}") from None
 
     def fit(self, model: LightningModule, ckpt_path: str | None = None, **kwargs: Any) -> None:
         """``trainer.fit``, with ``ckpt_path="last"`` resolved over the runs and the choice printed."""

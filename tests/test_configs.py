@@ -73,3 +73,30 @@ def test_movielens_config_trains(
     printed = capsys.readouterr().out
     expected = "val/auc_ctr=" if "ctr" in config else "val/hr@10="
     assert expected in printed
+
+
+@pytest.mark.parametrize(
+    ("config", "option", "message"),
+    [
+        (
+            "quickstart.yaml",
+            "--model.init_args.interaction_activation=swish",
+            "lightning-gem: ValueError: `interaction_activation` must be one of 'softmax', 'silu', 'gelu', 'relu', "
+            "'sigmoid'; got 'swish'",
+        ),
+        (
+            "ml100k_ctr.yaml",
+            "--data.init_args.source.init_args.path=/nonexistent",
+            "lightning-gem: FileNotFoundError: MovieLens file /nonexistent/u.data not found: expected u.data",
+        ),
+        (
+            "ml1m_retrieval.yaml",
+            "--data.init_args.source.init_args.path=/nonexistent",
+            "lightning-gem: FileNotFoundError: MovieLens file /nonexistent/movies.dat not found",
+        ),
+    ],
+)
+def test_a_refused_value_ends_the_cli_with_one_line(config: str, option: str, message: str, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", f"--config={CONFIGS / config}", f"--trainer.default_root_dir={tmp_path}", option])
+    assert str(exit_info.value).startswith(message) and "\n" not in str(exit_info.value), exit_info.value

@@ -231,3 +231,18 @@ def test_a_training_step_reads_the_device_once(batches, monkeypatch: pytest.Monk
     logits.float().sum().backward()
     assert reads == []
     torch.testing.assert_close(logits, model(batch))
+
+
+@pytest.mark.parametrize(
+    ("option", "allowed"),
+    [
+        ("attention_activation", "'softmax', 'silu', 'gelu', 'relu', 'sigmoid'"),
+        ("interaction_activation", "'softmax', 'silu', 'gelu', 'relu', 'sigmoid'"),
+        ("attention_impl", "'auto', 'reference', 'triton', 'flash', 'padded'"),
+        ("norm", "'rms', 'layer'"),
+    ],
+)
+def test_option_values_are_checked_at_construction_under_their_own_names(option: str, allowed: str) -> None:
+    # Without a schema too: the CLI builds the layers only at fit start.
+    with pytest.raises(ValueError, match=f"^`{option}` must be one of {allowed}; got 'swish'$"):
+        GEMRanker(**{option: "swish"})
