@@ -13,7 +13,9 @@ Pipeline for a :class:`~lightning_gem.data.batch.RankingBatch` of ``B`` users:
 4. :class:`~lightning_gem.components.heads.MultiTaskHead`: one logit per task.
 
 Training minimises binary cross-entropy per task; validation and test log ``{stage}/auc_{task}`` and
-``{stage}/ne_{task}`` (normalized entropy). Throughput is logged by
+``{stage}/ne_{task}`` (normalized entropy), and ``{stage}/loss``, the training loss's mean over every candidate of
+the stage. All three are torchmetrics states, reduced over the ranks of a distributed run: a multi-rank
+evaluation logs the values of one process evaluating the whole split. Throughput is logged by
 :class:`lightning_gem.callbacks.ThroughputReport`.
 """
 
@@ -26,6 +28,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torchmetrics import MeanMetric
 from torchrec.sparse.jagged_tensor import JaggedTensor
 from typing_extensions import override
 
@@ -248,6 +251,8 @@ class GEMRanker(L.LightningModule):
                 for task in schema.tasks
             }
         )
+        # Weighted by candidates: the stage's loss is the mean over all its candidates, whatever the batches.
+        self.metrics.update({f"{stage}_loss": MeanMetric() for stage in ("val", "test")})
 
     @override
     def configure_model(self) -> None:
@@ -374,7 +379,9 @@ class GEMRanker(L.LightningModule):
     def _evaluate(self, batch: RankingBatch, stage: str) -> None:
         logits = self(batch)
         loss, _ = self._loss(logits, batch.labels)
-        self.log(f"{stage}/loss", loss, batch_size=batch.batch_size)
+        if logits.shape[0]:
+            self.metrics[f"{stage}_loss"].update(loss.detach(), weight=logits.shape[0])
+        self.log(f"{stage}/loss", self.metrics[f"{stage}_loss"], on_step=False, on_epoch=True)
         for i, task in enumerate(self._require_schema().tasks):
             auc, ne = self.metrics[f"{stage}_auc_{task}"], self.metrics[f"{stage}_ne_{task}"]
             if logits.shape[0]:
