@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_gem.cli import main
 
@@ -34,6 +35,7 @@ def _fit(config: str, tmp_path: Path, *extra: str) -> None:
 
 
 def test_quickstart_config_trains(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    threads = torch.get_num_threads()
     _fit(
         "quickstart.yaml",
         tmp_path,
@@ -46,6 +48,8 @@ def test_quickstart_config_trains(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "val/auc_ctr=" in printed and "val/ne_ctr=" in printed and "samples/s" in printed
     assert "MFU report over 2 training steps" in printed and "perf/tflops" in printed
     assert list(tmp_path.rglob("metrics.csv")) and list(tmp_path.rglob("mfu.json")) and list(tmp_path.rglob("mfu.png"))
+    assert torch.get_num_threads() == 1  # the config's num_threads: 1
+    torch.set_num_threads(threads)
 
 
 # GPU configs run here on CPU in full precision: the same model and data path, a few batches.

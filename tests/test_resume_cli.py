@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from lightning_gem.cli import main
@@ -84,11 +85,13 @@ def _environment() -> dict[str, str]:
 def _fit_then_resume(uninterrupted: str, interrupted: str) -> str:
     """Fit ``uninterrupted``, then ``interrupted --ckpt_path last``, through the CLI entry point; what the resumed
     fit printed."""
+    threads = torch.get_num_threads()  # the configs' num_threads: 1 applies to this process
     main(["fit", f"--config={uninterrupted}"])
     forget_torchrec_node_groups()  # the second fit's process groups are new
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         main(["fit", f"--config={interrupted}", "--ckpt_path=last"])
+    torch.set_num_threads(threads)
     return printed.getvalue()
 
 
