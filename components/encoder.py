@@ -20,12 +20,14 @@ from lightning_gem import jagged
 from lightning_gem.data.balancing import AttentionCostModel
 from lightning_gem.flops import attention_cost_coefficients, linear_flops
 from lightning_gem.ops import gdpa
+from lightning_gem.ops.attention import ACTIVATIONS, IMPLS
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "HSTULayer",
+    "check_option",
     "JaggedHistoryEncoder",
     "RMSNorm",
     "RelativePositionBias",
@@ -56,6 +58,21 @@ class RMSNorm(nn.RMSNorm):
         if weight is not None and weight.dtype != x.dtype:
             weight = weight.to(x.dtype)
         return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+
+
+def check_option(value: object, name: str, allowed: tuple[str, ...]) -> str:
+    """``value`` if it is one of ``allowed``, else a ``ValueError`` naming the option and every allowed value.
+
+    For the string options the components hand down (``activation``, ``attention_impl``, ``norm``): checked where
+    the user sets them, so a typo fails at construction under its own name, not at the first batch inside GDPA.
+
+    Example:
+        >>> check_option("silu", "attention_activation", ("softmax", "silu"))
+        'silu'
+    """
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"`{name}` must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+    return value
 
 
 def make_norm(kind: NormKind, dim: int, eps: float = 1e-6) -> nn.Module:
@@ -161,7 +178,7 @@ class HSTULayer(nn.Module):
             )
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"`dropout` must lie in [0, 1), got {dropout}")
-        self.activation = activation
+        self.activation = check_option(activation, "activation", ACTIVATIONS)
         self.causal = causal
         self.window = window
         self.per_head_norm = per_head_norm
@@ -169,7 +186,7 @@ class HSTULayer(nn.Module):
             raise ValueError(f"`attention_scale` must be > 0, got {attention_scale}")
         self.attention_scale = attention_scale
         self.normalization_length = normalization_length
-        self.attention_impl = attention_impl
+        self.attention_impl = check_option(attention_impl, "attention_impl", IMPLS)
 
         self.input_norm = make_norm(norm, dim)
         self.uvqk = nn.Linear(dim, num_heads * (2 * self.linear_dim + 2 * self.attention_dim))

@@ -15,8 +15,9 @@ from torch import Tensor, nn
 
 from lightning_gem import jagged
 from lightning_gem.ops import gdpa
+from lightning_gem.ops.attention import ACTIVATIONS, IMPLS
 
-from .encoder import NormKind, make_norm
+from .encoder import NormKind, check_option, make_norm
 
 __all__ = ["GDPAInteraction"]
 
@@ -95,8 +96,8 @@ class GDPAInteraction(nn.Module):
         self.dim = dim
         self.num_heads = num_heads
         self.head_dim = head_dim if head_dim is not None else dim // num_heads
-        self.activation = activation
-        self.attention_impl = attention_impl
+        self.activation = check_option(activation, "activation", ACTIVATIONS)
+        self.attention_impl = check_option(attention_impl, "attention_impl", IMPLS)
         self.self_interaction = self_interaction
         self.num_context_tokens = num_context_tokens
         inner = num_heads * self.head_dim

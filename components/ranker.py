@@ -13,7 +13,9 @@ Pipeline for a :class:`~lightning_gem.data.batch.RankingBatch` of ``B`` users:
 4. :class:`~lightning_gem.components.heads.MultiTaskHead`: one logit per task.
 
 Training minimises binary cross-entropy per task; validation and test log ``{stage}/auc_{task}`` and
-``{stage}/ne_{task}`` (normalized entropy). Throughput is logged by
+``{stage}/ne_{task}`` (normalized entropy), and ``{stage}/loss``, the training loss's mean over every candidate of
+the stage. All three are torchmetrics states, reduced over the ranks of a distributed run: a multi-rank
+evaluation logs the values of one process evaluating the whole split. Throughput is logged by
 :class:`lightning_gem.callbacks.ThroughputReport`.
 """
 
@@ -26,6 +28,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torchmetrics import MeanMetric
 from torchrec.sparse.jagged_tensor import JaggedTensor
 from typing_extensions import override
 
@@ -34,6 +37,7 @@ from lightning_gem.data.balancing import AttentionCostModel
 from lightning_gem.data.batch import RankingBatch
 from lightning_gem.data.schema import RankingSchema, RetrievalSchema, SparseFeature
 from lightning_gem.metrics import BinaryAUROC, NormalizedEntropy
+from lightning_gem.ops.attention import ACTIVATIONS, IMPLS
 
 from .embeddings import (
     build_embedding_bag_collection,
@@ -41,7 +45,7 @@ from .embeddings import (
     concat_sequence_embeddings,
     tables_from_features,
 )
-from .encoder import JaggedHistoryEncoder, NormKind
+from .encoder import JaggedHistoryEncoder, NormKind, check_option
 from .heads import MultiTaskHead
 from .interaction import GDPAInteraction
 
@@ -178,8 +182,12 @@ class GEMRanker(L.LightningModule):
         attention_impl: str = "auto",
     ) -> None:
         super().__init__()
-        if loss_reduction not in ("sum", "mean"):
-            raise ValueError(f"`loss_reduction` must be 'sum' or 'mean', got {loss_reduction!r}")
+        # Checked here, not only in the layers: under the CLI the layers are built at fit start (configure_model).
+        check_option(attention_activation, "attention_activation", ACTIVATIONS)
+        check_option(interaction_activation, "interaction_activation", ACTIVATIONS)
+        check_option(attention_impl, "attention_impl", IMPLS)
+        check_option(norm, "norm", ("rms", "layer"))
+        check_option(loss_reduction, "loss_reduction", ("sum", "mean"))
         schema = schema_from_hparams(schema, RankingSchema)  # a dict when loaded from a checkpoint
         self.save_hyperparameters(ignore=["schema"])
         self.hparams["schema"] = None if schema is None else schema_to_hparams(schema)
@@ -243,6 +251,8 @@ class GEMRanker(L.LightningModule):
                 for task in schema.tasks
             }
         )
+        # Weighted by candidates: the stage's loss is the mean over all its candidates, whatever the batches.
+        self.metrics.update({f"{stage}_loss": MeanMetric() for stage in ("val", "test")})
 
     @override
     def configure_model(self) -> None:
@@ -369,7 +379,9 @@ class GEMRanker(L.LightningModule):
     def _evaluate(self, batch: RankingBatch, stage: str) -> None:
         logits = self(batch)
         loss, _ = self._loss(logits, batch.labels)
-        self.log(f"{stage}/loss", loss, batch_size=batch.batch_size)
+        if logits.shape[0]:
+            self.metrics[f"{stage}_loss"].update(loss.detach(), weight=logits.shape[0])
+        self.log(f"{stage}/loss", self.metrics[f"{stage}_loss"], on_step=False, on_epoch=True)
         for i, task in enumerate(self._require_schema().tasks):
             auc, ne = self.metrics[f"{stage}_auc_{task}"], self.metrics[f"{stage}_ne_{task}"]
             if logits.shape[0]:

@@ -30,9 +30,10 @@ from lightning_gem.data.balancing import AttentionCostModel
 from lightning_gem.data.batch import RetrievalBatch
 from lightning_gem.data.schema import RetrievalSchema
 from lightning_gem.metrics import NDCG, HitRate, rank_of_target
+from lightning_gem.ops.attention import ACTIVATIONS, IMPLS
 
 from .embeddings import TableConfig, build_embedding_collection, concat_sequence_embeddings
-from .encoder import JaggedHistoryEncoder, NormKind
+from .encoder import JaggedHistoryEncoder, NormKind, check_option
 from .ranker import adamw_param_groups, schema_from_datamodule, schema_from_hparams, schema_to_hparams
 
 __all__ = ["SequentialRecommender", "catalogue_ranks", "exclude_seen", "sampled_softmax_loss"]
@@ -222,8 +223,12 @@ class SequentialRecommender(L.LightningModule):
         final_norm: bool = True,
     ) -> None:
         super().__init__()
-        if lr_schedule not in ("constant", "cosine"):
-            raise ValueError(f"`lr_schedule` must be 'constant' or 'cosine', got {lr_schedule!r}")
+        # Checked here, not only in the layers: under the CLI the layers are built at fit start (configure_model).
+        check_option(attention_activation, "attention_activation", ACTIVATIONS)
+        check_option(attention_impl, "attention_impl", IMPLS)
+        check_option(norm, "norm", ("rms", "layer"))
+        check_option(position_encoding, "position_encoding", ("recency", "absolute"))
+        check_option(lr_schedule, "lr_schedule", ("constant", "cosine"))
         if warmup_steps < 0:
             raise ValueError(f"`warmup_steps` must be >= 0, got {warmup_steps}")
         if num_negatives < 1:

@@ -9,7 +9,12 @@ keep the plain model untouched), :class:`~lightning_gem.components.JaggedHistory
 jagged history, and :class:`~lightning_gem.components.GDPAInteraction` lets the item being scored attend
 to it. Nothing is padded: the history stays ``[T, dim]`` with ``[B + 1]`` offsets end to end.
 
-Run: ``python examples/mix_into_torchrec.py`` (a few seconds on CPU).
+Both models train on the same synthetic clicks, whose probability depends on the item's popularity, a dense
+feature and the items of the user's history; the script prints both models' held-out AUC side by side. Only the
+model with the history can see its part.
+
+Run: ``python examples/mix_into_torchrec.py`` (300 steps of 128 users; 11 minutes on 2 CPU cores shared with two busy
+loops and a training run; held-out AUC 0.719 plain, 0.756 with the history).
 """
 
 from __future__ import annotations
@@ -18,11 +23,12 @@ import torch
 import torch.nn.functional as F
 from lightning_gem.components import GDPAInteraction, JaggedHistoryEncoder
 from torch import nn
+from torchmetrics.functional.classification import binary_auroc
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-NUM_USERS, NUM_ITEMS, NUM_DENSE, EMB = 1000, 500, 8, 16
+NUM_USERS, NUM_ITEMS, NUM_DENSE, EMB = 1000, 200, 8, 16
 
 
 class PlainDLRM(nn.Module):
@@ -77,22 +83,30 @@ class DLRMWithHistory(PlainDLRM):
         return self.over(features).squeeze(1)
 
 
+def make_world(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The synthetic world the batches come from: each item's popularity and taste, ``[NUM_ITEMS]`` each."""
+    return torch.randn(NUM_ITEMS, generator=generator), torch.randn(NUM_ITEMS, generator=generator)
+
+
 def random_batch(
-    batch_size: int, generator: torch.Generator
+    batch_size: int, world: tuple[torch.Tensor, torch.Tensor], generator: torch.Generator
 ) -> tuple[torch.Tensor, KeyedJaggedTensor, KeyedJaggedTensor, torch.Tensor]:
-    """Random inputs; the label says whether the scored item was in the user's history."""
+    """A batch of users scoring one item each, with a click label drawn from a known model.
+
+    ``P(click) = sigmoid(popularity[item] + 0.5 * dense[0] + 2 * mean(taste[history]) - 0.5)``: the plain model can
+    learn the item's popularity and the dense feature; only a model that reads the history (0-39 events, empty
+    ones included) sees how much of a clicker its user is. Users are drawn fresh, so their ids carry nothing.
+    """
+    popularity, taste = world
     dense = torch.randn(batch_size, NUM_DENSE, generator=generator)
     users = torch.randint(0, NUM_USERS, (batch_size,), generator=generator)
-    lengths = torch.randint(0, 40, (batch_size,), generator=generator)  # empty histories included
+    lengths = torch.randint(0, 40, (batch_size,), generator=generator)
     history_items = torch.randint(0, NUM_ITEMS, (int(lengths.sum()),), generator=generator)
+    owner = torch.repeat_interleave(torch.arange(batch_size), lengths)
+    history_taste = torch.zeros(batch_size).index_add_(0, owner, taste[history_items]) / lengths.clamp_min(1)
     items = torch.randint(0, NUM_ITEMS, (batch_size,), generator=generator)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-    for b in range(0, batch_size, 2):  # half the items are taken from the history
-        if lengths[b] > 0:
-            items[b] = history_items[offsets[b]]
-    labels = torch.tensor(
-        [float(bool((history_items[offsets[b] : offsets[b + 1]] == items[b]).any())) for b in range(batch_size)]
-    )
+    logits = popularity[items] + 0.5 * dense[:, 0] + 2.0 * history_taste - 0.5
+    labels = torch.bernoulli(torch.sigmoid(logits), generator=generator)
     sparse = KeyedJaggedTensor.from_lengths_sync(
         keys=["user_id", "item_id"],
         values=torch.cat([users, items]),
@@ -102,25 +116,35 @@ def random_batch(
     return dense, sparse, history, labels
 
 
-def main(steps: int = 20, batch_size: int = 64) -> None:
+def main(steps: int = 300, batch_size: int = 128) -> dict[str, float]:
+    """Train both models on the same batches, then print (and return) their AUC on 4,096 held-out users."""
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(0)
+    world = make_world(generator)
     plain, mixed = PlainDLRM(), DLRMWithHistory()
     opt_plain = torch.optim.Adam(plain.parameters(), lr=3e-3)
     opt_mixed = torch.optim.Adam(mixed.parameters(), lr=3e-3)
     for step in range(steps):
-        dense, sparse, history, labels = random_batch(batch_size, generator)
+        dense, sparse, history, labels = random_batch(batch_size, world, generator)
         loss_plain = F.binary_cross_entropy_with_logits(plain(dense, sparse), labels)
         loss_mixed = F.binary_cross_entropy_with_logits(mixed(dense, sparse, history), labels)
         for loss, opt in ((loss_plain, opt_plain), (loss_mixed, opt_mixed)):
             opt.zero_grad()
             loss.backward()
             opt.step()
-        if step % 5 == 0 or step == steps - 1:
+        if step % 50 == 0 or step == steps - 1:
             print(
                 f"step {step:3d}  plain DLRM loss {loss_plain.item():.4f}  "
                 f"with history encoder + GDPA {loss_mixed.item():.4f}"
             )
+    dense, sparse, history, labels = random_batch(4096, world, generator)
+    with torch.no_grad():
+        auc = {
+            "plain": float(binary_auroc(plain(dense, sparse), labels.long())),
+            "mixed": float(binary_auroc(mixed(dense, sparse, history), labels.long())),
+        }
+    print(f"held-out AUC  plain DLRM {auc['plain']:.4f}  with history encoder + GDPA {auc['mixed']:.4f}")
+    return auc
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ module supplies the numerator of local MFU (model FLOPs) and its denominator (th
 - :func:`linear_flops`: ``2 * T * in * out`` forward; the backward (grad input + grad weight) is twice that.
 - :func:`gdpa_flops`: FLOPs of one GDPA call over its allowed (query, key) pairs (re-exported from
   :mod:`lightning_gem.ops.attention.ops`, where the same formula is registered with the FLOP counter).
-- :func:`model_flops`: a model's FLOPs on a real batch, measured by ``FlopCounterMode``.
+- :class:`MatmulFlopCounter`: counts the FLOPs of the ops run under it by torch's FLOP formulas, running every
+  op exactly as called (``FlopCounterMode`` runs some ops through their decompositions, which round differently).
+- :func:`model_flops`: a model's FLOPs on a real batch, measured by :class:`MatmulFlopCounter`.
 - :func:`attention_cost_coefficients`: ``(a, b)`` of ``cost(len) = a * len + b * len**2`` for a stack
   of HSTU layers, for :class:`lightning_gem.data.balancing.AttentionCostModel`.
 - :func:`peak_tflops`: dense bf16 peak TFLOP/s of a device by name.
@@ -22,14 +24,16 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
-# Imported eagerly: the GDPA ops register their FLOP formulas on import, and a FlopCounterMode copies the
+# Imported eagerly: the GDPA ops register their FLOP formulas on import, and a MatmulFlopCounter copies the
 # formula registry when it is created, so an op first imported inside a counted region is not counted.
 from lightning_gem.ops.attention.ops import gdpa_flops
 
 __all__ = [
     "PEAK_BF16_TFLOPS",
+    "MatmulFlopCounter",
     "attention_cost_coefficients",
     "gdpa_flops",
     "linear_flops",
@@ -64,6 +68,36 @@ def linear_flops(num_tokens: int, in_features: int, out_features: int, backward:
     return 2 * forward if backward else forward
 
 
+class MatmulFlopCounter(TorchDispatchMode):
+    """Counts the FLOPs of the ops run under it, by the formulas of ``torch.utils.flop_counter``.
+
+    Unlike ``FlopCounterMode``, which runs an op without a formula through its decomposition when it has one
+    (``silu_backward`` as ``sigmoid`` and products: other rounding, so a counted training step computes other
+    gradients than an uncounted one), every op runs exactly as called: counting changes no value, no random
+    number and no autograd graph. The FLOPs are the same: ops with formulas (the matmuls, SDPA, the GDPA ops)
+    are never decomposed by either. Only totals are kept (no per-module table).
+
+    Example:
+        >>> with MatmulFlopCounter() as counter:
+        ...     _ = nn.Linear(4, 8)(torch.randn(10, 4))
+        >>> counter.flops  # 2 * 10 * 4 * 8
+        640
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+        self._formulas = dict(flop_registry)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = self._formulas.get(func._overloadpacket)
+        if formula is not None:
+            self.flops += int(formula(*args, **kwargs, out_val=out))
+        return out
+
+
 def model_flops(
     model: nn.Module,
     batch: Any,
@@ -71,7 +105,7 @@ def model_flops(
     backward: bool = True,
     loss_fn: Callable[[Any], Tensor] | None = None,
 ) -> int:
-    """FLOPs of ``model(batch)`` (plus its backward) measured by ``FlopCounterMode`` on the real batch.
+    """FLOPs of ``model(batch)`` (plus its backward) measured by :class:`MatmulFlopCounter` on the real batch.
 
     Jagged shapes and masks are honoured: GDPA counts only the allowed (query, key) pairs of this batch.
     The backward is ``torch.autograd.grad`` of ``loss_fn(output)`` (default: the sum of the output, which
@@ -89,13 +123,13 @@ def model_flops(
         1280
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    with FlopCounterMode(display=False) as counter:
+    with MatmulFlopCounter() as counter:
         with torch.enable_grad() if backward else torch.no_grad():
             output = model(batch)
             if backward and params:
                 loss = loss_fn(output) if loss_fn is not None else output.sum()
                 torch.autograd.grad(loss, params, allow_unused=True)
-    return int(counter.get_total_flops())
+    return counter.flops
 
 
 def attention_cost_coefficients(

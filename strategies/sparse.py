@@ -265,7 +265,8 @@ def plan_sharding(
         )
     size = layout.sparse_group_size
     topology = Topology(world_size=size, local_world_size=node_group_size or size, compute_device=device.type)
-    planner = EmbeddingShardingPlanner(topology=topology, constraints=planner_constraints)
+    enumerator = _ordered_enumerator(topology, planner_constraints)
+    planner = EmbeddingShardingPlanner(topology=topology, constraints=planner_constraints, enumerator=enumerator)
     plan = planner.collective_plan(module, sharders, dist.group.WORLD) if dist.is_initialized() else None
     if plan is None:
         plan = planner.plan(module, sharders)
@@ -273,6 +274,26 @@ def plan_sharding(
         offset = (rank // size) * size
         _readdress_plan(plan, offset=offset, device_type=device.type, local_world_size=local_world_size)
     return plan
+
+
+def _ordered_enumerator(topology: Any, constraints: dict[str, Any]) -> Any:
+    """torchrec's ``EmbeddingEnumerator`` that lists each table's sharding types in the constraints' order.
+
+    torchrec intersects the allowed and the constrained types as sets, whose order follows the process's
+    ``PYTHONHASHSEED``, and its proposer keeps that order among equally cheap options: the same job planned
+    ``table_wise`` in one process and ``column_wise`` in the next, so a resumed run met a checkpoint of another
+    embedding plan (whose optimizer state torchrec cannot reshard).
+    """
+    from torchrec.distributed.planner.constants import BATCH_SIZE
+    from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+
+    class _OrderedEnumerator(EmbeddingEnumerator):
+        def _filter_sharding_types(self, name: str, allowed_sharding_types: list[str], sharder_key: str = "") -> Any:
+            filtered = super()._filter_sharding_types(name, allowed_sharding_types, sharder_key)
+            order = list(getattr(constraints.get(name), "sharding_types", None) or allowed_sharding_types)
+            return sorted(filtered, key=lambda t: (order.index(t) if t in order else len(order), t))
+
+    return _OrderedEnumerator(topology=topology, batch_size=BATCH_SIZE, constraints=constraints)
 
 
 def _readdress_plan(plan: Any, offset: int, device_type: str, local_world_size: int | None = None) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from lightning_gem.cli import main
@@ -37,6 +38,7 @@ def _fit(config: str | tuple[str, ...], tmp_path: Path, *extra: str) -> None:
 
 
 def test_quickstart_config_trains(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    threads = torch.get_num_threads()
     _fit(
         "quickstart.yaml",
         tmp_path,
@@ -49,6 +51,8 @@ def test_quickstart_config_trains(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "val/auc_ctr=" in printed and "val/ne_ctr=" in printed and "samples/s" in printed
     assert "MFU report over 2 training steps" in printed and "perf/tflops" in printed
     assert list(tmp_path.rglob("metrics.csv")) and list(tmp_path.rglob("mfu.json")) and list(tmp_path.rglob("mfu.png"))
+    assert torch.get_num_threads() == 1  # the config's num_threads: 1
+    torch.set_num_threads(threads)
 
 
 # GPU configs run here on CPU in full precision: the same model and data path, a few batches.
@@ -106,11 +110,11 @@ def _composed(configs: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> d
         ),
         pytest.param(
             ("projection_and_norm", "recent_window", "holdout"),
-            (True, True, "last", "constant", False, 100, False, "val/ndcg@10", False),
+            (True, True, "last", "constant", False, 100, False, "val/ndcg@10", True),
             id="first_recipe",
         ),
         pytest.param(
-            ("holdout",), (False, False, "all", "cosine", True, 135, False, "val/ndcg@10", False), id="holdout"
+            ("holdout",), (False, False, "all", "cosine", True, 135, False, "val/ndcg@10", True), id="holdout"
         ),
     ],
 )
@@ -139,3 +143,30 @@ def test_overlays_compose_on_the_base(
         2,
         True,
     )
+
+
+@pytest.mark.parametrize(
+    ("config", "option", "message"),
+    [
+        (
+            "quickstart.yaml",
+            "--model.init_args.interaction_activation=swish",
+            "lightning-gem: ValueError: `interaction_activation` must be one of 'softmax', 'silu', 'gelu', 'relu', "
+            "'sigmoid'; got 'swish'",
+        ),
+        (
+            "ml100k_ctr.yaml",
+            "--data.init_args.source.init_args.path=/nonexistent",
+            "lightning-gem: FileNotFoundError: MovieLens file /nonexistent/u.data not found: expected u.data",
+        ),
+        (
+            "ml1m_retrieval.yaml",
+            "--data.init_args.source.init_args.path=/nonexistent",
+            "lightning-gem: FileNotFoundError: MovieLens file /nonexistent/movies.dat not found",
+        ),
+    ],
+)
+def test_a_refused_value_ends_the_cli_with_one_line(config: str, option: str, message: str, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", f"--config={CONFIGS / config}", f"--trainer.default_root_dir={tmp_path}", option])
+    assert str(exit_info.value).startswith(message) and "\n" not in str(exit_info.value), exit_info.value

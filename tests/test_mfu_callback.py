@@ -1,9 +1,11 @@
-"""MFUMonitor in a short CPU fit: finite perf metrics, imbalance 1.0 in one process, the report."""
+"""MFUMonitor in short CPU fits: finite perf metrics, imbalance 1.0 in one process, the report; the counting leaves
+the training unchanged, a resumed run counts the uninterrupted run's steps, throughput is total over total."""
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -11,11 +13,13 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from lightning_gem.components import GEMRanker
 from torch.utils.data import DataLoader
 
 from lightning_gem.callbacks import MFUMonitor
+from lightning_gem.data import GEMDataModule
 from lightning_gem.data.synthetic import SyntheticRankingSource
 from lightning_gem.testing.distributed import run_ranks
 
@@ -66,9 +70,13 @@ def test_fit_logs_mfu_and_prints_the_report(tmp_path, capsys) -> None:
         assert row["perf/e2e_mfu"] == pytest.approx(row["perf/mfu"] * row["perf/scaling_ratio"])
     assert trainer.callback_metrics["perf/mfu"] > 0
     out = capsys.readouterr().out
-    assert "MFU report over 4 training steps" in out and "perf/mfu" in out
+    assert "MFU report over 4 training steps on 1 device(s)" in out and "perf/mfu" in out
     summary = json.loads((tmp_path / "mfu.json").read_text())
     assert summary["steps"] == 4 and summary["mfu"] > 0 and summary["compute_imbalance"] == 1.0
+    assert summary["e2e_mfu"] == pytest.approx(summary["mfu"] * summary["scaling_ratio"])
+    assert summary["scaling_ratio"] == pytest.approx(summary["samples_per_s_per_device"] / 100.0)
+    equation = f"{summary['e2e_mfu']:.4g} = {summary['mfu']:.4g} x {summary['scaling_ratio']:.4g}"
+    assert f"E2E MFU = local MFU x scaling ratio: {equation}" in out
     assert 0 < summary["compute_time_s"] < summary["step_time_s"]
     assert (tmp_path / "mfu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # A single-device run's summary is the baseline of a scaled run.
@@ -87,6 +95,35 @@ def test_steps_between_counts_scale_the_counted_flops_by_their_tokens(tmp_path) 
         assert row["perf/model_flops"] == pytest.approx(counted * n / tokens[0])
 
 
+def _fit_and_state(callbacks: list[L.Callback], root: Path) -> dict[str, torch.Tensor]:
+    """Parameters (and buffers) of the tiny ranker with dropout after 5 steps with ``callbacks``."""
+    model, loader = _ranker_and_loader(40)
+    torch.manual_seed(1)  # dropout draws random numbers every step: a counter drawing any would shift them
+    model = GEMRanker(model.schema, embedding_dim=8, model_dim=16, num_layers=1, num_heads=2, dropout=0.2)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=5,
+        limit_val_batches=0,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    )
+    trainer.fit(model, loader)
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def test_counting_flops_leaves_the_training_unchanged(tmp_path) -> None:  # noqa: ANN001
+    # FlopCounterMode runs silu_backward through its decomposition: other rounding, other gradients.
+    counted = _fit_and_state([MFUMonitor(flops_every_n_steps=1, plot=False)], tmp_path)
+    plain = _fit_and_state([], tmp_path)
+    assert counted.keys() == plain.keys()
+    for name in counted:
+        assert torch.equal(counted[name], plain[name]), name  # bit-identical after 5 counted updates
+
+
 def test_no_mfu_without_a_peak_on_cpu_and_arguments_are_checked() -> None:
     monitor = MFUMonitor()
     assert monitor.peak_tflops is None
@@ -96,6 +133,63 @@ def test_no_mfu_without_a_peak_on_cpu_and_arguments_are_checked() -> None:
         MFUMonitor(flops_every_n_steps=0)
     with pytest.raises(ValueError, match="baseline_samples_per_s"):
         MFUMonitor(baseline_samples_per_s="no/such/mfu.json")
+
+
+class _SlowEveryThirdStep(L.LightningModule):
+    """Steps of 4 samples; every third one takes ~0.1 s, the others ~0.01 s (a loaded machine's stalls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        time.sleep(0.1 if batch_idx % 3 == 2 else 0.01)
+        return self.layer(batch).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_throughput_is_total_samples_over_total_time(tmp_path, capsys) -> None:  # noqa: ANN001
+    monitor = MFUMonitor(plot=False)
+    _trainer(monitor, tmp_path, max_steps=10).fit(_SlowEveryThirdStep(), DataLoader(torch.randn(64, 4), batch_size=4))
+    summary = monitor.summary()
+    rows = monitor.history[1:]  # the first (warm-up) step is left out
+    total_time = sum(row["perf/step_time_s"] for row in rows)
+    assert summary["samples_per_s_per_device"] == pytest.approx(4 * len(rows) / total_time)
+    rates = [row["perf/samples_per_s_per_device"] for row in rows]
+    assert summary["samples_per_s_per_device_median"] == pytest.approx(sorted(rates)[len(rates) // 2])
+    # Three slow steps of nine: the mean of per-step rates (~270/s) is ~2.6x the true ~105/s.
+    assert statistics.fmean(rates) > 2 * summary["samples_per_s_per_device"]
+    assert 4 * 9 / (3 * 0.1 + 6 * 0.01) / 1.5 < summary["samples_per_s_per_device"] <= 4 * 9 / (3 * 0.1 + 6 * 0.01)
+    assert summary["tflops"] == pytest.approx(sum(row["perf/model_flops"] for row in rows) / total_time / 1e12)
+    # CPU: no peak, so no MFU; one device: the scaling ratio is 1 by definition.
+    out = capsys.readouterr().out
+    assert "E2E MFU = local MFU x scaling ratio: n/a = n/a (no peak TFLOP/s" in out and "x 1 (one device" in out
+
+
+def test_a_resumed_run_counts_the_steps_the_uninterrupted_run_counts(tmp_path) -> None:  # noqa: ANN001
+    source = SyntheticRankingSource(
+        num_items=100, num_train_users=80, num_val_users=4, num_test_users=4, max_history_length=16
+    )
+
+    def fit(max_steps: int, ckpt_path: Path | None = None) -> MFUMonitor:
+        torch.manual_seed(0)
+        model = GEMRanker(source.schema, embedding_dim=8, model_dim=16, num_layers=1, num_heads=2)
+        monitor = MFUMonitor(flops_every_n_steps=4, plot=False)
+        trainer = _trainer(monitor, tmp_path, max_steps=max_steps, limit_val_batches=0)
+        if max_steps == 3:
+            trainer.callbacks.append(ModelCheckpoint(dirpath=tmp_path, filename="mid", every_n_train_steps=3))
+        trainer.fit(model, datamodule=GEMDataModule(source=source, batch_size=8, seed=1), ckpt_path=ckpt_path)
+        return monitor
+
+    full = {row["step"]: row["perf/model_flops"] for row in fit(8).history}
+    fit(3)  # writes mid.ckpt after 3 steps, between the counted steps (global steps 0 and 4)
+    resumed = {row["step"]: row["perf/model_flops"] for row in fit(8, tmp_path / "mid.ckpt").history}
+    assert sorted(resumed) == [4.0, 5.0, 6.0, 7.0, 8.0]  # rows are numbered by the steps done after them
+    # Global step 3 scales step 0's count (restored from the checkpoint); step 4 is counted, in both runs.
+    assert resumed == {step: flops for step, flops in full.items() if step >= 4}
+    assert len(set(full.values())) > 1  # the batches differ in size: a wrong count would show
 
 
 class _UnevenModule(L.LightningModule):

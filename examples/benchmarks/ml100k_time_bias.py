@@ -42,7 +42,9 @@ def train(folder: str, seed: int, time_bias: bool, args: argparse.Namespace) -> 
 
     torch.set_num_threads(1)
     L.seed_everything(seed, verbose=False)
-    source = MovieLens1MSource(path=folder, max_history_length=200, train_on_validation_item=True, train_windows="all")
+    source = MovieLens1MSource(
+        path=folder, max_history_length=200, train_on_validation_item=True, train_windows="all", published=False
+    )  # ML-100K written as ML-1M files
     data = GEMDataModule(source=source, batch_size=128, eval_batch_size=512)
     model = SequentialRecommender(
         embedding_dim=50,

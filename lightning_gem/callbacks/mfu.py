@@ -15,9 +15,9 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 from typing_extensions import override
 
+from lightning_gem.flops import MatmulFlopCounter
 from lightning_gem.flops import peak_tflops as device_peak_tflops
 
 __all__ = ["MFUMonitor"]
@@ -26,13 +26,17 @@ __all__ = ["MFUMonitor"]
 class MFUMonitor(L.Callback):
     """Logs ``perf/*`` per training step and prints a one-page report at the end of ``fit``.
 
-    The FLOPs are those of the actual step: a ``FlopCounterMode`` is entered in ``on_train_batch_start``
-    and left in ``on_train_batch_end``, so forward, backward and optimizer step of the real (jagged)
-    batch are counted; only matmuls count (see :mod:`lightning_gem.flops`). The counter's dispatch and
-    module hooks slow small models down (tens of percent on CPU-sized layers, little on GPU-sized
-    ones), which lowers the measured TFLOP/s: raise ``flops_every_n_steps`` to measure less often; steps
-    in between take the last measured FLOPs scaled by their batch's size (``batch.num_tokens`` when the
-    batch has it, else its samples): exact for linear layers, an approximation for attention.
+    The FLOPs are those of the actual step: a :class:`~lightning_gem.flops.MatmulFlopCounter` is entered in
+    ``on_train_batch_start`` and left in ``on_train_batch_end``, so forward, backward and optimizer step of the
+    real (jagged) batch are counted; only matmuls count (see :mod:`lightning_gem.flops`). The counter runs every
+    op exactly as called (no decomposition, no random number drawn, no tensor or autograd node added), so a
+    counted step computes the same values as an uncounted one: the monitor does not change the training. Its
+    dispatch slows small models down (tens of percent on CPU-sized layers, little on GPU-sized ones), which
+    lowers the measured TFLOP/s: raise ``flops_every_n_steps`` to measure less often. The counted steps are
+    those whose ``trainer.global_step`` is a multiple of ``flops_every_n_steps``, and the last count is part of
+    the callback's checkpoint state, so a resumed run counts the steps the uninterrupted one counts. Steps in
+    between take the last measured FLOPs scaled by their batch's size (``batch.num_tokens`` when the batch has
+    it, else its samples): exact for linear layers, an approximation for attention.
 
     Logged (``on_step``): ``perf/model_flops``, ``perf/step_time_s`` (data loading excluded; on CUDA timed by
     events on the current stream, so the callback adds no device sync per step), ``perf/tflops`` (achieved,
@@ -50,6 +54,11 @@ class MFUMonitor(L.Callback):
     come out nearly equal whatever the load; a data-parallel forward has no collective, so its time is
     the rank's own compute (with sharded embeddings their all-to-all in the forward also synchronises:
     the figure then measures the dense part only if the embeddings are cheap).
+
+    The run's rates (:meth:`summary`, the report) are totals over totals: ``samples_per_s_per_device`` is the
+    samples of all steps over the sum of their slowest-rank step times, ``tflops`` the FLOPs over the step
+    times; the median of the per-step rates is beside it (``samples_per_s_per_device_median``). A mean of
+    per-step rates would weigh a fast step as much as a slow one and overstate a loaded run's throughput.
 
     At the end of ``fit`` rank 0 prints :meth:`report`, writes :meth:`summary` to ``mfu.json`` and,
     with ``plot``, the curves to ``mfu.png`` in the trainer's log dir. A single-device run's
@@ -89,26 +98,35 @@ class MFUMonitor(L.Callback):
         self.flops_every_n_steps = flops_every_n_steps
         self.plot = plot
         self.history: list[dict[str, float]] = []
-        self._counter: FlopCounterMode | None = None
+        self._counter: MatmulFlopCounter | None = None
         self._step: _StepTimes | None = None  # the step in progress
         self._pending: list[_StepTimes] = []  # steps done, not yet in the history
+        self._totals: list[tuple[float, float]] = []  # per history row: samples per device, slowest step time
         self._last_flops = 0
         self._last_size = 0.0  # batch size (tokens or samples) of the step whose FLOPs were counted
-        self._num_batches = 0
         self._peak: float | None = None
+        self._world_size = 1
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_flops": self._last_flops, "last_size": self._last_size}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._last_flops, self._last_size = int(state_dict["last_flops"]), float(state_dict["last_size"])
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.history, self._pending = [], []
-        self._num_batches = 0
+        self.history, self._pending, self._totals = [], [], []
         self._peak = self.peak_tflops if self.peak_tflops is not None else device_peak_tflops(pl_module.device)
+        self._world_size = trainer.world_size
 
     @override
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self._num_batches % self.flops_every_n_steps == 0:
-            self._counter = FlopCounterMode(display=False)
+        if trainer.global_step % self.flops_every_n_steps == 0:
+            self._counter = MatmulFlopCounter()
             self._counter.__enter__()
         self._step = _StepTimes(pl_module.device)
 
@@ -133,7 +151,6 @@ class MFUMonitor(L.Callback):
             self._last_size = size
         step.flops = self._last_flops * size / self._last_size if self._last_size > 0 else float(self._last_flops)
         step.global_step = float(trainer.global_step)
-        self._num_batches += 1
         self._pending.append(step)
         # Resolved (one device sync, one all-gather for the steps since the last) on the steps the loggers write,
         # as Lightning's ThroughputMonitor logs, and at least every `_MAX_PENDING` steps: each logged float becomes
@@ -168,7 +185,7 @@ class MFUMonitor(L.Callback):
     def _stop_counter(self) -> None:
         counter, self._counter = self._counter, None
         counter.__exit__(None, None, None)
-        self._last_flops = int(counter.get_total_flops())
+        self._last_flops = counter.flops
 
     def _resolve(self, pl_module: L.LightningModule) -> None:
         """Turn the pending steps' timings into :attr:`history` rows: every rank's (step time, samples, forward
@@ -179,7 +196,9 @@ class MFUMonitor(L.Callback):
         local = torch.tensor([s.times() for s in steps], dtype=torch.float64, device=pl_module.device)
         gathered = pl_module.all_gather(local).reshape(-1, len(steps), 3).cpu()  # [world, steps, 3]
         for index, step in enumerate(steps):
-            self.history.append({"step": step.global_step, **self._step_metrics(step, gathered[:, index])})
+            ranks = gathered[:, index]
+            self.history.append({"step": step.global_step, **self._step_metrics(step, ranks)})
+            self._totals.append((float(ranks[:, 1].sum()) / ranks.shape[0], float(ranks[:, 0].max())))
 
     def _step_metrics(self, step: _StepTimes, ranks: torch.Tensor) -> dict[str, float]:
         """``ranks``: ``[world, 3]`` step time, samples, forward time of every rank for this step."""
@@ -205,27 +224,70 @@ class MFUMonitor(L.Callback):
         return metrics
 
     def summary(self, skip_first: int = 1) -> dict[str, float]:
-        """The mean of each logged ``perf/*`` value over the run (without its first ``skip_first`` warm-up
-        steps when there are more), plus ``steps`` and ``peak_tflops``: what ``mfu.json`` holds."""
-        rows = self.history[skip_first:] if len(self.history) > skip_first else self.history
-        summary: dict[str, float] = {"steps": float(len(rows))}
+        """The run's ``perf/*`` values (without its first ``skip_first`` warm-up steps when there are more), plus
+        ``steps``, ``world_size`` and ``peak_tflops``: what ``mfu.json`` holds.
+
+        Rates are totals over totals: ``samples_per_s_per_device`` = samples per device of all steps / the sum of
+        their slowest-rank step times (``samples_per_s_per_device_median`` beside it), ``tflops`` = FLOPs / the
+        sum of this rank's step times, and ``mfu``, ``scaling_ratio``, ``e2e_mfu`` from those. Times and
+        imbalances are means over the steps.
+        """
+        first = skip_first if len(self.history) > skip_first else 0
+        rows, totals = self.history[first:], self._totals[first:]
+        summary: dict[str, float] = {"steps": float(len(rows)), "world_size": float(self._world_size)}
         if self._peak is not None:
             summary["peak_tflops"] = float(self._peak)
         for name in [name for name in rows[0] if name != "step"] if rows else []:
             values = [row[name] for row in rows if name in row and math.isfinite(row[name])]
             if values:
                 summary[name.removeprefix("perf/")] = statistics.fmean(values)
+        if not rows:
+            return summary
+        seconds = sum(row["perf/step_time_s"] for row in rows)
+        slowest = sum(time for _, time in totals)
+        summary["tflops"] = sum(row["perf/model_flops"] for row in rows) / seconds / 1e12 if seconds > 0 else math.nan
+        summary["samples_per_s_per_device"] = sum(samples for samples, _ in totals) / slowest if slowest > 0 else 0.0
+        summary["samples_per_s_per_device_median"] = statistics.median(
+            row["perf/samples_per_s_per_device"] for row in rows
+        )
+        if self._peak is not None:
+            summary["mfu"] = summary["tflops"] / self._peak
+        if self.baseline_samples_per_s is not None:
+            summary["scaling_ratio"] = summary["samples_per_s_per_device"] / self.baseline_samples_per_s
+            if "mfu" in summary:
+                summary["e2e_mfu"] = summary["mfu"] * summary["scaling_ratio"]
         return summary
 
     def report(self) -> str:
-        """A one-page summary: the mean of each logged ``perf/*`` value over the steps of the run."""
+        """A one-page summary of :meth:`summary`, ending with the E2E MFU equation and its numbers."""
         summary = self.summary()
-        lines = [f"MFU report over {int(summary.pop('steps'))} training steps (means, first step excluded)"]
+        steps, world_size = int(summary.pop("steps")), int(summary.pop("world_size"))
+        lines = [
+            f"MFU report over {steps} training steps on {world_size} device(s) (first step excluded; rates are "
+            "totals over totals, times and imbalances means over the steps)"
+        ]
         peak = summary.pop("peak_tflops", None)
         lines.append(f"  peak TFLOP/s per device: {peak if peak is not None else 'unknown (no MFU)'}")
-        lines += [f"  perf/{name:<27} {value:.6g}" for name, value in summary.items()]
-        lines.append("  E2E MFU = local MFU x scaling ratio")
+        lines += [f"  perf/{name:<32} {value:.6g}" for name, value in summary.items()]
+        lines.append(self._equation(summary, world_size))
         return "\n".join(lines)
+
+    def _equation(self, summary: dict[str, float], world_size: int) -> str:
+        """``E2E MFU = local MFU x scaling ratio`` with the run's numbers, or ``n/a`` and why for a missing one."""
+        mfu = f"{summary['mfu']:.4g}" if "mfu" in summary else "n/a (no peak TFLOP/s: pass `peak_tflops`)"
+        if "scaling_ratio" in summary:
+            ratio = f"{summary['scaling_ratio']:.4g}"
+        elif world_size == 1:
+            ratio = "1 (one device: the run is its own baseline)"
+        else:
+            ratio = "n/a (no single-device baseline: pass `baseline_samples_per_s`, e.g. a one-device mfu.json)"
+        if "e2e_mfu" in summary:
+            e2e = f"{summary['e2e_mfu']:.4g}"
+        elif "mfu" in summary and world_size == 1:
+            e2e = f"{summary['mfu']:.4g}"
+        else:
+            e2e = "n/a"
+        return f"  E2E MFU = local MFU x scaling ratio: {e2e} = {mfu} x {ratio}"
 
     def save_plot(self, path: Path) -> Path | None:
         """Save TFLOP/s (and MFU, if known) over steps to ``path``; None (with a message) without matplotlib."""

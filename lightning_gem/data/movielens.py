@@ -41,6 +41,12 @@ ML1M_URL = "https://grouplens.org/datasets/movielens/1m/"
 ML100K_URL = "https://grouplens.org/datasets/movielens/100k/"
 _AGE_EDGES = np.array([18, 25, 35, 45, 50, 56])  # ML-1M's age groups: <18, 18-24, ..., 56+
 _NUM_GENRES = 19
+# The published files (their READMEs): rows, and the collection period as unix times with a day of margin.
+ML100K_ROWS = {"u.data": 100_000, "u.user": 943, "u.item": 1_682}
+ML100K_PERIOD = (874_540_800, 893_376_000)  # 1997-09-18 .. 1998-04-24 UTC ("September 19th, 1997 - April 22nd, 1998")
+ML1M_ROWS = {"ratings": 1_000_209, "users": 6_040, "movies.dat": 3_883}
+ML1M_PERIOD = (946_684_800, 1_072_915_200)  # 2000-01-01 .. 2004-01-01 UTC (users who joined in 2000; last rating 2003)
+_RATINGS = (1, 5)
 
 
 def _data_file(folder: Path, name: str, fmt: str, url: str) -> Path:
@@ -58,6 +64,32 @@ def _malformed(file: Path, line_number: int, line: str, fmt: str, url: str) -> V
         f"{file}, line {line_number}: expected {fmt}, got {line[:80]!r}. The file looks damaged: "
         f"download the public data set again from {url}."
     )
+
+
+def _line(file: Path, row: int) -> tuple[int, str]:
+    """``(line number, text)`` of the ``row``-th non-empty line of ``file`` (rows as the readers count them)."""
+    lines = ((n, line) for n, line in enumerate(file.read_text(encoding="latin-1").splitlines(), start=1))
+    non_empty = (item for item in lines if item[1].strip())
+    return next(item for index, item in enumerate(non_empty) if index == row)
+
+
+def _check_range(values: np.ndarray, low: int, high: int, what: str, file: Path, url: str) -> None:
+    """``ValueError`` naming the file, line and value of the first of ``values`` (one per row) outside low..high."""
+    bad = np.flatnonzero((values < low) | (values > high))
+    if len(bad):
+        number, line = _line(file, int(bad[0]))
+        raise ValueError(
+            f"{file}, line {number}: {what} must lie in {low}..{high}, got {int(values[bad[0]])} in {line[:80]!r} "
+            f"({len(bad)} such lines). The file looks damaged: download the public data set again from {url}."
+        )
+
+
+def _check_rows(count: int, expected: int, what: str, file: Path, url: str) -> None:
+    if count != expected:
+        raise ValueError(
+            f"{file} holds {count:,} {what}; the published file holds {expected:,}: it is cut off or not the "
+            f"original (`published=False` reads another copy). Download the public data set again from {url}."
+        )
 
 
 def _read_ints(file: Path, sep: str | None, num_fields: int | None, fmt: str, url: str) -> list[np.ndarray]:
@@ -148,9 +180,14 @@ class MovieLens1MSource(RetrievalSource):
         train_on_validation_item: train on each user's validation item too (the reference recipe; see above).
         train_windows: ``"last"`` (each user's most recent ``max_history_length`` inputs, the reference recipe)
             or ``"all"`` (see :func:`~lightning_gem.data.sources.leave_one_out_windows`).
+        published: the files are GroupLens's: 3,883 movies, 6,040 users, 1,000,209 ratings (the lines of
+            ``sequences.txt``, its ids after the first, or the lines of ``ratings.dat``), rated from 2000 on; a
+            cut-off file is an error. False reads any other copy or subset (every line is still checked).
 
     Raises:
         FileNotFoundError: a file is missing (the message says where to download the data).
+        ValueError: a line of a file is malformed or out of range (the message names the file and line), or,
+            with ``published``, a file holds other counts than the published data set (when it is read).
     """
 
     def __init__(
@@ -160,7 +197,11 @@ class MovieLens1MSource(RetrievalSource):
         max_history_length: int = 200,
         train_on_validation_item: bool = False,
         train_windows: str = "last",
+        published: bool = True,
     ) -> None:
+        if not isinstance(published, bool):
+            raise TypeError(f"`published` must be a bool, got {published!r}")
+        self.published = published
         if not isinstance(train_on_validation_item, bool):
             raise TypeError(f"`train_on_validation_item` must be a bool, got {train_on_validation_item!r}")
         self.train_on_validation_item = train_on_validation_item
@@ -174,6 +215,8 @@ class MovieLens1MSource(RetrievalSource):
             self._events_file = self.path / "ratings.dat"
         fmt = "'MovieID::Title::Genres' (ISO-8859-1)"
         rows = _read_fields(movies, "::", 3, fmt, ML1M_URL, at_least=True)
+        if published:
+            _check_rows(len(rows), ML1M_ROWS["movies.dat"], "movies", movies, ML1M_URL)
         self.movie_ids = np.unique(np.array([int(r[0]) for r in rows], dtype=np.int64))
         """``[num_items]`` original MovieID of each dense item id."""
         self._schema = RetrievalSchema(
@@ -205,8 +248,17 @@ class MovieLens1MSource(RetrievalSource):
             lengths = np.array([len(row) - 1 for row in lines], dtype=np.int64)
             movies = np.concatenate([row[1:] for row in lines])
             timestamps = None
+            _check_range(users, 1, np.iinfo(np.int64).max, "UserID", file, ML1M_URL)
+            if self.published:
+                _check_rows(len(users), ML1M_ROWS["users"], "users (lines)", file, ML1M_URL)
+                _check_rows(len(movies), ML1M_ROWS["ratings"], "ratings (movie ids)", file, ML1M_URL)
         else:
             table = _read_table(file, "::", 4, "'UserID::MovieID::Rating::Timestamp'", ML1M_URL)
+            _check_range(table[:, 0], 1, np.iinfo(np.int64).max, "UserID", file, ML1M_URL)
+            _check_range(table[:, 2], *_RATINGS, "ratings", file, ML1M_URL)
+            if self.published:
+                _check_range(table[:, 3], *ML1M_PERIOD, "timestamps (the collection period)", file, ML1M_URL)
+                _check_rows(len(table), ML1M_ROWS["ratings"], "ratings", file, ML1M_URL)
             table = table[np.lexsort((np.arange(len(table)), table[:, 3], table[:, 0]))]
             users, lengths = np.unique(table[:, 0], return_counts=True)
             movies = table[:, 1]
@@ -260,9 +312,14 @@ class MovieLens100KRankingSource(RankingSource):
         candidates_per_sample: events grouped into one sample.
         val_fraction, test_fraction: per-user fractions of events for validation and test.
         positive_rating: lowest rating that counts as positive.
+        published: the files are GroupLens's: 100,000 ratings of 943 users on 1,682 items, rated between
+            September 19th, 1997 and April 22nd, 1998; a cut-off file is an error. False reads any other copy or
+            subset (every line is still checked).
 
     Raises:
         FileNotFoundError: a file is missing (the message says where to download the data).
+        ValueError: a line of a file is malformed or out of range (the message names the file and line), or,
+            with ``published``, a file holds other counts than the published data set (u.data when it is read).
     """
 
     def __init__(
@@ -274,7 +331,11 @@ class MovieLens100KRankingSource(RankingSource):
         val_fraction: float = 0.1,
         test_fraction: float = 0.1,
         positive_rating: int = 4,
+        published: bool = True,
     ) -> None:
+        if not isinstance(published, bool):
+            raise TypeError(f"`published` must be a bool, got {published!r}")
+        self.published = published
         self.path = Path(path)
         self.max_history_length = _check_int(max_history_length, "max_history_length", 1)
         self.candidates_per_sample = _check_int(candidates_per_sample, "candidates_per_sample", 1)
@@ -326,6 +387,8 @@ class MovieLens100KRankingSource(RankingSource):
         file = self._files["u.user"]
         fmt = "'user|age|gender|occupation|zip' with gender M or F"
         rows = _read_fields(file, "|", 5, fmt, ML100K_URL, digits=(0, 1))
+        if self.published:
+            _check_rows(len(rows), ML100K_ROWS["u.user"], "users", file, ML100K_URL)
         if any(r[2] not in ("M", "F") for r in rows):
             bad = next(r for r in rows if r[2] not in ("M", "F"))
             raise ValueError(f"{file}: expected {fmt}, got {'|'.join(bad)!r}. Download again from {ML100K_URL}.")
@@ -345,6 +408,8 @@ class MovieLens100KRankingSource(RankingSource):
         fmt = "'item|title|date|video|url|' followed by 19 genre flags (0 or 1)"
         genres = tuple(range(5, 5 + _NUM_GENRES))
         rows = _read_fields(file, "|", 5 + _NUM_GENRES, fmt, ML100K_URL, digits=(0, *genres))
+        if self.published:
+            _check_rows(len(rows), ML100K_ROWS["u.item"], "items", file, ML100K_URL)
         flags = [r[5:] for r in rows]
         if any(f not in ("0", "1") for row in flags for f in row):
             raise ValueError(
@@ -358,8 +423,10 @@ class MovieLens100KRankingSource(RankingSource):
     def _build(self) -> dict[str, RankingArrays]:
         file = self._files["u.data"]
         table = _read_table(file, "\t", 4, "tab-separated 'user item rating unix_ts'", ML100K_URL)
-        if table[:, 2].min() < 1 or table[:, 2].max() > 5:
-            raise ValueError(f"{file}: ratings must lie in 1..5, got {table[:, 2].min()}..{table[:, 2].max()}")
+        _check_range(table[:, 2], *_RATINGS, "ratings", file, ML100K_URL)
+        if self.published:
+            _check_range(table[:, 3], *ML100K_PERIOD, "timestamps (the collection period)", file, ML100K_URL)
+            _check_rows(len(table), ML100K_ROWS["u.data"], "ratings", file, ML100K_URL)
         user = _dense_ids(table[:, 0], self._users["id"], "user id", file, ML100K_URL)
         item = _dense_ids(table[:, 1], self._items["id"], "item id", file, ML100K_URL)
         order = np.lexsort((item, table[:, 3], user))

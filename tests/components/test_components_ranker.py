@@ -1,4 +1,5 @@
-"""GEMRanker on hand-made RankingBatches: shapes, empty users, gradients, schema handling, a short fit."""
+"""GEMRanker on hand-made RankingBatches: shapes, empty users, gradients, schema handling, a short fit; option
+checks; validation metrics over 2 gloo ranks equal to one process's."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import pytest
 import torch
 from lightning_gem.components import GEMRanker
 from torch.utils.data import DataLoader
+
+from lightning_gem.data import GEMDataModule, SyntheticRankingSource
+from lightning_gem.testing.distributed import run_ranks
 
 
 def _loader(batches: list) -> DataLoader:
@@ -231,3 +235,55 @@ def test_a_training_step_reads_the_device_once(batches, monkeypatch: pytest.Monk
     logits.float().sum().backward()
     assert reads == []
     torch.testing.assert_close(logits, model(batch))
+
+
+@pytest.mark.parametrize(
+    ("option", "allowed"),
+    [
+        ("attention_activation", "'softmax', 'silu', 'gelu', 'relu', 'sigmoid'"),
+        ("interaction_activation", "'softmax', 'silu', 'gelu', 'relu', 'sigmoid'"),
+        ("attention_impl", "'auto', 'reference', 'triton', 'flash', 'padded'"),
+        ("norm", "'rms', 'layer'"),
+    ],
+)
+def test_option_values_are_checked_at_construction_under_their_own_names(option: str, allowed: str) -> None:
+    # Without a schema too: the CLI builds the layers only at fit start.
+    with pytest.raises(ValueError, match=f"^`{option}` must be one of {allowed}; got 'swish'$"):
+        GEMRanker(**{option: "swish"})
+
+
+def _validate(rank: int, world_size: int) -> dict[str, float]:
+    """The validation metrics of the same tiny ranker over 96 users, on ``world_size`` ranks (48 users each, in
+    batches of 20, 20 and 8: a mean of per-batch means would weigh the batches wrongly)."""
+    torch.manual_seed(0)
+    source = SyntheticRankingSource(
+        num_items=100,
+        num_train_users=16,
+        num_val_users=96,
+        num_test_users=4,
+        max_history_length=16,
+        max_candidates=8,
+        mean_candidates=4.0,
+    )
+    model = _tiny(source.schema)
+    strategy = "ddp" if world_size > 1 else "auto"
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.validate(model, datamodule=GEMDataModule(source=source, eval_batch_size=20), verbose=False)
+    return {name: float(value) for name, value in trainer.callback_metrics.items()}
+
+
+def test_validation_metrics_over_two_gloo_ranks_are_one_process_metrics() -> None:
+    single = _validate(0, 1)
+    ranks = run_ranks(_validate, 2)
+    assert set(single) == {"val/loss", "val/auc_ctr", "val/auc_cvr", "val/ne_ctr", "val/ne_cvr"}
+    for metrics in ranks:  # every rank logs the reduced value
+        assert metrics.keys() == single.keys()
+        for name, value in single.items():
+            assert metrics[name] == pytest.approx(value, rel=1e-6, abs=1e-7), name

@@ -289,3 +289,11 @@ def test_scores_and_loss_are_fp32_under_bf16_autocast() -> None:
         )
     assert loss_autocast.dtype == torch.float32
     torch.testing.assert_close(loss_autocast, loss, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("option", ["attention_activation", "attention_impl", "norm", "position_encoding"])
+def test_option_values_are_checked_at_construction_under_their_own_names(option: str) -> None:
+    with pytest.raises(ValueError, match=f"^`{option}` must be one of '.*'; got 'swish'$"):
+        SequentialRecommender(**{option: "swish"})
+    with pytest.raises(ValueError, match="^`activation` must be one of 'softmax', 'silu'"):
+        HSTULayer(16, 2, activation="swish")  # the layer names its own argument

@@ -130,10 +130,10 @@ def _copy(src: Path, dst: Path, names: list[str]) -> Path:
 
 def test_missing_files_say_what_and_where(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"movies\.dat.*grouplens\.org/datasets/movielens/1m"):
-        MovieLens1MSource(path=str(tmp_path))
+        MovieLens1MSource(path=str(tmp_path), published=False)
     (tmp_path / "movies.dat").write_text("1::Toy Story (1995)::Animation\n")
     with pytest.raises(FileNotFoundError, match=r"sequences\.txt.*ratings\.dat.*movielens/1m"):
-        MovieLens1MSource(path=str(tmp_path))
+        MovieLens1MSource(path=str(tmp_path), published=False)
     with pytest.raises(FileNotFoundError, match=r"u\.data.*user item rating unix_ts.*movielens/100k"):
         MovieLens100KRankingSource(path=str(tmp_path / "nowhere"))
 
@@ -142,26 +142,26 @@ def test_malformed_files_say_what_and_where(tmp_path: Path) -> None:
     (tmp_path / "movies.dat").write_text("1::A::Drama\n2::B::Comedy\n3::C::Drama\n")
     (tmp_path / "sequences.txt").write_text("1 1 2 3 1\n2 1 two 3\n")
     with pytest.raises(ValueError, match=r"sequences\.txt, line 2.*UserID MovieID.*movielens/1m"):
-        MovieLens1MSource(path=str(tmp_path)).dataset("train")
+        MovieLens1MSource(path=str(tmp_path), published=False).dataset("train")
     (tmp_path / "sequences.txt").write_text("1 1 2 3 1\n2 1 9 3\n")
     with pytest.raises(ValueError, match=r"MovieID 9.*movielens/1m"):
-        MovieLens1MSource(path=str(tmp_path)).dataset("train")
+        MovieLens1MSource(path=str(tmp_path), published=False).dataset("train")
     (tmp_path / "movies.dat").write_text("x::A::Drama\n")
     with pytest.raises(ValueError, match=r"movies\.dat, line 1.*MovieID::Title::Genres"):
-        MovieLens1MSource(path=str(tmp_path))
+        MovieLens1MSource(path=str(tmp_path), published=False)
 
 
 def test_ml100k_malformed_u_data(tmp_path: Path, ml100k_dir: Path) -> None:
     folder = _copy(ml100k_dir, tmp_path / "ml-100k", ["u.user", "u.item"])
     (folder / "u.data").write_text("1\t1\t5\t874965758\n1\t2\t3\n")
     with pytest.raises(ValueError, match=r"u\.data, line 2.*user item rating unix_ts.*movielens/100k"):
-        MovieLens100KRankingSource(path=str(folder)).dataset("train")
+        MovieLens100KRankingSource(path=str(folder), published=False).dataset("train")
     (folder / "u.data").write_text("1\t1\t7\t874965758\n")
     with pytest.raises(ValueError, match="ratings must lie in 1..5"):
-        MovieLens100KRankingSource(path=str(folder)).dataset("train")
+        MovieLens100KRankingSource(path=str(folder), published=False).dataset("train")
     (folder / "u.user").write_text("1|24|X|technician|85711\n")
     with pytest.raises(ValueError, match=r"u\.user.*gender"):
-        MovieLens100KRankingSource(path=str(folder))
+        MovieLens100KRankingSource(path=str(folder), published=False)
 
 
 def test_ml1m_reads_original_ratings_dat(tmp_path: Path) -> None:
@@ -169,7 +169,7 @@ def test_ml1m_reads_original_ratings_dat(tmp_path: Path) -> None:
     (tmp_path / "movies.dat").write_text("".join(f"{m}::M{m}::Drama\n" for m in (10, 20, 30, 40, 50)))
     rows = [(2, 10, 3, 100), (1, 50, 5, 300), (1, 20, 4, 100), (1, 30, 4, 200), (1, 40, 1, 200), (1, 10, 2, 50)]
     (tmp_path / "ratings.dat").write_text("".join("::".join(map(str, r)) + "\n" for r in rows))
-    source = MovieLens1MSource(path=str(tmp_path))
+    source = MovieLens1MSource(path=str(tmp_path), published=False)
     assert source.schema.num_items == 5
     (sample,) = [source.dataset("test")[i] for i in range(len(source.dataset("test")))]  # user 2 has 1 event
     assert source.movie_ids[sample.history[:, 0]].tolist() == [10, 20, 30, 40]
@@ -185,21 +185,21 @@ def test_ml1m_timestamps_reach_the_batch_only_from_ratings_dat(tmp_path: Path) -
     (tmp_path / "movies.dat").write_text("".join(f"{m}::M{m}::Drama\n" for m in range(1, 6)))
     rows = [(1, m, 4, 978300000 + 7 * m) for m in range(1, 6)] + [(2, m, 3, 978000000 + m) for m in (2, 4, 5)]
     (tmp_path / "ratings.dat").write_text("".join("::".join(map(str, r)) + "\n" for r in rows))
-    source = MovieLens1MSource(path=str(tmp_path))
+    source = MovieLens1MSource(path=str(tmp_path), published=False)
     dataset = source.dataset("test")
     batch = collate_retrieval([dataset[i] for i in range(len(dataset))], source.schema)
     assert batch.timestamps.dtype == torch.float32
     assert batch.timestamps.tolist() == [0.0, 7.0, 14.0, 21.0, 0.0, 2.0]
     (tmp_path / "sequences.txt").write_text("1 1 2 3 4 5\n2 2 4 5\n")
-    assert MovieLens1MSource(path=str(tmp_path)).dataset("test")[0].timestamps is None
+    assert MovieLens1MSource(path=str(tmp_path), published=False).dataset("test")[0].timestamps is None
 
 
 def test_ml1m_train_on_validation_item(tmp_path: Path) -> None:
     """The reference recipe trains on every item but the test one; the default holds the validation item out too."""
     (tmp_path / "movies.dat").write_text("".join(f"{m}::M{m}::Drama\n" for m in range(1, 8)))
     (tmp_path / "sequences.txt").write_text("1 1 2 3 4 5 6 7\n2 3 4 5 6\n")
-    default = MovieLens1MSource(path=str(tmp_path))
-    reference = MovieLens1MSource(path=str(tmp_path), train_on_validation_item=True)
+    default = MovieLens1MSource(path=str(tmp_path), published=False)
+    reference = MovieLens1MSource(path=str(tmp_path), train_on_validation_item=True, published=False)
 
     def split(source: MovieLens1MSource, name: str) -> list[tuple[list[int], list[int]]]:
         dataset = source.dataset(name)
@@ -219,7 +219,7 @@ def test_ml1m_train_windows_all_trains_every_target_once(tmp_path: Path) -> None
     target exactly once, consecutive windows, the most recent one as with 'last'; evaluation does not change."""
     (tmp_path / "movies.dat").write_text("".join(f"{m}::M{m}::Drama\n" for m in range(1, 13)))
     (tmp_path / "sequences.txt").write_text("1 1 2 3 4 5 6 7 8 9 10 11 12\n2 3 4 5\n3 7 8 9 10 11 12 1\n")
-    kwargs = {"path": str(tmp_path), "max_history_length": 3, "train_on_validation_item": True}
+    kwargs = {"path": str(tmp_path), "max_history_length": 3, "train_on_validation_item": True, "published": False}
     last = MovieLens1MSource(**kwargs)
     every = MovieLens1MSource(**kwargs, train_windows="all")
 
@@ -243,7 +243,7 @@ def test_ml1m_train_windows_all_trains_every_target_once(tmp_path: Path) -> None
     for name in ("val", "test"):
         assert split(every, name) == split(last, name)
     with pytest.raises(ValueError, match="train_windows"):
-        MovieLens1MSource(path=str(tmp_path), train_windows="random")
+        MovieLens1MSource(path=str(tmp_path), train_windows="random", published=False)
 
 
 def test_ml1m_train_windows_all_covers_every_rating(ml1m_dir: Path) -> None:
@@ -253,3 +253,44 @@ def test_ml1m_train_windows_all_covers_every_rating(ml1m_dir: Path) -> None:
     assert lengths.max() == 200
     assert lengths.sum() == 1_000_209 - 2 * 6040
     assert MovieLens1MSource(path=str(ml1m_dir), train_on_validation_item=True).sample_lengths("train").sum() < 700_000
+
+
+def test_cut_off_or_garbled_published_files_are_errors_naming_file_and_line(tmp_path: Path, ml100k_dir: Path) -> None:
+    folder = _copy(ml100k_dir, tmp_path / "ml-100k", ["u.user", "u.item"])
+    lines = (ml100k_dir / "u.data").read_text().splitlines()
+    # Cut off mid-line: the last line's timestamp lost its digits (read as 1970 before).
+    (folder / "u.data").write_text("\n".join(lines[:50_702]) + "\n" + lines[50_702][:-8] + "\n")
+    with pytest.raises(ValueError, match=r"u\.data, line 50703: timestamps \(the collection period\) must lie in"):
+        MovieLens100KRankingSource(path=str(folder)).dataset("train")
+    (folder / "u.data").write_text("\n".join(lines[:50_702]) + "\n")  # cut off at a line end
+    with pytest.raises(ValueError, match=r"u\.data holds 50,702 ratings; the published file holds 100,000"):
+        MovieLens100KRankingSource(path=str(folder)).dataset("train")
+    assert len(MovieLens100KRankingSource(path=str(folder), published=False).dataset("train")) > 0  # a chosen subset
+    user, item, _, when = lines[7].split("\t")
+    garbled = [*lines[:7], f"{user}\t{item}\t0\t{when}", *lines[8:]]
+    (folder / "u.data").write_text("\n".join(garbled) + "\n")
+    with pytest.raises(ValueError, match=r"u\.data, line 8: ratings must lie in 1\.\.5, got 0"):
+        MovieLens100KRankingSource(path=str(folder), published=False).dataset("train")
+    (folder / "u.user").write_text("\n".join((ml100k_dir / "u.user").read_text().splitlines()[:900]) + "\n")
+    with pytest.raises(ValueError, match=r"u\.user holds 900 users; the published file holds 943"):
+        MovieLens100KRankingSource(path=str(folder))
+
+
+def test_cut_off_ml1m_files_are_errors(tmp_path: Path, ml1m_dir: Path) -> None:
+    folder = _copy(ml1m_dir, tmp_path / "ml-1m", ["movies.dat"])
+    lines = (ml1m_dir / "sequences.txt").read_text().splitlines()
+    (folder / "sequences.txt").write_text("\n".join(lines[:-1]) + "\n" + " ".join(lines[-1].split()[:5]) + "\n")
+    with pytest.raises(
+        ValueError, match=r"sequences\.txt holds [\d,]+ ratings \(movie ids\); the published file holds"
+    ):
+        MovieLens1MSource(path=str(folder)).dataset("train")
+    (folder / "sequences.txt").write_text("\n".join(lines[:3000]) + "\n")
+    with pytest.raises(ValueError, match=r"sequences\.txt holds 3,000 users \(lines\); the published file holds 6,040"):
+        MovieLens1MSource(path=str(folder)).dataset("train")
+    (folder / "ratings.dat").write_text("1::1193::5::978300760\n1::661::3::97830\n")
+    (folder / "sequences.txt").unlink()
+    with pytest.raises(ValueError, match=r"ratings\.dat, line 2: timestamps \(the collection period\)"):
+        MovieLens1MSource(path=str(folder)).dataset("train")
+    (folder / "ratings.dat").write_text("1::1193::5::978300760\n1::661::6::978302109\n")
+    with pytest.raises(ValueError, match=r"ratings\.dat, line 2: ratings must lie in 1\.\.5, got 6"):
+        MovieLens1MSource(path=str(folder), published=False).dataset("train")

@@ -1,6 +1,7 @@
 """GDPA: one generalized jagged attention op (softmax, pointwise, targets, windows, blocks)."""
 
 from lightning_gem.ops.attention.api import (
+    ACTIVATIONS,
     IMPLS,
     block_attention,
     gdpa,
@@ -9,4 +10,12 @@ from lightning_gem.ops.attention.api import (
     resolve_impl,
 )
 
-__all__ = ["IMPLS", "block_attention", "gdpa", "hstu_attention", "jagged_flash_attention", "resolve_impl"]
+__all__ = [
+    "ACTIVATIONS",
+    "IMPLS",
+    "block_attention",
+    "gdpa",
+    "hstu_attention",
+    "jagged_flash_attention",
+    "resolve_impl",
+]

@@ -15,7 +15,15 @@ from torch import Tensor
 from lightning_gem import jagged
 from lightning_gem.ops.attention.impl.reference import ACTIVATIONS
 
-__all__ = ["IMPLS", "block_attention", "gdpa", "hstu_attention", "jagged_flash_attention", "resolve_impl"]
+__all__ = [
+    "ACTIVATIONS",
+    "IMPLS",
+    "block_attention",
+    "gdpa",
+    "hstu_attention",
+    "jagged_flash_attention",
+    "resolve_impl",
+]
 
 IMPLS = ("auto", "reference", "triton", "flash", "padded")
 
