@@ -12,7 +12,8 @@ Importing this package imports Lightning and torchrec (the package root ``lightn
 registers the ``"gem5d"`` strategy name with Lightning (:mod:`lightning_gem.strategies`).
 """
 
-import lightning_gem.strategies  # noqa: F401  (registers strategy="gem5d"; Lightning is imported here anyway)
+import importlib
+
 from lightning_gem.components.embeddings import (
     TableConfig,
     build_embedding_bag_collection,
@@ -25,6 +26,9 @@ from lightning_gem.components.heads import MultiTaskHead
 from lightning_gem.components.interaction import GDPAInteraction
 from lightning_gem.components.ranker import GEMRanker
 from lightning_gem.components.retrieval import SequentialRecommender
+
+# Registers strategy="gem5d" (Lightning is imported here anyway).
+importlib.import_module("lightning_gem.strategies")
 
 __all__ = [
     "GDPAInteraction",

@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,8 @@ def find_last_checkpoint(trainer: Trainer) -> tuple[Path | None, Path]:
 
 
 def _written_at(path: Path) -> float:
-    meta = path / "meta.pt"  # strategies.distributed_checkpoint.META_FILENAME: a directory checkpoint is done when it exists
+    # strategies.distributed_checkpoint.META_FILENAME: a directory checkpoint is complete once it exists
+    meta = path / "meta.pt"
     return (meta if path.is_dir() and meta.is_file() else path).stat().st_mtime
 
 
@@ -165,9 +167,9 @@ _DESCRIPTION = (
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of the ``lightning-gem`` console script."""
-    import lightning_gem.components  # noqa: F401  (registers the kit's classes for class_path lookup)
-    import lightning_gem.data  # noqa: F401
-    import lightning_gem.strategies  # noqa: F401  (registers `strategy: gem5d`)
+    # The kit's classes register for class_path lookup, and the strategy name "gem5d" with Lightning.
+    for module in ("lightning_gem.components", "lightning_gem.data", "lightning_gem.strategies"):
+        importlib.import_module(module)
 
     GEMCLI(
         LightningModule,

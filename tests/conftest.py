@@ -8,9 +8,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import random  # noqa: E402
+import random
 
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture(autouse=True)
@@ -20,7 +20,7 @@ def _seed() -> None:
 
 
 @pytest.fixture(autouse=True)
-def _destroy_process_group():  # noqa: ANN202
+def _destroy_process_group():
     yield
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -11,7 +11,7 @@ from lightning_gem.testing.jagged_inputs import lengths_to_offsets, random_lengt
 META = torch.device("meta")
 
 
-def _raises(exc: type[Exception], name: str):  # noqa: ANN202
+def _raises(exc: type[Exception], name: str):
     """``pytest.raises`` that also demands the argument's name, back-quoted as the kit writes it."""
     return pytest.raises(exc, match=f"`{name}`")
 

@@ -24,7 +24,7 @@ from lightning_gem.data.synthetic import SyntheticRankingSource
 from lightning_gem.testing.distributed import run_ranks
 
 
-def _trainer(monitor: MFUMonitor, root: Path, **kwargs) -> L.Trainer:  # noqa: ANN003
+def _trainer(monitor: MFUMonitor, root: Path, **kwargs) -> L.Trainer:
     kwargs.setdefault("log_every_n_steps", 1)
     kwargs.setdefault("accelerator", "cpu")
     return L.Trainer(
@@ -85,7 +85,7 @@ def test_fit_logs_mfu_and_prints_the_report(tmp_path, capsys) -> None:
     )
 
 
-def test_steps_between_counts_scale_the_counted_flops_by_their_tokens(tmp_path) -> None:  # noqa: ANN001
+def test_steps_between_counts_scale_the_counted_flops_by_their_tokens(tmp_path) -> None:
     model, loader = _ranker_and_loader(20)  # batches of 8, 8 and 4 users
     tokens = [batch.num_tokens for batch in loader]
     monitor = MFUMonitor(flops_every_n_steps=10, plot=False)
@@ -115,7 +115,7 @@ def _fit_and_state(callbacks: list[L.Callback], root: Path) -> dict[str, torch.T
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
 
-def test_counting_flops_leaves_the_training_unchanged(tmp_path) -> None:  # noqa: ANN001
+def test_counting_flops_leaves_the_training_unchanged(tmp_path) -> None:
     # FlopCounterMode runs silu_backward through its decomposition: other rounding, other gradients.
     counted = _fit_and_state([MFUMonitor(flops_every_n_steps=1, plot=False)], tmp_path)
     plain = _fit_and_state([], tmp_path)
@@ -150,7 +150,7 @@ class _SlowEveryThirdStep(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_throughput_is_total_samples_over_total_time(tmp_path, capsys) -> None:  # noqa: ANN001
+def test_throughput_is_total_samples_over_total_time(tmp_path, capsys) -> None:
     monitor = MFUMonitor(plot=False)
     _trainer(monitor, tmp_path, max_steps=10).fit(_SlowEveryThirdStep(), DataLoader(torch.randn(64, 4), batch_size=4))
     summary = monitor.summary()
@@ -168,7 +168,7 @@ def test_throughput_is_total_samples_over_total_time(tmp_path, capsys) -> None: 
     assert "E2E MFU = local MFU x scaling ratio: n/a = n/a (no peak TFLOP/s" in out and "x 1 (one device" in out
 
 
-def test_a_resumed_run_counts_the_steps_the_uninterrupted_run_counts(tmp_path) -> None:  # noqa: ANN001
+def test_a_resumed_run_counts_the_steps_the_uninterrupted_run_counts(tmp_path) -> None:
     source = SyntheticRankingSource(
         num_items=100, num_train_users=80, num_val_users=4, num_test_users=4, max_history_length=16
     )
@@ -213,7 +213,7 @@ def _fit_uneven(rank: int, world_size: int, root: str) -> None:
     trainer.fit(_UnevenModule(), DataLoader(torch.randn(64, 4), batch_size=4))
 
 
-def test_two_gloo_ranks_report_the_compute_imbalance_that_step_times_hide(tmp_path) -> None:  # noqa: ANN001
+def test_two_gloo_ranks_report_the_compute_imbalance_that_step_times_hide(tmp_path) -> None:
     # The processes are the harness's (it destroys the process group before each exits), not ddp_spawn's, whose
     # gloo threads could abort a process at exit after a finished fit.
     run_ranks(_fit_uneven, 2, str(tmp_path))
@@ -258,7 +258,7 @@ def test_every_step_is_measured_and_logged_on_the_loggers_steps(tmp_path) -> Non
 
 
 @pytest.mark.gpu
-def test_cuda_steps_are_timed_by_events_without_a_sync_per_step(tmp_path) -> None:  # noqa: ANN001
+def test_cuda_steps_are_timed_by_events_without_a_sync_per_step(tmp_path) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     model, loader = _ranker_and_loader(48)

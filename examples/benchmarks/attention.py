@@ -227,7 +227,7 @@ def build_flex(case: Case) -> Impl | str:
     if causal and not case.self_attention:
         return "n/a (cross-attention causal alignment not built for flex here)"
 
-    def mask_mod(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+    def mask_mod(b, h, q_idx, kv_idx):
         allowed = q_doc[q_idx] == kv_doc[kv_idx]
         if causal:
             allowed = allowed & (q_pos[q_idx] >= kv_pos[kv_idx])
@@ -509,7 +509,7 @@ def run_case(case: Case, gdpa_impl: str, rep: int) -> tuple[list[list[str]], int
                 continue
             result = measure(case, name, impl, rep, reference)
             del impl
-        except Exception as error:  # noqa: BLE001  (one failing impl is reported; the others still run)
+        except Exception as error:
             rows.append([name, _short(error)])
             if name == f"gdpa {gdpa_impl}":
                 base = None
@@ -581,7 +581,7 @@ def header(device: torch.device) -> list[str]:
         import triton
 
         triton_version = triton.__version__
-    except Exception:  # noqa: BLE001
+    except Exception:
         triton_version = "not installed"
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else f"none (cpu: {platform.processor() or '?'})"
     command = shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
@@ -653,7 +653,7 @@ def run_workload(name: str, args: argparse.Namespace, device: torch.device, copy
             chosen_before = chosen_tiles()
         try:
             rows, fwd_flops, bwd_flops, results = run_case(case, gdpa_impl, args.rep)
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             rows, fwd_flops, bwd_flops, results = [["(case)", _short(error)]], 0, 0, {}
         gdpa_result = results.get(f"gdpa {gdpa_impl}")
         if case.block_size is not None and gdpa_result is not None and copy_tbs:

@@ -59,7 +59,7 @@ def _check_bf16() -> None:
         mode = dict(mode)
         cross = mode.pop("cross", False)
         num_k = int(kv_lengths.sum()) if cross else total
-        rand = lambda rows: torch.randn(rows, HEADS, DIM, generator=gen).cuda().to(torch.bfloat16)  # noqa: E731
+        rand = lambda rows: torch.randn(rows, HEADS, DIM, generator=gen).cuda().to(torch.bfloat16)
         q, k, v = rand(total), rand(num_k), rand(num_k)
         jagged = (offsets, kv_offsets if cross else offsets, kv_index if cross else None, mode.pop("num_targets", None))
         options = dict(activation=mode["activation"], causal=mode.get("causal", False), window=mode.get("window"),
@@ -79,7 +79,7 @@ def _check_bf16() -> None:
             print(f"{name:28s} {label:6s} {err:10.3e} {ref_err:10.3e} {err / max(ref_err, 1e-30):6.2f}")
 
 
-def _bench(fn, grad_to_none=None) -> float:  # noqa: ANN001
+def _bench(fn, grad_to_none=None) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, grad_to_none=grad_to_none, return_mode="median")
@@ -106,7 +106,7 @@ def _benchmark() -> None:
     doc = torch.repeat_interleave(torch.arange(64, device="cuda"), lengths.cuda())
     doc = torch.cat([doc, torch.full((padded - total,), -1, device="cuda")])
 
-    def document_causal(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+    def document_causal(b, h, q_idx, kv_idx):
         return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
 
     start = time.perf_counter()
@@ -131,8 +131,10 @@ def _benchmark() -> None:
     for activation in ("softmax", "silu"):
         options = dict(activation=activation, causal=True, window=None, block_size=None, scale=scale,
                        max_seq_len_q=max_len, max_seq_len_kv=max_len)  # fmt: skip
-        fwd = _bench(lambda: gdpa_triton(q, k, v, offsets, offsets, **options))  # noqa: B023
-        both = _bench(lambda: gdpa_triton(*leaves, offsets, offsets, **options).backward(grad_out), leaves)  # noqa: B023
+        fwd = _bench(lambda options=options: gdpa_triton(q, k, v, offsets, offsets, **options))
+        both = _bench(
+            lambda options=options: gdpa_triton(*leaves, offsets, offsets, **options).backward(grad_out), leaves
+        )
         rows.append((f"gdpa triton {activation}", fwd, both))
     fwd = _bench(lambda: flex(fq.detach(), fk.detach(), fv.detach(), block_mask=block_mask, scale=scale))
     both = _bench(lambda: flex(fq, fk, fv, block_mask=block_mask, scale=scale).backward(fgrad), [fq, fk, fv])
@@ -155,7 +157,7 @@ def _benchmark() -> None:
 def _tile_workloads() -> list[tuple[str, torch.Tensor, torch.Tensor | None, int, int, dict]]:
     """The benchmark's workloads: (name, q lengths, kv lengths or None, heads, dim, gdpa options)."""
     gen = torch.Generator().manual_seed(0)
-    cubic = lambda n, hi: (hi * torch.rand(n, generator=gen) ** 3).to(torch.int64).clamp(16, hi)  # noqa: E731
+    cubic = lambda n, hi: (hi * torch.rand(n, generator=gen) ** 3).to(torch.int64).clamp(16, hi)
     long, short = cubic(64, 4096), cubic(256, 1024)
     causal = dict(causal=True)
     return [
@@ -220,7 +222,7 @@ def _tiles() -> None:
         for label, run in runs:
             try:
                 ms = f"{_bench(run):8.3f} ms"
-            except Exception as error:  # noqa: BLE001  (a tile that does not fit is reported, not fatal)
+            except Exception as error:
                 ms = type(error).__name__
             print(f"  {label:60s} {ms}", flush=True)
 
@@ -356,7 +358,7 @@ def _compile() -> None:
         activation="softmax", causal=True, window=None, block_size=8, scale=0.125, max_seq_len_q=300, max_seq_len_kv=300
     )
 
-    def loss(q, k, v):  # noqa: ANN001, ANN202
+    def loss(q, k, v):
         return gdpa_triton(q, k, v, offsets, offsets, **options).float().square().sum()
 
     for dtype in (torch.bfloat16, torch.float32):
@@ -370,7 +372,7 @@ def _compile() -> None:
             expected.backward()
             diffs = [float((a.grad - b.grad).abs().max()) for a, b in zip(leaves, eager, strict=True)]
             print(f"compile {dtype}: ok, |loss diff| {float((value - expected).abs()):.3e}, grad diffs {diffs}")
-        except Exception as error:  # noqa: BLE001  (print the cause and go on)
+        except Exception as error:
             text = "\n".join(line for line in str(error).splitlines() if "DEBUG" not in line)
             print(f"compile {dtype}: {type(error).__name__}:\n{text[:800]}\n...\n{text[-2500:]}")
 
@@ -395,7 +397,7 @@ def _flash_overhead(heads: int = 16, dim: int = 128, rounds: int = 5) -> None:
     scale = 1 / math.sqrt(dim)
     mode = dict(causal=True, window=None, block_size=None, scale=scale, max_seq_len_q=longest, max_seq_len_kv=longest)
 
-    def fa4(*t):  # noqa: ANN002, ANN202
+    def fa4(*t):
         return flash_attn_varlen_func(q=t[0], k=t[1], v=t[2], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
                                       max_seqlen_k=longest, softmax_scale=scale, causal=True)[0]  # fmt: skip
 
@@ -403,7 +405,7 @@ def _flash_overhead(heads: int = 16, dim: int = 128, rounds: int = 5) -> None:
         out, lse = flash_forward(q, k, v, offsets, offsets, **mode)
         flash_backward(grad, q, k, v, out, lse, offsets, offsets, **mode)
 
-    def api(impl: str):  # noqa: ANN202
+    def api(impl: str):
         return lambda *t: gdpa(*t, offsets, activation="softmax", causal=True, scale=scale, max_seq_len_q=longest,
                                impl=impl, check_offsets=False)  # fmt: skip
 
@@ -478,7 +480,7 @@ def main() -> None:
                     Path(args.out).write_text(json.dumps({"failures": failures}))
             else:
                 SECTIONS[name]()
-        except Exception:  # noqa: BLE001  (print and go on: one call should report every section)
+        except Exception:
             traceback.print_exc()
         print(f"[{name}: {time.perf_counter() - start:.1f} s]", flush=True)
 

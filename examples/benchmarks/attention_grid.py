@@ -290,7 +290,7 @@ _FLEX: dict[str, object] = {}
 _FLEX_STATE: dict[str, Tensor] = {}
 
 
-def _flex_mask(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+def _flex_mask(b, h, q_idx, kv_idx):
     s = _FLEX_STATE
     allowed = s["q_doc"][q_idx] == s["kv_doc"][kv_idx]
     allowed = allowed & ((s["causal"] == 0) | (s["q_pos"][q_idx] >= s["kv_pos"][kv_idx]))
@@ -457,7 +457,7 @@ def time_candidates(case: Case, runs: int) -> dict[str, dict[str, float]]:
             fwd[str(tuple(tiles))] = bench(
                 lambda t=tiles: gdpa_forward(*jag, **mode, max_seq_len_q=o["max_seq_len_q"], tiles=t), None, runs
             )
-        except Exception as error:  # noqa: BLE001  (a tile that does not fit is reported, not fatal)
+        except Exception as error:
             fwd[str(tuple(tiles))] = f"{type(error).__name__}"
     out, lse = gdpa_forward(*jag, **mode, max_seq_len_q=o["max_seq_len_q"])
     short = case.kv_offsets is None and case.num_targets is None and o["max_seq_len_q"] <= 64
@@ -471,7 +471,7 @@ def time_candidates(case: Case, runs: int) -> dict[str, dict[str, float]]:
         try:
             bwd[str(plan)] = bench(lambda c=chosen: gdpa_backward(case.grad_out, *jag[:3], out, lse, *jag[3:], **mode,
                                                                   **lens, **c), None, runs)  # fmt: skip
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             bwd[str(plan)] = f"{type(error).__name__}"
     return {"fwd": fwd, "bwd": bwd}
 
@@ -539,7 +539,7 @@ def run_cell(case: Case, args: argparse.Namespace) -> dict:
             if name != "padded" and name != "flex":
                 entry["max_abs_diff"] = float((out.float() - ours.float()).abs().max())
             result["impls"][name] = entry
-        except Exception as error:  # noqa: BLE001  (one failing baseline is reported; the others still run)
+        except Exception as error:
             lines = [line for line in str(error).strip().splitlines() if line.strip()]
             result["impls"][name] = {"error": f"{type(error).__name__}: {(lines[0] if lines else '')[:200]}"}
         finally:

@@ -48,13 +48,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attention import WORKLOAD_NAMES, make_case, make_workload  # noqa: E402
-from gem_example import cprofile_table  # noqa: E402
+from attention import WORKLOAD_NAMES, make_case, make_workload
+from gem_example import cprofile_table
 
-from lightning_gem.ops import gdpa  # noqa: E402
+from lightning_gem.ops import gdpa
 
 
-def _host_us(fn, calls: int = 200) -> float:  # noqa: ANN001
+def _host_us(fn, calls: int = 200) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(calls):
@@ -64,7 +64,7 @@ def _host_us(fn, calls: int = 200) -> float:  # noqa: ANN001
     return host
 
 
-def _kernels(fn, calls: int = 20) -> list[tuple[str, float]]:  # noqa: ANN001
+def _kernels(fn, calls: int = 20) -> list[tuple[str, float]]:
     """(kernel name, device us per call), largest first."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -83,7 +83,7 @@ def _kernels(fn, calls: int = 20) -> list[tuple[str, float]]:  # noqa: ANN001
     return sorted(rows, key=lambda r: -r[1])
 
 
-def _candidates(case, kwargs: dict) -> None:  # noqa: ANN001
+def _candidates(case, kwargs: dict) -> None:
     """Median time (``do_bench``) of each forward and backward tile candidate, launched directly on the case's
     inputs."""
     import triton.testing
@@ -111,7 +111,7 @@ def _candidates(case, kwargs: dict) -> None:  # noqa: ANN001
                                                                       tiles=t), warmup=10, rep=50,
                                          return_mode="median")  # fmt: skip
             print(f"    {ms * 1e3:8.1f} us  {tiles}")
-        except Exception as error:  # noqa: BLE001  (out of shared memory and kin)
+        except Exception as error:
             print(f"    failed    {tiles}: {type(error).__name__}")
     print("  backward candidates:")
     short_query = max_q <= SHORT_QUERY_ROWS
@@ -119,7 +119,7 @@ def _candidates(case, kwargs: dict) -> None:  # noqa: ANN001
                                     max_len_q=max_q, short_query=short_query):  # fmt: skip
         tiles = {"short_tiles": plan.dkdv} if plan.short else {"dkdv_tiles": plan.dkdv, "dq_tiles": plan.dq}
 
-        def run(tiles=tiles) -> None:  # noqa: ANN001
+        def run(tiles=tiles) -> None:
             gdpa_backward(
                 case.grad_out, q, k, v, out, lse, *jagged, **mode, max_seq_len_q=max_q, max_seq_len_kv=max_kv, **tiles
             )
@@ -127,11 +127,11 @@ def _candidates(case, kwargs: dict) -> None:  # noqa: ANN001
         try:
             ms = triton.testing.do_bench(run, warmup=10, rep=50, return_mode="median")
             print(f"    {ms * 1e3:8.1f} us  {plan}")
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             print(f"    failed    {plan}: {type(error).__name__}")
 
 
-def _calls(case, kwargs: dict) -> tuple:  # noqa: ANN001
+def _calls(case, kwargs: dict) -> tuple:
     """``(forward, forward under no_grad, backward, leaves)`` of one GDPA call on fresh leaves of ``case``'s q, k,
     v; ``backward`` runs ``autograd.grad`` on a graph made once and kept."""
     kv_offsets = None if case.self_attention else case.kv_offsets
@@ -193,10 +193,10 @@ def _no_op_launches() -> Counter:
 
     launches: Counter = Counter()
 
-    def run(kernel, *args, grid, warmup, **meta) -> None:  # noqa: ANN001, ANN002, ANN003
+    def run(kernel, *args, grid, warmup, **meta) -> None:
         launches[kernel.__name__] += 1
 
-    def first_remembered(registry, key, candidates, run, tensors, **options):  # noqa: ANN001, ANN003, ANN202
+    def first_remembered(registry, key, candidates, run, tensors, **options):
         registry[key] = candidates[0]
         return candidates[0]
 
@@ -263,7 +263,7 @@ def _remembering(fn: Callable) -> tuple[Callable, Callable]:
     """``fn`` that keeps its last result, and a stub that returns that result without doing anything."""
     kept: list = []
 
-    def real(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def real(*args, **kwargs):
         kept[:] = [fn(*args, **kwargs)]
         return kept[0]
 
@@ -274,11 +274,11 @@ class _Identity(torch.autograd.Function):
     """The least an autograd.Function over q, k, v costs: the floor under the op's own host time."""
 
     @staticmethod
-    def forward(ctx, q, k, v):  # noqa: ANN001, ANN205
+    def forward(ctx, q, k, v):
         return torch.empty_like(q)
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
+    def backward(ctx, grad):
         return grad, None, None
 
 
@@ -299,7 +299,7 @@ def profile_host(name: str, calls: int, cprofile: bool) -> None:
         _profile_host_case(case, hints, launches, calls, cprofile)
 
 
-def _profile_host_case(case, hints: dict, launches: Counter, calls: int, cprofile: bool) -> None:  # noqa: ANN001
+def _profile_host_case(case, hints: dict, launches: Counter, calls: int, cprofile: bool) -> None:
     import lightning_gem.ops.attention.impl.triton as triton_impl
     from lightning_gem.ops.attention.impl.triton import backward, forward, ops
 

@@ -27,18 +27,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from attention import WORKLOAD_NAMES, make_case, make_workload  # noqa: E402
+from attention import WORKLOAD_NAMES, make_case, make_workload
 
-from lightning_gem.ops._tuning import _compile_all  # noqa: E402
-from lightning_gem.ops.attention.impl.triton._tuning import (  # noqa: E402
+from lightning_gem.ops._tuning import _compile_all
+from lightning_gem.ops.attention.impl.triton._tuning import (
     BackwardTiles,
     Tiles,
     backward_candidates,
     candidate_tiles,
 )
-from lightning_gem.ops.attention.impl.triton.backward import bulk_reduction_ok, gdpa_backward  # noqa: E402
-from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward  # noqa: E402
-from lightning_gem.ops.attention.ops import gdpa_flops  # noqa: E402
+from lightning_gem.ops.attention.impl.triton.backward import bulk_reduction_ok, gdpa_backward
+from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
+from lightning_gem.ops.attention.ops import gdpa_flops
 
 # Tile shapes beyond the tuner's: (block_m, block_n, warps, stages) by head dim.
 FORWARD_SHAPES = {
@@ -55,7 +55,7 @@ BACKWARD_SHAPES = {
 }  # fmt: skip
 
 
-def _bench(fn) -> float:  # noqa: ANN001
+def _bench(fn) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -65,7 +65,7 @@ def _unique(items: list) -> list:
     return list(dict.fromkeys(items))
 
 
-def sweep_case(case, quick: bool, parts: tuple[str, ...] = ("fwd", "bwd")) -> dict:  # noqa: ANN001
+def sweep_case(case, quick: bool, parts: tuple[str, ...] = ("fwd", "bwd")) -> dict:
     q, k, v = case.q, case.k, case.v
     head_dim = q.shape[2]
     jagged = (case.q_offsets, case.kv_offsets, None, None)
@@ -90,7 +90,7 @@ def sweep_case(case, quick: bool, parts: tuple[str, ...] = ("fwd", "bwd")) -> di
     for tiles in shapes:
         try:
             ms = _bench(lambda t=tiles: forward(t))
-        except Exception as error:  # noqa: BLE001  (out of shared memory and kin)
+        except Exception as error:
             print(f"    failed     {tuple(tiles)}: {type(error).__name__}")
             continue
         result["forward"].append({"tiles": list(tiles), "ms": ms, "tflops": fwd_flops / ms / 1e9})
@@ -129,7 +129,7 @@ def sweep_case(case, quick: bool, parts: tuple[str, ...] = ("fwd", "bwd")) -> di
         try:
             ms = _bench(lambda p=plan: backward(p))
             grads = backward(plan)
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             print(f"    failed     {label} {plan}: {type(error).__name__}: {str(error)[:200]}")
             continue
         err = max(float((g.float() - r).abs().max() / r.abs().max().clamp_min(1e-30)) for g, r in

@@ -140,7 +140,7 @@ def main() -> None:
     cost_model = AttentionCostModel(a=a, b=b)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
-    def step(batch) -> None:  # noqa: ANN001
+    def step(batch) -> None:
         with autocast:
             logits = model(batch)
         loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels.float())

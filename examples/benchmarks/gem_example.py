@@ -108,7 +108,7 @@ class ProfileLastSteps(L.Callback):
     def __init__(self, num_steps: int, last_step: int, label: str, path: Path | None = None) -> None:
         self.first, self.label, self.profiler, self.path = last_step - num_steps, label, None, path
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step == self.first and self.profiler is None:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
@@ -116,7 +116,7 @@ class ProfileLastSteps(L.Callback):
             self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.__enter__()
 
-    def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+    def on_train_end(self, trainer, pl_module) -> None:
         if self.profiler is None:
             return
         if torch.cuda.is_available():
@@ -140,12 +140,12 @@ class CProfileLastSteps(L.Callback):
         self.first, self.label, self.profiler, self.on = last_step - num_steps, label, cProfile.Profile(), False
         self.path = path
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step == self.first and not self.on:
             self.on = True
             self.profiler.enable()
 
-    def on_train_end(self, trainer, pl_module) -> None:  # noqa: ANN001
+    def on_train_end(self, trainer, pl_module) -> None:
         if not self.on:
             return
         self.profiler.disable()

@@ -28,7 +28,7 @@ from lightning_gem.data import GEMDataModule, MovieLens1MSource
 from lightning_gem.metrics import NDCG, HitRate, rank_of_target
 
 
-def bf16_ranks(queries: torch.Tensor, catalogue: torch.Tensor, target: torch.Tensor, seen_rows, seen_items, ties):  # noqa: ANN001
+def bf16_ranks(queries: torch.Tensor, catalogue: torch.Tensor, target: torch.Tensor, seen_rows, seen_items, ties):
     scores = (queries.bfloat16() @ catalogue.bfloat16().T).float()
     return rank_of_target(exclude_seen(scores, target, seen_rows, seen_items), target, ties=ties)
 

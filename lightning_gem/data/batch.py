@@ -20,7 +20,7 @@ __all__ = ["RankingBatch", "RetrievalBatch"]
 class _PipelineableDataclass(Pipelineable):
     """``to`` / ``record_stream`` / ``pin_memory`` over every tensor-like field of a dataclass."""
 
-    def _map(self, fn):  # noqa: ANN001, ANN202
+    def _map(self, fn):
         changes = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
@@ -28,7 +28,7 @@ class _PipelineableDataclass(Pipelineable):
                 changes[f.name] = fn(value)
         return dataclasses.replace(self, **changes)
 
-    def to(self, device: torch.device, non_blocking: bool = False):  # noqa: ANN201
+    def to(self, device: torch.device, non_blocking: bool = False):
         return self._map(lambda x: x.to(device=device, non_blocking=non_blocking))
 
     def record_stream(self, stream: torch.Stream) -> None:
@@ -37,7 +37,7 @@ class _PipelineableDataclass(Pipelineable):
             if isinstance(value, (Tensor, KeyedJaggedTensor)):
                 value.record_stream(stream)
 
-    def pin_memory(self):  # noqa: ANN201
+    def pin_memory(self):
         return self._map(lambda x: x.pin_memory())
 
 

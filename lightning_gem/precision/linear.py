@@ -89,7 +89,7 @@ class MXLinear(nn.Linear):
     # Eager under torch.compile (a graph break): Dynamo in torch 2.11 fails to trace the tuned Triton launches
     # with dynamic shapes (measured on an H200), and the fused norm hands its quantized output over as module state.
     @torch.compiler.disable
-    def forward(self, input: Tensor) -> Tensor:  # noqa: A002 (nn.Linear's name)
+    def forward(self, input: Tensor) -> Tensor:
         handoff, self._handoff = self._handoff, None
         plan = resolve_plan(self.mx_config, input.device)
         if not self._eligible(plan):
@@ -160,7 +160,7 @@ def _quantize_tokens(x: Tensor, layer: MXLinear, plan: Plan) -> QuantizedTensor:
 
 class _MXLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, layer, plan, handoff):  # noqa: ANN001, ANN205
+    def forward(ctx, x, weight, bias, layer, plan, handoff):
         rounding = layer.mx_config.rounding
         needs_dw = weight.requires_grad
         keep_fp8 = layer.mx_config.quantize_saved_activations and not layer.mx_hadamard and needs_dw
@@ -199,7 +199,7 @@ class _MXLinearFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out):  # noqa: ANN001, ANN205
+    def backward(ctx, grad_out):
         layer, plan = ctx.layer, ctx.plan
         rounding = layer.mx_config.rounding
         weight, *rest = ctx.saved_tensors
@@ -246,7 +246,7 @@ def _gemm_dtype(wanted: torch.dtype, plan: Plan) -> torch.dtype:
     return torch.bfloat16 if plan.gemm == "scaled_mm" else wanted
 
 
-def _saved_tokens_operand(ctx, rest: list[Tensor], layer: MXLinear, plan: Plan) -> QuantizedTensor:  # noqa: ANN001
+def _saved_tokens_operand(ctx, rest: list[Tensor], layer: MXLinear, plan: Plan) -> QuantizedTensor:
     """The weight gradient's ``x^T`` operand from what forward saved."""
     if ctx.x_source == "fp8":
         return QuantizedTensor(rest[0], rest[1], plan.act_layout)

@@ -29,7 +29,7 @@ class _FusedNormMixin:
     _consumer: weakref.ref
 
     @torch.compiler.disable  # eager under torch.compile, as MXLinear.forward (whose input it hands over)
-    def forward(self, input: Tensor) -> Tensor:  # noqa: A002
+    def forward(self, input: Tensor) -> Tensor:
         consumer = self._consumer()
         if consumer is None or not torch.is_grad_enabled() or input.shape[-1] != consumer.in_features:
             return super().forward(input)
@@ -82,7 +82,7 @@ def fuse_norm(norm: nn.Module, consumer: MXLinear) -> nn.Module:
 
 class _FusedNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, kind, eps, layout, rounding, out_dtype):  # noqa: ANN001, ANN205
+    def forward(ctx, x, weight, bias, kind, eps, layout, rounding, out_dtype):
         out = norm_quantize(
             x, weight, bias, kind=kind, eps=eps, layout=layout, rounding=rounding, write_output=True,
             out_dtype=out_dtype,
@@ -94,7 +94,7 @@ class _FusedNormFn(torch.autograd.Function):
         return out.y, out.q.data, out.q.scale, out.rstd, mean
 
     @staticmethod
-    def backward(ctx, grad_y, *_):  # noqa: ANN001, ANN205
+    def backward(ctx, grad_y, *_):
         x, weight, rstd, mean = ctx.saved_tensors
         xhat = x.float()
         if mean is not None:

@@ -55,7 +55,7 @@ def _entry(
     torch.set_num_threads(threads)
     try:
         queue.put((rank, True, fn(rank, world_size, *args)))
-    except BaseException:  # noqa: BLE001  (everything must reach the parent)
+    except BaseException:
         queue.put((rank, False, traceback.format_exc()))
     finally:
         if torch.distributed.is_initialized():

@@ -208,7 +208,7 @@ class _LiveBytes(TorchDispatchMode):
             self.current -= self.live.pop(key)[1]
         return self.current
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, Tensor):

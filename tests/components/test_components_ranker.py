@@ -182,11 +182,11 @@ def test_a_forward_validates_the_batch_once(batches, monkeypatch: pytest.MonkeyP
     calls = {"together": 0, "single": 0}
     together, single = jagged.validate_offsets_together, jagged.validate_offsets
 
-    def count_together(checks):  # noqa: ANN001, ANN202
+    def count_together(checks):
         calls["together"] += 1
         return together(checks)
 
-    def count_single(offsets, name="offsets", **kwargs):  # noqa: ANN001, ANN003, ANN202
+    def count_single(offsets, name="offsets", **kwargs):
         calls["single"] += kwargs.get("check_values", True)
         return single(offsets, name, **kwargs)
 
@@ -212,7 +212,7 @@ def test_a_training_step_reads_the_device_once(batches, monkeypatch: pytest.Monk
     for name in ("__bool__", "__int__", "__index__", "__float__", "item", "tolist"):
         real = getattr(torch.Tensor, name)
 
-        def read(t, *args, real=real, name=name):  # noqa: ANN001, ANN002, ANN202
+        def read(t, *args, real=real, name=name):
             stack = traceback.extract_stack()[:-1]
             mine = [i for i, f in enumerate(stack) if f.filename.startswith(ours)]
             # Reads by Triton's interpreter inside a kernel launch are not the model's (compiled kernels make none).

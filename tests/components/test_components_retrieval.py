@@ -248,7 +248,7 @@ def test_cosine_schedule_warms_up_then_decays_to_zero(batches, quiet_trainer) ->
     seen = []
 
     class Record(L.Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             seen.append(trainer.optimizers[0].param_groups[0]["lr"])
 
     trainer = quiet_trainer(max_epochs=2, callbacks=[Record()])

@@ -27,7 +27,7 @@ def ml100k_dir() -> Path:
     return _folder("ml-100k")
 
 
-def _check_ranking_batch(batch, schema) -> None:  # noqa: ANN001
+def _check_ranking_batch(batch, schema) -> None:
     """Every invariant a RankingBatch of ``schema`` promises (offsets, lengths, ids, labels, shapes)."""
     import torch
 
@@ -67,7 +67,7 @@ def _check_ranking_batch(batch, schema) -> None:  # noqa: ANN001
         assert bool((batch.history_time_deltas > 0).all())
 
 
-def _check_retrieval_batch(batch, schema) -> None:  # noqa: ANN001
+def _check_retrieval_batch(batch, schema) -> None:
     import torch
 
     from lightning_gem import jagged
@@ -90,10 +90,10 @@ def _check_retrieval_batch(batch, schema) -> None:  # noqa: ANN001
 
 
 @pytest.fixture(scope="session")
-def check_ranking_batch():  # noqa: ANN201
+def check_ranking_batch():
     return _check_ranking_batch
 
 
 @pytest.fixture(scope="session")
-def check_retrieval_batch():  # noqa: ANN201
+def check_retrieval_batch():
     return _check_retrieval_batch

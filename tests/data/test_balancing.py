@@ -144,7 +144,7 @@ def test_balance_quality_on_heavy_tailed_lengths() -> None:
     assert balanced <= 1.03 < plain
 
 
-def test_balance_quality_on_movielens_1m(ml1m_dir) -> None:  # noqa: ANN001
+def test_balance_quality_on_movielens_1m(ml1m_dir) -> None:
     from lightning_gem.data import MovieLens1MSource
 
     lengths = MovieLens1MSource(path=str(ml1m_dir)).sample_lengths("train")

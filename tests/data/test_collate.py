@@ -43,7 +43,7 @@ def _sample(history: list[tuple[int, int]], candidates: list[int], tags: list[in
     )
 
 
-def test_ranking_layout_is_key_major(check_ranking_batch) -> None:  # noqa: ANN001
+def test_ranking_layout_is_key_major(check_ranking_batch) -> None:
     samples = [_sample([(1, 0), (2, 1)], [7], [0, 4]), _sample([], [8, 9], []), _sample([(3, 2)], [6], [3])]
     batch = collate_ranking(samples, SCHEMA)
     check_ranking_batch(batch, SCHEMA)

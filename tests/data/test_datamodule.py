@@ -19,7 +19,7 @@ from lightning_gem.data import (
 SMALL = {"num_items": 200, "num_train_users": 100, "num_val_users": 30, "num_test_users": 20}
 
 
-def _first_users(loader) -> list[int]:  # noqa: ANN001
+def _first_users(loader) -> list[int]:
     return list(iter(loader.sampler))[: loader.batch_size]
 
 
@@ -112,7 +112,7 @@ class _DenseOnly(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_trainer_fits_and_checkpoints_the_position(tmp_path) -> None:  # noqa: ANN001
+def test_trainer_fits_and_checkpoints_the_position(tmp_path) -> None:
     data = GEMDataModule(source=SyntheticRankingSource(**SMALL), batch_size=32)
     model = _DenseOnly()
     trainer = L.Trainer(

@@ -33,7 +33,7 @@ def test_ml1m_catalogue_is_every_listed_movie(ml1m: MovieLens1MSource, ml1m_dir:
     np.testing.assert_array_equal(ml1m.movie_ids, listed)
 
 
-def test_ml1m_leave_one_out_split(ml1m: MovieLens1MSource, ml1m_dir: Path, check_retrieval_batch) -> None:  # noqa: ANN001
+def test_ml1m_leave_one_out_split(ml1m: MovieLens1MSource, ml1m_dir: Path, check_retrieval_batch) -> None:
     sequences = _sequences(ml1m_dir)
     movie = ml1m.movie_ids  # dense id -> MovieID
     h = ml1m.schema.max_history_length
@@ -88,7 +88,7 @@ def test_ml100k_histories_are_strictly_earlier(ml100k: MovieLens100KRankingSourc
             last_time[(user, split)] = max(last_time.get((user, split), -np.inf), times[c0:c1].max())
 
 
-def test_ml100k_batches_and_counts(ml100k: MovieLens100KRankingSource, check_ranking_batch) -> None:  # noqa: ANN001
+def test_ml100k_batches_and_counts(ml100k: MovieLens100KRankingSource, check_ranking_batch) -> None:
     total = sum(len(ml100k.arrays(s).candidates) for s in ("train", "val", "test"))
     assert total == 100_000  # every rating is a candidate exactly once
     for split in ("train", "val", "test"):

@@ -33,7 +33,7 @@ class _Recorder(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _trainer(**kwargs) -> L.Trainer:  # noqa: ANN003
+def _trainer(**kwargs) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -51,7 +51,7 @@ def _data(source: SyntheticRankingSource, num_workers: int) -> GEMDataModule:
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_fit_resumes_mid_epoch_with_the_same_batches(tmp_path, num_workers: int) -> None:  # noqa: ANN001
+def test_fit_resumes_mid_epoch_with_the_same_batches(tmp_path, num_workers: int) -> None:
     source = SyntheticRankingSource(**SOURCE)
     full = _Recorder()
     _trainer(max_epochs=2, enable_checkpointing=False).fit(full, datamodule=_data(source, num_workers))

@@ -25,7 +25,7 @@ def default_source() -> SyntheticRankingSource:
     return source
 
 
-def _all_arrays(source) -> list[np.ndarray]:  # noqa: ANN001
+def _all_arrays(source) -> list[np.ndarray]:
     out = []
     for split in ("train", "val", "test"):
         a = source.arrays(split)
@@ -53,7 +53,7 @@ def test_retrieval_is_deterministic_by_seed() -> None:
 
 
 @pytest.mark.parametrize("split", ["train", "val", "test"])
-def test_ranking_batches_are_valid(split: str, check_ranking_batch) -> None:  # noqa: ANN001
+def test_ranking_batches_are_valid(split: str, check_ranking_batch) -> None:
     source = SyntheticRankingSource(**SMALL, min_history_length=1, max_history_length=64)
     dataset = source.dataset(split)
     assert len(dataset) == SMALL[f"num_{split}_users"]
@@ -147,7 +147,7 @@ def test_oracle_beats_features_without_history(default_source: SyntheticRankingS
 
 
 @pytest.mark.parametrize("split", ["train", "val", "test"])
-def test_retrieval_batches_are_valid(split: str, check_retrieval_batch) -> None:  # noqa: ANN001
+def test_retrieval_batches_are_valid(split: str, check_retrieval_batch) -> None:
     source = SyntheticRetrievalSource(num_users=200, max_history_length=30)
     dataset = source.dataset(split)
     assert len(dataset) == 200

@@ -122,7 +122,7 @@ class _Recorder(L.LightningModule):
         return AttentionCostModel(a=0.0, b=1.0)
 
 
-def _trainer(**kwargs) -> L.Trainer:  # noqa: ANN003
+def _trainer(**kwargs) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -135,7 +135,7 @@ def _trainer(**kwargs) -> L.Trainer:  # noqa: ANN003
     )
 
 
-def test_datamodule_token_budget_trains_under_the_cap_and_resumes_mid_epoch(tmp_path) -> None:  # noqa: ANN001
+def test_datamodule_token_budget_trains_under_the_cap_and_resumes_mid_epoch(tmp_path) -> None:
     source = SyntheticRankingSource(**SOURCE)
     max_tokens = int(source.sample_lengths("train").max()) * 3
 

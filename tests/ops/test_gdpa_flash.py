@@ -112,7 +112,7 @@ def auto_with_stand_in(monkeypatch: pytest.MonkeyPatch) -> dict:
     device = _triton_device()
     calls = {"flash": set(), "ran": [], "need_lse": []}
 
-    def stand_in_forward(q, k, v, q_offsets, kv_offsets, **mode):  # noqa: ANN001, ANN003, ANN202
+    def stand_in_forward(q, k, v, q_offsets, kv_offsets, **mode):
         calls["ran"].append("flash fwd")
         calls["need_lse"].append(mode.get("need_lse", True))
         mode.pop("max_seq_len_kv")
@@ -120,13 +120,13 @@ def auto_with_stand_in(monkeypatch: pytest.MonkeyPatch) -> dict:
             q, k, v, q_offsets, kv_offsets, None, None, activation="softmax", tiles=_tuning.Tiles(16, 16, 1, 1), **mode
         )
 
-    def stand_in_backward(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, **mode):  # noqa: ANN001, ANN003, ANN202
+    def stand_in_backward(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, **mode):
         calls["ran"].append("flash bwd")
         return backward.gdpa_backward(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, None, None,
                                       activation="softmax", dkdv_tiles=_tuning.Tiles(16, 16, 1, 1),
                                       dq_tiles=_tuning.Tiles(16, 16, 1, 1), **mode)  # fmt: skip
 
-    def pick(registry, key, candidates, run, tensors, *, timings=None, **options):  # noqa: ANN001, ANN003, ANN202
+    def pick(registry, key, candidates, run, tensors, *, timings=None, **options):
         timings.update({c: 0.5 if c == _tuning.FLASH else 1.0 for c in candidates})
         choice = _tuning.FLASH if key[0] in calls["flash"] and _tuning.FLASH in candidates else candidates[0]
         registry[key] = choice

@@ -66,10 +66,10 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list:
     fixed by the key, so a key's choice does not depend on the order of the calls)."""
     recorded: list = []
 
-    def record(kernel, grid, args, meta) -> None:  # noqa: ANN001
+    def record(kernel, grid, args, meta) -> None:
         recorded.append((kernel.__name__, grid, dict(meta)))
 
-    def remember(registry, key, candidates, run, tensors, **options):  # noqa: ANN001, ANN003, ANN202
+    def remember(registry, key, candidates, run, tensors, **options):
         registry[key] = candidates[zlib.crc32(repr(key).encode()) % len(candidates)]
         return registry[key]
 
@@ -107,7 +107,7 @@ def test_tuned_calls_build_no_options(launches: list, monkeypatch: pytest.Monkey
     built = []
     kernel_options = forward.kernel_options
 
-    def counted(*args):  # noqa: ANN002, ANN202
+    def counted(*args):
         built.append(args)
         return kernel_options(*args)
 
@@ -125,7 +125,7 @@ def test_pick_launch_keeps_variants_apart_and_remembers_only_settled_choices() -
     tiles = [Tiles(16, 16, 1, 1), Tiles(32, 32, 4, 2)]
     built = []
 
-    def options(variant: str):  # noqa: ANN202
+    def options(variant: str):
         def build(t: Tiles) -> dict:
             built.append(variant)
             return {"BLOCK_M": t.block_m, "variant": variant}
@@ -154,11 +154,11 @@ class _DropGradient(torch.autograd.Function):
     """Passes its input on and gives it no gradient (None): the op's backward then runs with no output gradient."""
 
     @staticmethod
-    def forward(ctx, x):  # noqa: ANN001, ANN205
+    def forward(ctx, x):
         return x.clone()
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
+    def backward(ctx, grad):
         return None
 
 

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from torch import Tensor
 from torch.utils.flop_counter import FlopCounterMode
 
-import lightning_gem.ops.attention.ops  # noqa: F401  (registers torch.ops.lightning_gem.*; gdpa imports it lazily)
 from lightning_gem.ops import gdpa
 from lightning_gem.testing.gdpa_oracle import count_allowed_pairs, gdpa_oracle
 from lightning_gem.testing.jagged_inputs import LAYOUTS, GDPAInputs, make_gdpa_inputs
 from lightning_gem.testing.numerics import assert_within_budget
+
+importlib.import_module("lightning_gem.ops.attention.ops")  # registers torch.ops.lightning_gem.* (gdpa: lazily)
 
 HEADS, DIM, DIM_V = 2, 4, 3
 

@@ -10,6 +10,7 @@ naively in the tested dtype (``lightning_gem.testing``'s padded oracle), not by 
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable
 
@@ -65,7 +66,7 @@ def _inputs(layout: str, seed: int, dtype: torch.dtype, device: str, **kwargs: o
     return GDPAInputs(**moved, q_lengths=inputs.q_lengths, kv_lengths=inputs.kv_lengths)
 
 
-def _run_triton(inputs: GDPAInputs, grad_out: torch.Tensor | None = None, **options: object):  # noqa: ANN202
+def _run_triton(inputs: GDPAInputs, grad_out: torch.Tensor | None = None, **options: object):
     """Output and (if ``grad_out``) ``(dq, dk, dv)`` of :func:`gdpa_triton` through autograd."""
     from lightning_gem.ops.attention.impl.triton import gdpa_triton
 
@@ -254,7 +255,7 @@ def test_rejects_float64() -> None:
 
 def test_opcheck(device: str) -> None:
     _triton_device()
-    from lightning_gem.ops.attention.impl.triton import ops  # noqa: F401  (registers the ops)
+    importlib.import_module("lightning_gem.ops.attention.impl.triton.ops")  # registers the ops
 
     inputs = _inputs("self_targets", 4, torch.float32, device, q_lengths=[5, 0, 18])
     for activation in ("softmax", "silu"):
@@ -270,7 +271,7 @@ def test_compile_fullgraph(device: str) -> None:
     inputs = _inputs("shared_kv", 6, torch.float32, device)
     options = {**_options("softmax", True, None, 8), "max_seq_len_q": MAX_LEN, "max_seq_len_kv": MAX_LEN}
 
-    def loss(q, k, v):  # noqa: ANN001, ANN202
+    def loss(q, k, v):
         out = gdpa_triton(q, k, v, inputs.q_offsets, inputs.kv_offsets, inputs.kv_index, None, **options)
         return out.square().sum()
 
@@ -382,7 +383,7 @@ def test_short_query_backward_bf16_gpu(activation: str) -> None:
     assert plans
     for plan in plans:
 
-        def run(grad_out: torch.Tensor, plan=plan) -> tuple:  # noqa: ANN001
+        def run(grad_out: torch.Tensor, plan=plan) -> tuple:
             out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, *jagged, **options, max_seq_len_q=32)
             grads = gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, *jagged, **options,
                                   max_seq_len_q=32, max_seq_len_kv=300, short_tiles=plan.dkdv)  # fmt: skip
@@ -416,7 +417,7 @@ def test_bulk_reduced_dq_gpu(layout: str, mask: tuple) -> None:
     lens = {"max_seq_len_q": max(inputs.q_lengths), "max_seq_len_kv": max(inputs.kv_lengths)}
     for tiles in (Tiles(64, 128, 8, 3), Tiles(32, 64, 4, 2)):
 
-        def run(grad_out: torch.Tensor, tiles=tiles) -> tuple:  # noqa: ANN001
+        def run(grad_out: torch.Tensor, tiles=tiles) -> tuple:
             out, lse = gdpa_forward(
                 inputs.q, inputs.k, inputs.v, *jagged, **options, max_seq_len_q=lens["max_seq_len_q"]
             )

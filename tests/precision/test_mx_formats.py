@@ -28,7 +28,7 @@ def _mx_block(*values: float) -> torch.Tensor:
     return block.to(DEVICE)
 
 
-def _quantize_one(x: torch.Tensor, layout: str, impl: str, rounding: str = "rceil"):  # noqa: ANN202
+def _quantize_one(x: torch.Tensor, layout: str, impl: str, rounding: str = "rceil"):
     return quantize(x, layout, rounding=rounding, impl=impl)[0]
 
 

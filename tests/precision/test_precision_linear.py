@@ -212,7 +212,7 @@ def test_native_gemms_match_emulated_ones_in_training(backend: str, rows: int, m
         return [out.float(), inputs.grad, *(p.grad for p in model.parameters())]
 
     native_results = step(native)
-    emulate = lambda config, device: dataclasses.replace(resolve_plan(config, device), gemm="emulated")  # noqa: E731
+    emulate = lambda config, device: dataclasses.replace(resolve_plan(config, device), gemm="emulated")
     monkeypatch.setattr(linear_module, "resolve_plan", emulate)
     monkeypatch.setattr(norm_module, "resolve_plan", emulate)
     emulated = convert(copy.deepcopy(reference), MXConfig(backend=backend))

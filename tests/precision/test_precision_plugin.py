@@ -40,7 +40,7 @@ class _Regressor(L.LightningModule):
         return torch.utils.data.DataLoader(torch.randn(64 * 16, 64), batch_size=64)
 
 
-def _trainer(tmp_path: Path, **kwargs) -> L.Trainer:  # noqa: ANN003
+def _trainer(tmp_path: Path, **kwargs) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu", default_root_dir=tmp_path, enable_progress_bar=False,
         enable_model_summary=False, **kwargs,

@@ -70,7 +70,7 @@ def _sgd_ranker_class() -> type:
     return SGDRanker
 
 
-def _SGDRanker(schema: Any, **kwargs: Any) -> Any:  # noqa: N802  (a class made on first use)
+def _SGDRanker(schema: Any, **kwargs: Any) -> Any:
     return _sgd_ranker_class()(schema, **kwargs)
 
 

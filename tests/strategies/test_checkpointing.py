@@ -60,7 +60,7 @@ class Net(nn.Module):
         return self.out(x)
 
 
-def _toy(dropout: float = 0.0):  # noqa: ANN202
+def _toy(dropout: float = 0.0):
     net = Net(dropout)
     ids, x = torch.randint(0, 10, (NUM_TOKENS,)), torch.randn(NUM_TOKENS, DIM)
 
@@ -71,7 +71,7 @@ def _toy(dropout: float = 0.0):  # noqa: ANN202
     return net, step
 
 
-def _measured_peak(net: nn.Module, step, names) -> int:  # noqa: ANN001
+def _measured_peak(net: nn.Module, step, names) -> int:
     remove_activation_checkpointing(net)
     ckpt._checkpoint_names(net, names)
     try:
@@ -145,7 +145,7 @@ def test_knapsack_is_exact_against_brute_force() -> None:
         budget = rng.randint(50, 400)
         costs = [(s.forward_flops, s.saved_bytes) for s in stats]
 
-        def total(members: tuple[int, ...], costs=costs) -> tuple[int, int]:  # noqa: ANN001
+        def total(members: tuple[int, ...], costs=costs) -> tuple[int, int]:
             return (sum(costs[j][0] for j in members), sum(costs[j][1] for j in members))
 
         fitting = [

@@ -3,6 +3,7 @@ between torchrec's DMPCollection and the strategy's own replica sync."""
 
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
 
@@ -213,10 +214,10 @@ def test_sequence_parallel_needs_components_that_declare_it() -> None:
 
 def _strategy_from_cli(*args: str) -> GEM5DStrategy:
     """The Trainer's strategy as the ``lightning-gem`` CLI builds it from the gem5d config and ``args``."""
-    import lightning_gem.components  # noqa: F401
     from lightning.pytorch import LightningDataModule, LightningModule
 
-    import lightning_gem.data  # noqa: F401
+    for module in ("lightning_gem.components", "lightning_gem.data"):  # their classes register for class_path
+        importlib.import_module(module)
     from lightning_gem.cli import GEMCLI
 
     config = ROOT / "examples" / "configs" / "quickstart_gem5d.yaml"

@@ -286,13 +286,13 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def jagged_flash_attention(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, **kwargs) -> Tensor:  # noqa: ANN003
+def jagged_flash_attention(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, **kwargs) -> Tensor:
     """Jagged Flash Attention: causal softmax self-attention. Same arguments as :func:`gdpa`."""
     kwargs.setdefault("causal", True)
     return gdpa(q, k, v, offsets, activation="softmax", **kwargs)
 
 
-def hstu_attention(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, **kwargs) -> Tensor:  # noqa: ANN003
+def hstu_attention(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, **kwargs) -> Tensor:
     """HSTU attention: causal pointwise SiLU self-attention normalised by each sequence's length.
 
     Same arguments as :func:`gdpa`; ``num_targets`` makes the last tokens of each sequence targets.
@@ -302,7 +302,7 @@ def hstu_attention(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, **kwargs) -
     return gdpa(q, k, v, offsets, **kwargs)
 
 
-def block_attention(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, *, block_size: int, **kwargs) -> Tensor:  # noqa: ANN003
+def block_attention(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, *, block_size: int, **kwargs) -> Tensor:
     """BlockAttention: attention only inside fixed ``block_size`` blocks of each sequence (linear cost).
 
     Same arguments as :func:`gdpa`; softmax and bidirectional unless ``activation`` / ``causal`` say otherwise.

@@ -50,7 +50,7 @@ def gdpa_reference_op(
 
 
 @gdpa_reference_op.register_fake
-def _(q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size, scale):  # noqa: ANN001, ANN202
+def _(q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size, scale):
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
 
 
@@ -89,17 +89,17 @@ def gdpa_reference_backward_op(
 
 
 @gdpa_reference_backward_op.register_fake
-def _(grad_out, q, k, v, *args):  # noqa: ANN001, ANN202
+def _(grad_out, q, k, v, *args):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
+def _setup_context(ctx, inputs, output) -> None:
     q, k, v, q_offsets, kv_offsets, kv_index, num_targets, *options = inputs
     ctx.save_for_backward(q, k, v, q_offsets, kv_offsets, kv_index, num_targets)
     ctx.options = options
 
 
-def _backward(ctx, grad_out):  # noqa: ANN001, ANN202
+def _backward(ctx, grad_out):
     q, k, v, q_offsets, kv_offsets, kv_index, num_targets = ctx.saved_tensors
     dq, dk, dv = gdpa_reference_backward_op(
         grad_out.contiguous(), q, k, v, q_offsets, kv_offsets, kv_index, num_targets, *ctx.options

@@ -216,7 +216,7 @@ def _gdpa_flash_op(
 
 
 @_gdpa_flash_op.register_fake
-def _(q, k, v, q_offsets, kv_offsets, *args):  # noqa: ANN001, ANN002, ANN202
+def _(q, k, v, q_offsets, kv_offsets, *args):
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2]), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
 
 
@@ -245,11 +245,11 @@ def _gdpa_flash_backward_op(
 
 
 @_gdpa_flash_backward_op.register_fake
-def _(grad_out, q, k, v, *args):  # noqa: ANN001, ANN002, ANN202
+def _(grad_out, q, k, v, *args):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
+def _setup_context(ctx, inputs, output) -> None:
     q, k, v, q_offsets, kv_offsets, *options = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
@@ -258,7 +258,7 @@ def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
     ctx.options = tuple(options)
 
 
-def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):  # noqa: ANN001, ANN202
+def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
     q, k, v, out, lse, q_offsets, kv_offsets = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
@@ -276,12 +276,12 @@ def _flops(q: Tensor, k: Tensor, v: Tensor, rest: tuple, *, backward: bool) -> i
 
 
 @register_flop_formula(torch.ops.lightning_gem.gdpa_flash, get_raw=True)
-def _gdpa_flash_flop(*args, out_val=None, **kwargs) -> int:  # noqa: ANN002, ANN003
+def _gdpa_flash_flop(*args, out_val=None, **kwargs) -> int:
     return _flops(*args[:3], args[3:], backward=False)
 
 
 @register_flop_formula(torch.ops.lightning_gem.gdpa_flash_backward, get_raw=True)
-def _gdpa_flash_backward_flop(*args, out_val=None, **kwargs) -> int:  # noqa: ANN002, ANN003
+def _gdpa_flash_backward_flop(*args, out_val=None, **kwargs) -> int:
     # (grad_out, q, k, v, out, lse, q_offsets, kv_offsets, causal, ...)
     return _flops(*args[1:4], args[6:], backward=True)
 

@@ -92,11 +92,11 @@ _gdpa_triton_op = triton_op("lightning_gem::gdpa_triton", mutates_args=())(_forw
 _gdpa_triton_backward_op = triton_op("lightning_gem::gdpa_triton_backward", mutates_args=())(_backward_kernels)
 
 
-def _setup_context(ctx, inputs, output) -> None:  # noqa: ANN001
+def _setup_context(ctx, inputs, output) -> None:
     _save(ctx, inputs[:7], inputs[7:], *output)
 
 
-def _save(ctx, tensors: tuple, options: tuple, out: Tensor, lse: Tensor) -> None:  # noqa: ANN001
+def _save(ctx, tensors: tuple, options: tuple, out: Tensor, lse: Tensor) -> None:
     """Save what the backward reads: ``tensors`` (q, k, v, offsets, index, targets), ``options`` (activation first,
     then the ops' other arguments) and, for softmax only, ``out`` and ``lse``."""
     ctx.mark_non_differentiable(lse)
@@ -116,7 +116,7 @@ def _grad_or_zeros(grad_out: Tensor | None, saved: tuple) -> Tensor:
     return q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
 
 
-def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):  # noqa: ANN001, ANN202
+def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
     """``(dq, dk, dv)`` from what :func:`_save` kept, and no gradient for the other inputs."""
     saved = ctx.saved_tensors
     dq, dk, dv = _gdpa_triton_backward_op(_grad_or_zeros(grad_out, saved), *saved, *ctx.options)
@@ -126,7 +126,7 @@ def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):  # noqa: A
 _gdpa_triton_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _keep_opaque(mode, op, types, args, kwargs):  # noqa: ANN001, ANN202
+def _keep_opaque(mode, op, types, args, kwargs):
     return mode.__torch_dispatch__(op, types, args, kwargs)
 
 
@@ -139,12 +139,12 @@ if is_interpreted(_gdpa_fwd_kernel):
 
 
 @register_flop_formula(torch.ops.lightning_gem.gdpa_triton, get_raw=True)
-def _gdpa_triton_flop(*args, out_val=None, **kwargs) -> int:  # noqa: ANN002, ANN003
+def _gdpa_triton_flop(*args, out_val=None, **kwargs) -> int:
     return gdpa_op_flops(args[:3], args[3:], backward=False)
 
 
 @register_flop_formula(torch.ops.lightning_gem.gdpa_triton_backward, get_raw=True)
-def _gdpa_triton_backward_flop(*args, out_val=None, **kwargs) -> int:  # noqa: ANN002, ANN003
+def _gdpa_triton_backward_flop(*args, out_val=None, **kwargs) -> int:
     # (grad_out, q, k, v, out, lse, q_offsets, ...)
     return gdpa_op_flops(args[1:4], args[6:], backward=True)
 
@@ -156,7 +156,7 @@ class _GDPAEager(torch.autograd.Function):
     non-tensor arguments travel as one tuple: each argument of ``apply`` costs host time of its own."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_offsets, kv_offsets, kv_index, num_targets, options):  # noqa: ANN001, ANN205
+    def forward(ctx, q, k, v, q_offsets, kv_offsets, kv_index, num_targets, options):
         tensors = (q, k, v, q_offsets, kv_offsets, kv_index, num_targets)
         out, lse = _forward(*tensors, *options)
         _save(ctx, tensors, options, out, lse)
@@ -164,7 +164,7 @@ class _GDPAEager(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):  # noqa: ANN001, ANN205
+    def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
         saved = ctx.saved_tensors
         dq, dk, dv = _backward_kernels(_grad_or_zeros(grad_out, saved), *saved, *ctx.options)
         return dq, dk, dv, None, None, None, None, None

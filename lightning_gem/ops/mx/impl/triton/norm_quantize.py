@@ -131,7 +131,7 @@ def norm_quantize_triton(
         return q, scale, rstd, mean, y
     configs = _valid_configs(block_d) if config is None else (config,)
     key = ("norm_quantize", args[-1], x.dtype, block_d, block, meta["LAYER"], write_output, mx, out_dtype)
-    grid = lambda tile_r, num_tiles: (cdiv(num_rows, tile_r * num_tiles),)  # noqa: E731
+    grid = lambda tile_r, num_tiles: (cdiv(num_rows, tile_r * num_tiles),)
     launch_tuned(_norm_quantize_kernel, configs, key, grid, args, meta, num_rows * dim, ("TILE_R", "NUM_TILES"))
     return q, scale, rstd, mean, y
 

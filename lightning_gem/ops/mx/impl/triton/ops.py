@@ -41,7 +41,7 @@ def mx_quantize_op(
     return _quantize(x, layout, rounding, rows, cols, norm_kind, rstd, mean, weight, bias, norm_dtype, column_sums)
 
 
-def _quantize(x, layout, rounding, rows, cols, norm_kind, rstd, mean, weight, bias, norm_dtype, column_sums):  # noqa: ANN001, ANN202
+def _quantize(x, layout, rounding, rows, cols, norm_kind, rstd, mean, weight, bias, norm_dtype, column_sums):
     norm = (norm_kind, rstd, mean, weight, bias) if norm_kind is not None else None
     out = quantize_triton(
         x, layout, rounding, rows=rows, cols=cols, norm=norm, norm_dtype=norm_dtype, column_sums=bool(column_sums)
@@ -70,7 +70,7 @@ def mx_norm_quantize_op(
     return _norm_quantize(x, weight, bias, eps, kind, layout, rounding, write_output, out_dtype)
 
 
-def _norm_quantize(x, weight, bias, eps, kind, layout, rounding, write_output, out_dtype):  # noqa: ANN001, ANN202
+def _norm_quantize(x, weight, bias, eps, kind, layout, rounding, write_output, out_dtype):
     q, scale, rstd, mean, y = norm_quantize_triton(
         x, weight, bias, eps, kind, layout, rounding, write_output=write_output, out_dtype=out_dtype
     )
@@ -78,7 +78,7 @@ def _norm_quantize(x, weight, bias, eps, kind, layout, rounding, write_output, o
     return q, scale, rstd, mean if mean is not None else empty, y if y is not None else x.new_empty(0)
 
 
-def _keep_opaque(mode, op, types, args, kwargs):  # noqa: ANN001, ANN202
+def _keep_opaque(mode, op, types, args, kwargs):
     return mode.__torch_dispatch__(op, types, args, kwargs)
 
 

@@ -400,7 +400,7 @@ def _rowwise_rows(x: Tensor, q: Tensor, s: Tensor, meta: dict, norm_args: tuple)
     args = (x, q, s, *norm_args, num_rows, num_cols, size_class(elements))
     meta = {k: meta[k] for k in ("RCEIL", "NORM", "OUT_DTYPE", "EXACT")}
     key = ("rowwise_rows", size_class(elements), x.dtype, num_cols, meta["RCEIL"], meta["NORM"], meta["OUT_DTYPE"])
-    grid = lambda tile_r, tile_c: (cdiv(num_rows, tile_r),)  # noqa: E731
+    grid = lambda tile_r, tile_c: (cdiv(num_rows, tile_r),)
     launch_tuned(_rowwise_rows_kernel, _one_pass_configs(num_cols), key, grid, args, meta, elements)
 
 
@@ -500,7 +500,7 @@ def _line_maxima(
     args = (x, row_amax, col_amax, partial, *norm_args, num_rows, num_cols, size_class(elements))
     meta = dict(ROWS=rows, COLS=cols, NORM=norm_code, OUT_DTYPE=out_dtype, SUM_ROWS=SUM_ROWS)
     key = ("line_amax", size_class(elements), x.dtype, rows, cols, norm_code, out_dtype, sums)
-    grid = lambda tile_r, tile_c, steps: (cdiv(num_rows, tile_r * steps), cdiv(num_cols, tile_c))  # noqa: E731
+    grid = lambda tile_r, tile_c, steps: (cdiv(num_rows, tile_r * steps), cdiv(num_cols, tile_c))
     configs = [c for c in _AMAX_CONFIGS if c[1] <= max(next_power_of_2(num_cols), 128)] or _AMAX_CONFIGS[:1]
     if num_rows > 0:
         launch_tuned(_line_amax_kernel, configs, key, grid, args, meta, elements, ("TILE_R", "TILE_C", "STEPS"))
@@ -750,5 +750,5 @@ def _launch(args: tuple, meta: dict, grid_rows: int, num_cols: int) -> None:
     width = next_power_of_2(num_cols)  # in the key too: the candidates and the best of them depend on it
     configs = _valid_configs(meta["BLOCK"], meta["ROWS"], meta["COLS"], meta["SQUARE"], meta["GIVEN_AMAX"], width)
     key = ("quantize", args[-1], width, args[0].dtype, *(meta[k] for k in _KEY_FLAGS), meta["OUT_DTYPE"])
-    grid = lambda tile_r, tile_c: (cdiv(grid_rows, tile_r), cdiv(num_cols, tile_c))  # noqa: E731
+    grid = lambda tile_r, tile_c: (cdiv(grid_rows, tile_r), cdiv(num_cols, tile_c))
     launch_tuned(_quantize_kernel, configs, key, grid, args, meta, grid_rows * num_cols)
