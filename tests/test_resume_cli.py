@@ -129,8 +129,10 @@ def _metrics(run: Path) -> dict[tuple[str, int], str]:
 
 @pytest.mark.parametrize(
     ("config", "world_size", "written"),
-    [("quickstart.yaml", 1, "last.ckpt"), ("quickstart_gem5d.yaml", 2, "last.ckpt/meta.pt")],
-    ids=["one-process", "gem5d-2-gloo-ranks"],
+    [
+        pytest.param("quickstart.yaml", 1, "last.ckpt", id="one-process"),
+        pytest.param("quickstart_gem5d.yaml", 2, "last.ckpt/meta.pt", id="gem5d-2-gloo-ranks", marks=pytest.mark.slow),
+    ],
 )
 def test_a_killed_fit_resumes_with_ckpt_path_last_to_the_uninterrupted_losses(
     config: str, world_size: int, written: str, tmp_path: Path
