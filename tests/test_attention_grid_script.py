@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -16,6 +18,7 @@ def _grid(*args: str) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
 
 
+@pytest.mark.slow
 def test_attention_grid_quick(tmp_path: Path) -> None:
     modes = ("--quick", "--modes", "silu causal targets", "softmax block 64")
     _grid(*modes, "--out-dir", str(tmp_path))

@@ -40,6 +40,7 @@ def test_e2e_trains_both_stacks(tmp_path: Path) -> None:
         assert results[stack]["step_ms"] > 0 and results[stack]["tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_balance_ranks_splits_and_times_every_share(tmp_path: Path) -> None:
     out = tmp_path / "balance.json"
     sizes = ["--max-history-length", "64", "--batch-size", "2", "--model-dim", "16", "--num-layers", "1"]

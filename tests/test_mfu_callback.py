@@ -213,6 +213,7 @@ def _fit_uneven(rank: int, world_size: int, root: str) -> None:
     trainer.fit(_UnevenModule(), DataLoader(torch.randn(64, 4), batch_size=4))
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_report_the_compute_imbalance_that_step_times_hide(tmp_path) -> None:
     # The processes are the harness's (it destroys the process group before each exits), not ddp_spawn's, whose
     # gloo threads could abort a process at exit after a finished fit.

@@ -279,6 +279,7 @@ def _validate(rank: int, world_size: int) -> dict[str, float]:
     return {name: float(value) for name, value in trainer.callback_metrics.items()}
 
 
+@pytest.mark.slow
 def test_validation_metrics_over_two_gloo_ranks_are_one_process_metrics() -> None:
     single = _validate(0, 1)
     ranks = run_ranks(_validate, 2)

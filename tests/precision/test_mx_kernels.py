@@ -82,6 +82,7 @@ def test_rows_and_columns_plans_match_reference(
     assert _equal(got[0], want[0]) and _equal(got[1], want[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["mx", "1x128"])
 def test_every_split_config_matches_reference(layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each candidate of the one-launch rows+cols kernel (the tuner times them only above a size) writes the
@@ -171,6 +172,7 @@ def _kernel_configs() -> list[tuple[int, int, int]]:
     return list(triton_quantize._CONFIGS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", _kernel_configs(), ids=str)
 def test_every_quantize_kernel_config_matches_reference(config: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each tile config ``_quantize_kernel`` may be tuned to, forced, for every flag set it serves: rows, the

@@ -9,11 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "benchmarks" / "precision.py"
 
 
+@pytest.mark.slow
 def test_kernels_only_writes_the_kernel_table(tmp_path: Path) -> None:
     out = tmp_path / "precision.json"
     args = [sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--kernels-only", "--out", str(out)]
@@ -43,6 +45,7 @@ def test_rowwise_variants_run() -> None:
     assert row_amax.shape == (40,) and col_amax.shape == (256,)
 
 
+@pytest.mark.slow
 def test_split_sweep_checks_every_config_against_the_reference() -> None:
     spec = importlib.util.spec_from_file_location("precision_benchmark", SCRIPT)
     module = importlib.util.module_from_spec(spec)

@@ -369,6 +369,7 @@ def _pipeline_across_epochs(rank: int, world_size: int, steps: int) -> dict[str,
     return out if rank == 0 else {}
 
 
+@pytest.mark.slow
 def test_train_pipeline_loses_no_batch_at_epoch_ends() -> None:
     batches_per_epoch = NUM_USERS // GLOBAL_BATCH
     steps = 2 * batches_per_epoch + 1  # two whole epochs and the first batch of a third
@@ -381,6 +382,7 @@ def test_train_pipeline_loses_no_batch_at_epoch_ends() -> None:
     assert 0.0 <= out["tested"][0]["test/auc_ctr"] <= 1.0
 
 
+@pytest.mark.slow
 def test_cli_fits_the_gem5d_config_on_two_processes(tmp_path) -> None:
     """``lightning-gem fit --config examples/configs/quickstart_gem5d.yaml``: Lightning launches the second process."""
     import subprocess
@@ -439,6 +441,7 @@ def _dense_only(rank: int, world_size: int) -> list[float]:
     return model.seen
 
 
+@pytest.mark.slow
 def test_a_model_without_embedding_tables_trains_under_fsdp2() -> None:
     losses = run_ranks(_dense_only, 2)
     assert len(losses[0]) == 3 and all(np.isfinite(losses[0] + losses[1]))
@@ -551,6 +554,7 @@ def _kernels_of_sharded_tables(rank: int, world_size: int) -> list[str]:
     return sorted(names)
 
 
+@pytest.mark.slow
 def test_embedding_kernels_reach_into_sharded_modules_lookup_lists() -> None:
     """torchrec's sharded modules keep their lookups in plain lists, outside ``module.modules()``: the fully
     sharded tables' hooks are found through them."""
