@@ -60,7 +60,8 @@ def find_last_checkpoint(trainer: Trainer) -> tuple[Path | None, Path]:
         else:
             searched = Path(trainer.default_root_dir, "checkpoints")
             candidates += [searched / name]
-    stamps = {path: _written_at(path) for path in candidates if path.exists()}
+    # A directory checkpoint without its meta file is one whose save was interrupted: not a candidate.
+    stamps = {path: _written_at(path) for path in candidates if path.is_file() or (path / "meta.pt").is_file()}
     return (max(stamps, key=stamps.__getitem__) if stamps else None), searched
 
 

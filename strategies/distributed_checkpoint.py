@@ -13,6 +13,7 @@ flattened (``flatten_optimizer_state_dict=True``: keys are parameter names, so t
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from .dense import split_mixed_param_groups
 __all__ = ["LayoutMismatchError", "consolidate", "is_distributed_checkpoint", "load", "save"]
 
 META_FILENAME = "meta.pt"
+_DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's own index, written by every save
 _MODEL, _EMBEDDING_OPTIMIZER = "model", "embedding_optimizer"
 
 
@@ -72,7 +74,10 @@ def save(
 ) -> None:
     """Write a distributed checkpoint of ``module``, its optimizers and ``meta`` to the directory ``path``.
 
-    Every rank must call it. A file at ``path`` is replaced; ``meta`` (plain objects) is written by rank 0.
+    Every rank must call it. A file at ``path`` is replaced; ``meta`` (plain objects) is written by rank 0, last
+    and atomically (a temporary file renamed), and an earlier checkpoint's meta is removed before its shards are
+    overwritten: a directory is a complete checkpoint exactly when it holds ``meta.pt``, even if the process is
+    killed while saving.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -80,8 +85,9 @@ def save(
     if is_global_zero:
         if path.is_file():
             path.unlink()
-        elif path.is_dir() and not is_distributed_checkpoint(path):
+        elif path.is_dir() and not (is_distributed_checkpoint(path) or (path / _DCP_METADATA).is_file()):
             raise IsADirectoryError(f"the checkpoint path is a directory that is not a gem5d checkpoint: {path}")
+        (path / META_FILENAME).unlink(missing_ok=True)
         path.mkdir(parents=True, exist_ok=True)
     if dist.is_initialized():
         dist.barrier()
@@ -92,7 +98,9 @@ def save(
         state[_EMBEDDING_OPTIMIZER] = embedding_optimizer.state_dict()
     dcp.save(state, checkpoint_id=path)
     if is_global_zero:
-        torch.save(meta, path / META_FILENAME)
+        partial = path / f"{META_FILENAME}.partial"
+        torch.save(meta, partial)
+        os.replace(partial, path / META_FILENAME)
     if dist.is_initialized():
         dist.barrier()
 
