@@ -45,6 +45,8 @@ def find_last_checkpoint(trainer: Trainer) -> tuple[Path | None, Path]:
     ``default_root_dir/checkpoints``, where Lightning puts a run's checkpoints. Newest by modification time (of
     ``meta.pt`` for a gem5d directory checkpoint, written last).
     """
+    from lightning_gem.strategies.distributed_checkpoint import META_FILENAME, is_distributed_checkpoint
+
     callbacks = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint) and cb.save_last]
     candidates: list[Path] = []
     searched = Path(trainer.default_root_dir)
@@ -60,15 +62,10 @@ def find_last_checkpoint(trainer: Trainer) -> tuple[Path | None, Path]:
         else:
             searched = Path(trainer.default_root_dir, "checkpoints")
             candidates += [searched / name]
-    # A directory checkpoint without its meta file is one whose save was interrupted: not a candidate.
-    stamps = {path: _written_at(path) for path in candidates if path.is_file() or (path / "meta.pt").is_file()}
+    # A directory without its meta file is a gem5d checkpoint whose save was interrupted: not a candidate.
+    complete = [path for path in candidates if path.is_file() or is_distributed_checkpoint(path)]
+    stamps = {path: (path / META_FILENAME if path.is_dir() else path).stat().st_mtime for path in complete}
     return (max(stamps, key=stamps.__getitem__) if stamps else None), searched
-
-
-def _written_at(path: Path) -> float:
-    # strategies.distributed_checkpoint.META_FILENAME: a directory checkpoint is complete once it exists
-    meta = path / "meta.pt"
-    return (meta if path.is_dir() and meta.is_file() else path).stat().st_mtime
 
 
 SUMMARY = (

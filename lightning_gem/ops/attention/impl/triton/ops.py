@@ -218,8 +218,9 @@ def gdpa_triton(
     if max_seq_len_kv is None:
         max_seq_len_kv = max_length_hint(kv_offsets, k.shape[0])
     tensors = (q, k, v, q_offsets, kv_offsets, kv_index, num_targets)
+    flash = flash and not deterministic
     options = (activation, causal, window, block_size, float(scale), max_seq_len_q, max_seq_len_kv, deterministic,
-               flash and not deterministic)  # fmt: skip
+               flash)  # fmt: skip
     if not plain_eager(tensors):
         return _gdpa_triton_op(*tensors, *options)[0]
     if records_graph(q, k, v):
@@ -227,5 +228,5 @@ def gdpa_triton(
     # Nothing to differentiate: no Function either, and FlashAttention-4 (if chosen) skips the log-sum-exp.
     return gdpa_forward(
         *tensors, activation=activation, causal=causal, window=window, block_size=block_size, scale=float(scale),
-        max_seq_len_q=max_seq_len_q, max_seq_len_kv=max_seq_len_kv, flash=options[-1], need_lse=False,
+        max_seq_len_q=max_seq_len_q, max_seq_len_kv=max_seq_len_kv, flash=flash, need_lse=False,
     )[0]  # fmt: skip
