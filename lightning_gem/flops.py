@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
@@ -84,15 +85,22 @@ class MatmulFlopCounter(TorchDispatchMode):
         640
     """
 
+    # Higher-order ops reach the mode too: the Triton kernel wrappers of ops launched under it (their op, which has
+    # the formula, is counted where it is called) and control flow; they run as called, uncounted.
+    supports_higher_order_operators = True
+
     def __init__(self) -> None:
         super().__init__()
         self.flops = 0
-        self._formulas = dict(flop_registry)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formula = self._formulas.get(func._overloadpacket)
+        if isinstance(func, HigherOrderOperator):
+            return out
+        # Read at each call: a formula registered after the counter was made (an op module imported on first use,
+        # inside the counted region) counts too.
+        formula = flop_registry.get(func._overloadpacket)
         if formula is not None:
             self.flops += int(formula(*args, **kwargs, out_val=out))
         return out

@@ -165,3 +165,62 @@ def test_ml100k_time_bias_trains_with_and_without_it(tmp_path: Path) -> None:
     rows = [line.split("|") for line in printed.splitlines() if line.startswith("| 0 |")]
     assert [r[2].strip() for r in rows] == ["no", "yes"]
     assert all(0.0 <= float(c) <= 1.0 for r in rows for c in r[3:8])
+
+
+def _gem_example():
+    sys.path.insert(0, str(ROOT / "examples" / "benchmarks"))
+    try:
+        import gem_example
+    finally:
+        sys.path.pop(0)
+    return gem_example
+
+
+def test_device_time_unions_each_family_and_shares_divide_by_the_real_step() -> None:
+    gem = _gem_example()
+    kernels = [
+        ("_gdpa_fwd_kernel", 0.0, 600.0),
+        ("_gdpa_bwd_kernel", 300.0, 900.0),  # overlaps the forward on another stream: counted once
+        ("_bwd_delta_kernel", 950.0, 1000.0),
+        ("nvjet_tst_128x256_64x4", 800.0, 1200.0),
+        ("split_embedding_backward_codegen", 1200.0, 1300.0),
+        ("multi_tensor_apply_kernel", 1300.0, 1400.0),
+        ("_norm_quantize_kernel", 1400.0, 1450.0),
+        ("vectorized_elementwise_kernel", 3000.0, 3500.0),
+    ]
+    times = gem.device_time(kernels)
+    assert times == pytest.approx(
+        {"attention": 0.95, "gemm": 0.4, "embeddings": 0.1, "optimizer": 0.1, "norm+quantize": 0.05, "other": 0.5,
+         "busy": 1.95, "window": 3.5}
+    )  # fmt: skip
+    # Two profiled steps of a 1.5 ms step (unprofiled): shares of 3 ms of device time.
+    shares = gem.step_shares(times, num_steps=2, step_ms=1.5)
+    assert shares["attention"] == pytest.approx(0.95 / 3) and shares["busy"] == pytest.approx(0.65)
+    assert shares["host gaps"] == pytest.approx(0.35) and "window" not in shares
+    # A profile busier than the real step (host slower under the profiler, kernels not): busy saturates at 1.
+    assert gem.step_shares(times, num_steps=1, step_ms=1.0)["host gaps"] == 0.0
+
+
+def test_e2e_presets_set_nvidia_hstu_shapes_and_flags_override_them(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "examples" / "benchmarks"))
+    try:
+        import e2e
+    finally:
+        sys.path.pop(0)
+    hstu, fixed = e2e.PRESETS["nvidia-hstu"], e2e.PRESETS["nvidia-hstu-fixed"]
+    assert (hstu["model_dim"], hstu["num_layers"], hstu["num_heads"], hstu["batch_size"]) == (1024, 8, 4, 32)
+    assert hstu["model_dim"] // hstu["num_heads"] == 256 and hstu["max_history"] == 4096
+    assert fixed == {**hstu, "min_history": 4096}
+
+
+@pytest.mark.slow
+def test_e2e_preset_runs_the_kit_stack_with_uniform_histories(tmp_path: Path) -> None:
+    out = tmp_path / "e2e.json"
+    printed = _run(
+        "e2e.py", "--device", "cpu", "--tiny", "--preset", "nvidia-hstu-fixed", "--stacks", "kit", "--model-dim", "64",
+        "--root", str(tmp_path), "--out", str(out),
+    )  # fmt: skip
+    assert "histories of 64" in printed  # --tiny's longest history, every history that long
+    results = json.loads(out.read_text())
+    assert results["args"]["num_layers"] == "2" and results["args"]["min_history"] == "64"
+    assert results["kit"]["step_ms"] > 0 and "plain" not in results

@@ -155,3 +155,37 @@ def test_peak_table() -> None:
     assert peak_tflops("cpu") is None
     assert peak_tflops(torch.device("cpu")) is None
     assert peak_tflops("Some Unknown GPU") is None
+
+
+def test_matmul_counter_reads_formulas_registered_after_it_was_made() -> None:
+    """An op module imported inside the counted region (GDPA's kernels load on their first call) still counts."""
+    from torch.utils.flop_counter import flop_registry
+
+    from lightning_gem.flops import MatmulFlopCounter
+
+    lib = torch.library.Library("lightning_gem_flops_test", "FRAGMENT")
+    lib.define("double_mm(Tensor a, Tensor b) -> Tensor")
+    lib.impl("double_mm", lambda a, b: (a @ b) * 2, "CompositeExplicitAutograd")
+    op = torch.ops.lightning_gem_flops_test.double_mm
+    a, b = torch.randn(3, 5), torch.randn(5, 7)
+    with MatmulFlopCounter() as counter:
+        flop_registry[op] = lambda a, b, out_val=None: 1000  # registered once the counter is running
+        try:
+            out = op(a, b)
+        finally:
+            del flop_registry[op]
+    assert counter.flops == 1000
+    torch.testing.assert_close(out, (a @ b) * 2)
+
+
+def test_matmul_counter_runs_higher_order_ops() -> None:
+    """Higher-order ops (Triton kernel wrappers on CUDA, control flow) run as called under the counter."""
+    from lightning_gem.flops import MatmulFlopCounter
+
+    x = torch.randn(4, 4)
+    with MatmulFlopCounter() as counter:
+        y = torch.cond(x.sum() > 0, lambda t: t @ t, lambda t: t + 1, (x,))
+        z = x @ x
+    torch.testing.assert_close(y, x @ x if x.sum() > 0 else x + 1)
+    torch.testing.assert_close(z, x @ x)
+    assert counter.flops == 2 * 4 * 4 * 4  # the plain matmul; what runs inside the higher-order op is not counted

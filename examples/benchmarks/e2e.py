@@ -24,8 +24,15 @@ counter over the timed batches through a model with the jagged attention ops (wh
 count only allowed query-key pairs), so the plain stack's padding is not counted as work and the timed
 steps carry no counter. The speed-up is the plain median step time over the kit's.
 
+``--preset nvidia-hstu`` is NVIDIA's published HSTU training configuration (recsys-examples,
+``examples/hstu/training/benchmark``): 8 HSTU layers of width 1024, 4 heads x 256, item and contextual embeddings
+of 128, 32 users a GPU, histories up to 4096; ``nvidia-hstu-fixed`` the same with every history 4096 long (their
+fixed-shape profile). With ``--profile-steps N`` each stack also reports the shares of its device timeline spent
+in attention, GEMMs, embeddings, the optimizer, norms and quantization, copies, other kernels and host gaps.
+
 Usage:
     python examples/benchmarks/e2e.py                         # CUDA, production-like shapes
+    python examples/benchmarks/e2e.py --preset nvidia-hstu --stacks kit --profile-steps 3
     python examples/benchmarks/e2e.py --device cpu --tiny     # a smoke run of the whole path on CPU
 """
 
@@ -39,10 +46,12 @@ from pathlib import Path
 import lightning as L
 import torch
 from gem_example import (
+    ProfileLastSteps,
     StepClock,
     add_shape_arguments,
     gem_ranker,
     profiling_callbacks,
+    step_shares,
     synthetic_users,
     use_tiny_shapes,
 )
@@ -54,6 +63,20 @@ from lightning_gem.flops import model_flops, peak_tflops
 from lightning_gem.precision import MXFP8Precision
 
 STACKS = ("plain", "kit")
+
+_NVIDIA_HSTU = {
+    "model_dim": 1024,
+    "num_layers": 8,
+    "num_heads": 4,
+    "embedding_dim": 128,
+    "batch_size": 32,
+    "max_history": 4096,
+}
+#: Named shape sets; a flag given on the command line overrides its preset's value.
+PRESETS: dict[str, dict[str, object]] = {
+    "nvidia-hstu": _NVIDIA_HSTU,
+    "nvidia-hstu-fixed": {**_NVIDIA_HSTU, "min_history": 4096},
+}
 
 
 def run_stack(
@@ -70,7 +93,8 @@ def run_stack(
     data = GEMDataModule(source=source, batch_size=batch_size, seed=args.seed, balance=kit, pin_memory=pinned)
     monitor = MFUMonitor(flops_every_n_steps=args.warmup + args.steps + 1, plot=False)  # counts step 0 only
     clock = StepClock(batches_per_step=micro)
-    callbacks: list[L.Callback] = [monitor, clock, *profiling_callbacks(args, args.warmup + args.steps, stack)]
+    profilers = profiling_callbacks(args, args.warmup + args.steps, stack)
+    callbacks: list[L.Callback] = [monitor, clock, *profilers]
     trainer = L.Trainer(
         accelerator="gpu" if cuda else "cpu",
         devices=1,
@@ -97,10 +121,13 @@ def run_stack(
 
     # Kernel tunings so far in this process (each times its candidates once): many here mean shapes keep changing.
     print(f"{stack}: tuned keys so far: {len(chosen_tiles())} attention, {len(chosen_configs())} FP8 quantization")
+    profiled = next((p for p in profilers if isinstance(p, ProfileLastSteps) and p.device_ms), None)
+    shares = step_shares(profiled.device_ms, profiled.num_steps, step_s * 1e3) if profiled else {}
     return {
         "step_ms": step_s * 1e3,
         "tokens_per_s": tokens_per_step / step_s,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
+        **({"shares": shares} if shares else {}),
     }
 
 
@@ -112,10 +139,14 @@ def useful_flops_per_step(source: SyntheticRankingSource, args: argparse.Namespa
     data = GEMDataModule(source=source, batch_size=args.batch_size, seed=args.seed, balance=False)
     data.setup("fit")
     counts = []
+    # The same matmuls as the trained stacks, at their speed: on CUDA in bf16 (a float32 pass over 8 layers of
+    # 4096-token histories would take longer than the training it counts).
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     for step, batch in enumerate(data.train_dataloader()):
         if step >= args.warmup:
             batch = batch.to(device)
-            counts.append(model_flops(model, batch))  # backward of sum(logits): the loss adds no matmul
+            with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
+                counts.append(model_flops(model, batch))  # backward of sum(logits): the loss adds no matmul
     return statistics.fmean(counts)
 
 
@@ -125,8 +156,15 @@ def _mean_tokens_per_user(source: SyntheticRankingSource) -> float:
     return statistics.fmean(len(dataset[i].history) + len(dataset[i].candidates) for i in range(len(dataset)))
 
 
+def _histories(args: argparse.Namespace) -> str:
+    if args.min_history >= args.max_history:
+        return f"histories of {args.max_history}"
+    return f"histories clip({args.max_history} u^3, {args.min_history}, {args.max_history})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="a named shape set (see above)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run of the whole path")
     parser.add_argument("--stacks", default="plain,kit", help=f"comma-separated from {STACKS}")
@@ -150,6 +188,9 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=0, help="profile this many last steps of each stack")
     parser.add_argument("--cprofile-steps", type=int, default=0, help="cProfile this many last steps of each stack")
     parser.add_argument("--sync-debug", action="store_true", help="list the device syncs of the first timed step")
+    preset = parser.parse_known_args()[0].preset
+    if preset is not None:
+        parser.set_defaults(**PRESETS[preset])
     args = parser.parse_args()
     if args.tiny:
         args.steps, args.warmup, args.batch_size = min(args.steps, 3), min(args.warmup, 1), min(args.batch_size, 4)
@@ -173,7 +214,7 @@ def main() -> None:
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(
         f"GEMRanker dim {args.model_dim} x {args.num_layers} layers x {args.num_heads} heads, {args.batch_size} users"
-        f"/step, histories clip({args.max_history} u^3), ~{args.mean_candidates:.0f} candidates/user, on {device}"
+        f"/step, {_histories(args)}, ~{args.mean_candidates:.0f} candidates/user, on {device}"
     )
     if args.plain_micro_batches > 1 and "plain" in results:
         micro = args.plain_micro_batches
@@ -187,6 +228,9 @@ def main() -> None:
             f"{stack:<6} {r['step_ms']:>9.2f} {r['tokens_per_s']:>11.0f} {tflops:>14.4g} {r['mfu']:>6.1%}"
             f" {r['peak_gib']:>9.2f}"
         )
+    for stack, r in results.items():
+        if "shares" in r:
+            print(f"{stack} share of the step: " + ", ".join(f"{k} {v:.1%}" for k, v in r["shares"].items()))
     if {"plain", "kit"} <= results.keys():
         print(f"kit / plain step throughput: {results['plain']['step_ms'] / results['kit']['step_ms']:.2f}x")
     if args.out is not None:

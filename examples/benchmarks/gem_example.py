@@ -37,7 +37,10 @@ __all__ = [
     "add_shape_arguments",
     "cprofile_table",
     "device_kernels",
+    "device_time",
     "gem_ranker",
+    "kernel_family",
+    "step_shares",
     "synthetic_users",
     "use_tiny_shapes",
 ]
@@ -46,6 +49,9 @@ __all__ = [
 def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     """``--max-history``, ``--mean-candidates``, ``--max-candidates``, ``--num-items`` and the model's widths."""
     parser.add_argument("--max-history", type=int, default=4096)
+    parser.add_argument(
+        "--min-history", type=int, default=16, help="shortest history; --max-history: every history that long"
+    )
     parser.add_argument("--mean-candidates", type=float, default=128.0)
     parser.add_argument("--max-candidates", type=int, default=512)
     parser.add_argument("--num-items", type=int, default=1_000_000)
@@ -58,6 +64,7 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
 def use_tiny_shapes(args: argparse.Namespace) -> None:
     """Shrink the shape arguments in place to a smoke run of the whole path (CPU-sized)."""
     args.max_history, args.mean_candidates, args.max_candidates = 64, 4.0, 8
+    args.min_history = min(args.min_history, args.max_history)
     args.num_items, args.embedding_dim, args.model_dim, args.num_layers = 500, 32, 64, 2
 
 
@@ -70,7 +77,7 @@ def synthetic_users(args: argparse.Namespace, num_users: int) -> SyntheticRankin
         num_train_users=num_users,
         num_val_users=1,
         num_test_users=1,
-        min_history_length=16,
+        min_history_length=min(args.min_history, args.max_history),
         max_history_length=args.max_history,
         mean_candidates=args.mean_candidates,
         max_candidates=args.max_candidates,
@@ -101,12 +108,94 @@ def device_kernels(prof: torch.profiler.profile) -> list[Any]:
     return [e for e in prof.events() if e.device_type == cuda and not getattr(e, "is_user_annotation", False)]
 
 
+#: Kernel families of a training step, by substrings of their kernel names (the first family that matches).
+KERNEL_FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("gdpa", "bwd_delta", "flash", "fmha", "attn", "attention")),
+    ("embeddings", ("embedding", "tbe", "fbgemm", "bounds_check", "linearize_index")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "sgd", "adagrad")),
+    ("gemm", ("gemm", "xmma", "nvjet", "cutlass", "cublas", "matmul", "_mm_", "scaled_mm", "splitk", "sm90_")),
+    ("norm+quantize", ("norm", "quantize", "amax", "rowwise", "hadamard")),
+    ("copies", ("memcpy", "memset", "copy")),
+)
+
+
+def kernel_family(name: str) -> str:
+    """The :data:`KERNEL_FAMILIES` entry a kernel's name falls in; ``"other"`` (elementwise, reductions) if none.
+
+    Example:
+        >>> [kernel_family(name) for name in ("_gdpa_fwd_kernel", "nvjet_tst_128x256", "vectorized_elementwise")]
+        ['attention', 'gemm', 'other']
+    """
+    lowered = name.lower()
+    for family, keys in KERNEL_FAMILIES:
+        if any(key in lowered for key in keys):
+            return family
+    return "other"
+
+
+def device_time(kernels: list[Any]) -> dict[str, float]:
+    """Milliseconds of a profiled window's device timeline: each kernel family's busy time, ``busy`` (any kernel
+    running) and ``window`` (first kernel's start to last kernel's end).
+
+    A family's time is the union of its kernels' intervals (kernels of one family overlapping on two streams count
+    once); families can overlap each other on different streams, so they may sum to more than ``busy``. Kernel
+    times are the device's own, so they hold under a profiler; the window does not (profiling slows the host, so
+    its gaps grow): divide by an unprofiled step time to get shares of a real step.
+
+    Args:
+        kernels: ``(name, start_us, end_us)`` triples, or profiler events with ``name`` and ``time_range``
+            (:func:`device_kernels`).
+
+    Example:
+        >>> device_time([("_gdpa_fwd_kernel", 0, 600), ("nvjet_tst", 500, 900), ("elementwise", 1500, 2000)])
+        {'attention': 0.6, 'gemm': 0.4, 'other': 0.5, 'busy': 1.4, 'window': 2.0}
+    """
+    spans = [_span(k) for k in kernels]
+    spans = [s for s in spans if s[2] > s[1]]
+    if not spans:
+        return {}
+    by_family: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+    for name, begin, end in spans:
+        by_family[kernel_family(name)].append((begin, end))
+    times = {family: _union_length(intervals) / 1e3 for family, intervals in sorted(by_family.items())}
+    times["busy"] = _union_length([(b, e) for _, b, e in spans]) / 1e3
+    times["window"] = (max(s[2] for s in spans) - min(s[1] for s in spans)) / 1e3
+    return times
+
+
+def step_shares(times: dict[str, float], num_steps: int, step_ms: float) -> dict[str, float]:
+    """:func:`device_time` of ``num_steps`` profiled steps as shares of an unprofiled step of ``step_ms``: each
+    family's, ``busy`` and ``host gaps`` (``1 - busy``: the device waiting for the host)."""
+    shares = {k: v / num_steps / step_ms for k, v in times.items() if k != "window"}
+    shares["busy"] = min(shares.get("busy", 0.0), 1.0)
+    return {**shares, "host gaps": 1.0 - shares["busy"]}
+
+
+def _span(kernel: Any) -> tuple[str, float, float]:
+    if isinstance(kernel, tuple):
+        return kernel
+    return kernel.name, float(kernel.time_range.start), float(kernel.time_range.end)
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by ``intervals`` (overlaps counted once)."""
+    total, reach = 0.0, -math.inf
+    for begin, end in sorted(intervals):
+        if end <= reach:
+            continue
+        total += end - max(begin, reach)
+        reach = end
+    return total
+
+
 class ProfileLastSteps(L.Callback):
     """``torch.profiler`` over the last ``num_steps`` training steps; prints the ops that took the most device
     and host time (where a slow stack spends its step)."""
 
     def __init__(self, num_steps: int, last_step: int, label: str, path: Path | None = None) -> None:
         self.first, self.label, self.profiler, self.path = last_step - num_steps, label, None, path
+        self.num_steps = num_steps
+        self.device_ms: dict[str, float] = {}  # device_time of the profiled steps, once training has ended
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step == self.first and self.profiler is None:
@@ -123,7 +212,9 @@ class ProfileLastSteps(L.Callback):
             torch.cuda.synchronize()
         self.profiler.__exit__(None, None, None)
         averages = self.profiler.key_averages()
-        text = []
+        self.device_ms = device_time(device_kernels(self.profiler))
+        text = [f"== {self.label}: device time of a profiled step, ms (window: under the profiler) =="]
+        text += [f"{key:>14}  {value / self.num_steps:9.2f}" for key, value in self.device_ms.items()]
         for key in ("self_device_time_total", "self_cpu_time_total"):
             text.append(f"== {self.label}: profile of the last steps, by {key} ==")
             text.append(averages.table(sort_by=key, row_limit=25, max_name_column_width=70))

@@ -153,7 +153,10 @@ def candidate_tiles(
             return [Tiles(64, 32, 4, 3), Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 2), Tiles(128, 64, 8, 3)]
         if head_dim <= 128:
             return [Tiles(64, 32, 4, 3), Tiles(128, 64, 8, 3), Tiles(64, 64, 4, 3), Tiles(128, 64, 8, 4)]
-        return [Tiles(64, 64, 4, 2), Tiles(128, 32, 8, 2)]
+        # Head dims over 128: the fp32 accumulator of a 64-row tile is 128 registers a thread over 4 warps; 8 warps
+        # halve that, and taller tiles over 8 warps reuse each key tile twice as often.
+        return [Tiles(64, 64, 4, 2), Tiles(128, 32, 8, 2), Tiles(64, 64, 8, 2), Tiles(128, 64, 8, 2),
+                Tiles(64, 32, 4, 3)]  # fmt: skip
     # Backward tiles hold two fp32 accumulators (dK, dV) of BLOCK_N x D: at D = 128, 64-key tiles over 8
     # warps keep them in registers, where 4 warps spill hundreds of bytes per thread.
     if kernel == "dkdv":
@@ -163,7 +166,7 @@ def candidate_tiles(
             return [Tiles(64, 128, 8, 3), Tiles(64, 64, 8, 2), Tiles(128, 128, 8, 2), Tiles(64, 128, 4, 3)]
         if head_dim <= 128:
             return [Tiles(64, 128, 8, 3), Tiles(64, 64, 8, 2), Tiles(32, 64, 8, 2)]
-        return [Tiles(32, 64, 8, 2), Tiles(16, 64, 8, 2)]
+        return [Tiles(32, 64, 8, 2), Tiles(16, 64, 8, 2), Tiles(64, 64, 8, 2), Tiles(32, 32, 4, 2)]
     if short <= 64:
         return [Tiles(short, 64, 8, 2), Tiles(short, 128, 8, 2)]
     if head_dim <= 128:
