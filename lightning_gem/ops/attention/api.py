@@ -1,7 +1,8 @@
 """The public GDPA function: validation, defaults and ``impl=`` dispatch.
 
 GDPA (generalized dot-product attention) is the one attention op of the kit. Jagged Flash Attention,
-HSTU pointwise attention, target-aware candidate attention and BlockAttention are modes of it.
+HSTU pointwise attention, target-aware candidate attention and BlockAttention are modes of it. The package
+(:mod:`lightning_gem.ops.attention`) lists the public names.
 """
 
 from __future__ import annotations
@@ -15,16 +16,6 @@ from torch import Tensor
 from lightning_gem import jagged
 from lightning_gem.ops.attention.impl.reference import ACTIVATIONS
 from lightning_gem.ops.attention.spec import Spec
-
-__all__ = [
-    "ACTIVATIONS",
-    "IMPLS",
-    "block_attention",
-    "gdpa",
-    "hstu_attention",
-    "jagged_flash_attention",
-    "resolve_impl",
-]
 
 IMPLS = ("auto", "reference", "triton", "flash", "padded")
 
