@@ -142,7 +142,7 @@ register_flop_formulas(
 class _GDPAEager(torch.autograd.Function):
     """The ops' bodies and autograd formula without the custom-op dispatch, for plain eager calls
     (``plain_eager``: nothing traces or counts them). The dispatch layers cost host time and nothing else there
-    (about half a millisecond per forward + backward), which makes small attention layers CPU-bound. The offsets
+    (docs/benchmarks.md#host-time-per-call), which makes small attention layers CPU-bound. The offsets
     travel inside the spec: each argument of ``apply`` costs host time of its own."""
 
     @staticmethod

@@ -72,8 +72,8 @@ if is_interpreted(_norm_quantize_kernel):
 def mx_quantize(*args: object) -> tuple[Tensor, ...]:
     """:func:`mx_quantize_op` under ``torch.compile``; its body called directly in eager mode.
 
-    In eager mode the op's dispatch layers add host time and nothing else (on an H200 the profiler put ~0.6 ms
-    of host time per quantizer call inside the op, enough to make small FP8 layers CPU-bound).
+    In eager mode the op's dispatch layers add host time and nothing else, enough to make small FP8 layers
+    CPU-bound (docs/benchmarks.md#host-time-per-call).
     """
     if torch.compiler.is_compiling():
         return mx_quantize_op(*args)
