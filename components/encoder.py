@@ -48,8 +48,8 @@ class RMSNorm(nn.RMSNorm):
     """``nn.RMSNorm`` whose weight follows its input's dtype.
 
     Under autocast a norm often gets a bf16 input (an attention output, a linear's) while its weight stays
-    fp32. ``torch.rms_norm`` then falls back to its unfused composite: on an H200, nine more kernels a norm per
-    training step, and more device time. Casting the weight to the input's dtype first, as autocast does for a
+    fp32. ``torch.rms_norm`` then falls back to its unfused composite: several more kernels a norm per training
+    step, and more device time. Casting the weight to the input's dtype first, as autocast does for a
     linear's weight, keeps the fused kernel (which accumulates in fp32).
     """
 

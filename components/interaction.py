@@ -210,8 +210,8 @@ class GDPAInteraction(nn.Module):
         h, d = self.token_num_heads, self.dim // self.token_num_heads
         qkv = self.token_qkv(self.token_norm(tokens_CND)).view(num_candidates, num_tokens, 3, h, d)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [C, H, N, d]
-        # A handful of tokens per candidate: two small batched matmuls. (SDPA picks cuDNN's kernel on Hopper, which
-        # builds a new graph for every new candidate count, i.e. every batch: ~35 ms of host time per call on an H200.)
+        # A handful of tokens per candidate: two small batched matmuls, not SDPA, whose cuDNN kernel on Hopper builds
+        # a new graph for every new candidate count, i.e. every batch, at a host cost far above these matmuls'.
         weights = torch.matmul(q, k.transpose(-1, -2) * d**-0.5).softmax(dim=-1)
         mixed = torch.matmul(weights.to(v.dtype), v).transpose(1, 2).reshape(num_candidates, num_tokens, self.dim)
         tokens_CND = self.mix_norm(tokens_CND + self.dropout(self.token_output(mixed)))

@@ -146,8 +146,40 @@ def test_ml1m_score_precision_ranks_three_ways() -> None:
     if not data.is_dir():
         pytest.skip(f"MovieLens data not found at {data}")
     printed = _run("ml1m_score_precision.py", str(data), "--epochs", "0")
-    rows = {line.split("|")[1].strip(): line for line in printed.splitlines() if line.startswith("| ")}
-    assert {"fp32", "bf16", "bf16, optimistic ties"} <= set(rows)
+    rows = {
+        cells[0]: [float(c) for c in cells[1:]]
+        for line in printed.splitlines()
+        if line.startswith("| ") and not line.startswith("| scores")
+        for cells in [[c.strip() for c in line.strip("|").split("|")]]
+        if not cells[0].startswith("---")
+    }
+    assert set(rows) == {"fp32", "bf16", "bf16, optimistic ties"}
+    for name, (hr10, ndcg10, hr50) in rows.items():
+        # NDCG@10 weighs each hit of HR@10 by at most 1, and a hit in the top 10 is one in the top 50.
+        assert 0.0 <= ndcg10 <= hr10 <= hr50 <= 1.0, (name, hr10, ndcg10, hr50)
+    # The same bf16 scores with ties counted for the target rank every target as high or higher.
+    assert all(o >= p for o, p in zip(rows["bf16, optimistic ties"], rows["bf16"], strict=True)), rows
+
+
+def test_score_precision_ranks_bf16_ties_both_ways() -> None:
+    """``bf16_ranks`` on scores that bf16 rounding ties: item 1 (1.001) ties the target (1.0) in bf16, item 3 (2.0)
+    outranks it, item 4 (3.0) is seen and excluded; the second user's target is its best item."""
+    import importlib.util
+
+    path = ROOT / "examples" / "benchmarks" / "ml1m_score_precision.py"
+    spec = importlib.util.spec_from_file_location("ml1m_score_precision", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    queries = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    catalogue = torch.tensor([[1.0, 0.0], [1.001, 0.0], [0.5, 0.25], [2.0, 0.0], [3.0, 0.0]])
+    target = torch.tensor([0, 2])
+    seen_rows, seen_items = torch.tensor([0, -1]), torch.tensor([4, 0])
+    args = (queries, catalogue, target, seen_rows, seen_items)
+    assert script.bf16_ranks(*args, "pessimistic").tolist() == [3, 1]
+    assert script.bf16_ranks(*args, "optimistic").tolist() == [2, 1]
+    # In fp32 item 1 outranks the target outright: rank 3 whichever way ties count.
+    fp32 = script.catalogue_ranks(queries, catalogue, target, seen_rows=seen_rows, seen_items=seen_items)
+    assert fp32.tolist() == [3, 1]
 
 
 def test_ml100k_time_bias_trains_with_and_without_it(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@ on its base config, and the overlays compose to the recipes docs/results.md name
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,34 @@ def test_a_refused_value_ends_the_cli_with_one_line(config: str, option: str, me
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", f"--config={CONFIGS / config}", f"--trainer.default_root_dir={tmp_path}", option])
     assert str(exit_info.value).startswith(message) and "\n" not in str(exit_info.value), exit_info.value
+
+
+def test_nvidia_hstu_config_has_their_shapes_and_trains_small_on_cpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _composed(("hstu_nvidia_e2e.yaml",), capsys)
+    model, data = config["model"]["init_args"], config["data"]["init_args"]
+    source = data["source"]["init_args"]
+    assert (model["model_dim"], model["num_layers"], model["num_heads"], model["embedding_dim"]) == (1024, 8, 4, 128)
+    assert (data["batch_size"], source["min_history_length"], source["max_history_length"]) == (32, 16, 4096)
+    assert config["trainer"]["strategy"]["class_path"].endswith("GEM5DStrategy")
+    # The same file, shrunk to CPU size: its model, strategy, precision and data path train.
+    small = [
+        "--trainer.accelerator=cpu", "--trainer.max_steps=3", "--trainer.log_every_n_steps=1",
+        "--model.init_args.model_dim=64", "--model.init_args.embedding_dim=32", "--model.init_args.num_layers=2",
+        "--model.init_args.head_hidden_dims=[64]",
+        "--data.init_args.pin_memory=false", "--data.init_args.batch_size=8",
+        "--data.init_args.source.init_args.num_items=500", "--data.init_args.source.init_args.num_train_users=32",
+        "--data.init_args.source.init_args.max_history_length=64",
+        "--data.init_args.source.init_args.mean_candidates=4", "--data.init_args.source.init_args.max_candidates=8",
+    ]  # fmt: skip
+    main(
+        ["fit", f"--config={CONFIGS / 'hstu_nvidia_e2e.yaml'}", *small, f"--trainer.default_root_dir={tmp_path}",
+         f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "MFU report over 2 training steps" in printed
+    flops = float(re.search(r"perf/model_flops +(\S+)", printed).group(1))
+    assert flops > 0
+    header, *rows = next(tmp_path.rglob("metrics.csv")).read_text().splitlines()
+    assert "train/loss" in header.split(",") and len(rows) >= 3

@@ -24,10 +24,48 @@ def test_linear_flops_matches_the_counter() -> None:
         linear_flops(-1, 7, 5)
 
 
-def test_gdpa_flops_is_the_reexported_op_formula() -> None:
+# (q lengths, kv lengths or None, kv_index, num_targets, mask rules) -> allowed pairs, counted by hand
+PAIRS_BY_HAND = [
+    ([3, 0, 4], None, None, None, dict(causal=True), 6 + 10),
+    ([3, 0, 4], None, None, None, dict(), 9 + 16),
+    ([3, 0, 4], None, None, None, dict(causal=True, window=1), (1 + 2 + 2) + (1 + 2 + 2 + 2)),
+    ([3, 0, 4], None, None, None, dict(block_size=2), (4 + 1) + (4 + 4)),
+    # history 2 each: history rows see 1 and 2 keys, every target the history and itself (3)
+    ([3, 0, 4], None, None, [1, 0, 2], dict(causal=True), (1 + 2 + 3) + 0 + (1 + 2 + 3 + 3)),
+    # cross, bottom-right aligned: 2 queries over 3 keys see 2 and 3 of them; none over an empty kv segment
+    ([2, 1], [3, 0], None, None, dict(causal=True), 2 + 3),
+    # both query segments over kv segment 0 (3 keys), bidirectional
+    ([2, 1], [3, 0], [0, 0], None, dict(), 2 * 3 + 1 * 3),
+]
+
+
+def _offsets(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *np.cumsum(lengths).tolist()])
+
+
+@pytest.mark.parametrize(("q_lengths", "kv_lengths", "kv_index", "num_targets", "mask", "pairs"), PAIRS_BY_HAND)
+def test_gdpa_flops_counts_the_allowed_pairs(q_lengths, kv_lengths, kv_index, num_targets, mask, pairs) -> None:
+    """``2 H (D + Dv)`` a pair forward and ``2 H (3 D + 2 Dv)`` backward, over pairs counted by hand; and it is the
+    formula the FLOP counter uses for the GDPA op (re-exported from ``ops.attention.ops``)."""
+    from lightning_gem.ops import gdpa
     from lightning_gem.ops.attention import ops
 
     assert gdpa_flops is ops.gdpa_flops
+    heads, dim, dim_v = 2, 4, 3
+    q_offsets = _offsets(q_lengths)
+    kv_offsets = q_offsets if kv_lengths is None else _offsets(kv_lengths)
+    kv_index = None if kv_index is None else torch.tensor(kv_index)
+    num_targets = None if num_targets is None else torch.tensor(num_targets)
+    q = torch.randn(sum(q_lengths), heads, dim, requires_grad=True)
+    k, v = (torch.randn(int(kv_offsets[-1]), heads, d, requires_grad=True) for d in (dim, dim_v))
+    jagged = (q_offsets, kv_offsets, kv_index, num_targets)
+    assert gdpa_flops(q, k, v, *jagged, **mask) == 2 * pairs * heads * (dim + dim_v)
+    assert gdpa_flops(q, k, v, *jagged, **mask, backward=True) == 2 * pairs * heads * (3 * dim + 2 * dim_v)
+    with FlopCounterMode(display=False) as counter:
+        out = gdpa(q, k, v, q_offsets, None if kv_lengths is None else kv_offsets, kv_index=kv_index,
+                   num_targets=num_targets, impl="reference", **mask)  # fmt: skip
+        out.sum().backward()
+    assert counter.get_total_flops() == 2 * pairs * heads * (4 * dim + 3 * dim_v)
 
 
 def _synthetic_batch(num_users: int = 8):

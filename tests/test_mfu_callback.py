@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from lightning.pytorch.loggers import Logger
 from lightning_gem.components import GEMRanker
 from torch.utils.data import DataLoader
 
-from lightning_gem.callbacks import MFUMonitor
+from lightning_gem.callbacks import MFUMonitor, mfu
 from lightning_gem.data import GEMDataModule
 from lightning_gem.data.synthetic import SyntheticRankingSource
 from lightning_gem.testing.distributed import run_ranks
@@ -135,33 +134,57 @@ def test_no_mfu_without_a_peak_on_cpu_and_arguments_are_checked() -> None:
         MFUMonitor(baseline_samples_per_s="no/such/mfu.json")
 
 
-class _SlowEveryThirdStep(L.LightningModule):
-    """Steps of 4 samples; every third one takes ~0.1 s, the others ~0.01 s (a loaded machine's stalls)."""
+class _Clock:
+    """Stands in for the ``time`` module the monitor reads (``perf_counter``): the modules below advance it by the
+    time their work is meant to take, so step times, and every rate and imbalance made from them, are exact. The
+    times are binary fractions: their sums and quotients are exact in floating point too."""
 
     def __init__(self) -> None:
+        self.now = 1024.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+SLOW_STEP_S, FAST_STEP_S = 0.125, 0.015625
+
+
+class _SlowEveryThirdStep(L.LightningModule):
+    """Steps of 4 samples; every third one takes ``SLOW_STEP_S`` on ``clock``, the others ``FAST_STEP_S`` (a loaded
+    machine's stalls)."""
+
+    def __init__(self, clock: _Clock) -> None:
         super().__init__()
         self.layer = torch.nn.Linear(4, 1)
+        self.clock = clock
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        time.sleep(0.1 if batch_idx % 3 == 2 else 0.01)
+        self.clock.advance(SLOW_STEP_S if batch_idx % 3 == 2 else FAST_STEP_S)
         return self.layer(batch).square().mean()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_throughput_is_total_samples_over_total_time(tmp_path, capsys) -> None:
+def test_throughput_is_total_samples_over_total_time(tmp_path, capsys, monkeypatch) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(mfu, "time", clock)
     monitor = MFUMonitor(plot=False)
-    _trainer(monitor, tmp_path, max_steps=10).fit(_SlowEveryThirdStep(), DataLoader(torch.randn(64, 4), batch_size=4))
+    loader = DataLoader(torch.randn(64, 4), batch_size=4)
+    _trainer(monitor, tmp_path, max_steps=10).fit(_SlowEveryThirdStep(clock), loader)
     summary = monitor.summary()
-    rows = monitor.history[1:]  # the first (warm-up) step is left out
-    total_time = sum(row["perf/step_time_s"] for row in rows)
-    assert summary["samples_per_s_per_device"] == pytest.approx(4 * len(rows) / total_time)
+    rows = monitor.history[1:]  # the first (warm-up) step is left out: batches 1 to 9, of which 2, 5 and 8 are slow
+    assert [row["perf/step_time_s"] for row in rows] == [FAST_STEP_S, SLOW_STEP_S, FAST_STEP_S] * 3
+    total_time = 3 * SLOW_STEP_S + 6 * FAST_STEP_S
+    assert summary["samples_per_s_per_device"] == 4 * 9 / total_time
+    assert summary["samples_per_s_per_device_median"] == 4 / FAST_STEP_S
+    # The mean of per-step rates weighs a fast step as much as a slow one: (6 * 256 + 3 * 32) / 9 = 181.3 per s
+    # against the true 76.8 per s.
     rates = [row["perf/samples_per_s_per_device"] for row in rows]
-    assert summary["samples_per_s_per_device_median"] == pytest.approx(sorted(rates)[len(rates) // 2])
-    # Three slow steps of nine: the mean of per-step rates (~270/s) is ~2.6x the true ~105/s.
-    assert statistics.fmean(rates) > 2 * summary["samples_per_s_per_device"]
-    assert 4 * 9 / (3 * 0.1 + 6 * 0.01) / 1.5 < summary["samples_per_s_per_device"] <= 4 * 9 / (3 * 0.1 + 6 * 0.01)
+    assert statistics.fmean(rates) == pytest.approx((6 * 4 / FAST_STEP_S + 3 * 4 / SLOW_STEP_S) / 9)
     assert summary["tflops"] == pytest.approx(sum(row["perf/model_flops"] for row in rows) / total_time / 1e12)
     # CPU: no peak, so no MFU; one device: the scaling ratio is 1 by definition.
     out = capsys.readouterr().out
@@ -192,25 +215,36 @@ def test_a_resumed_run_counts_the_steps_the_uninterrupted_run_counts(tmp_path) -
     assert len(set(full.values())) > 1  # the batches differ in size: a wrong count would show
 
 
-class _UnevenModule(L.LightningModule):
-    """Rank 1's forward takes ~3x longer (an unbalanced batch); the backward's all-reduce evens the steps."""
+FORWARD_S = (0.125, 0.375)  # rank 0's and rank 1's forward: rank 1's batch is 3x the work
+BACKWARD_S = 0.0625
 
-    def __init__(self) -> None:
+
+class _UnevenModule(L.LightningModule):
+    """Rank 1's forward takes 3x rank 0's on ``clock``; the backward's all-reduce makes every rank wait for the
+    slowest forward, so each step ends ``max(FORWARD_S) + BACKWARD_S`` after it began, on every rank."""
+
+    def __init__(self, clock: _Clock, forward_s: float) -> None:
         super().__init__()
         self.layer = torch.nn.Linear(4, 1)
+        self.clock, self.forward_s = clock, forward_s
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        time.sleep(0.15 if self.global_rank == 1 else 0.05)
+        self.clock.advance(self.forward_s)
         return self.layer(batch).square().mean()
+
+    def on_after_backward(self) -> None:
+        self.clock.advance(max(FORWARD_S) - self.forward_s + BACKWARD_S)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
 def _fit_uneven(rank: int, world_size: int, root: str) -> None:
+    clock = _Clock()
+    mfu.time = clock  # this rank's process only: it exits after the fit
     monitor = MFUMonitor(plot=False)
     trainer = _trainer(monitor, Path(root), devices=world_size, strategy="ddp", max_steps=4)
-    trainer.fit(_UnevenModule(), DataLoader(torch.randn(64, 4), batch_size=4))
+    trainer.fit(_UnevenModule(clock, FORWARD_S[rank]), DataLoader(torch.randn(64, 4), batch_size=4))
 
 
 @pytest.mark.slow
@@ -219,9 +253,11 @@ def test_two_gloo_ranks_report_the_compute_imbalance_that_step_times_hide(tmp_pa
     # gloo threads could abort a process at exit after a finished fit.
     run_ranks(_fit_uneven, 2, str(tmp_path))
     summary = json.loads((tmp_path / "mfu.json").read_text())
-    # Forward 0.15 s vs 0.05 s: max/mean = 0.15 / 0.10 = 1.5; the synchronised steps look balanced.
-    assert 1.3 < summary["compute_imbalance"] < 1.6, summary
-    assert summary["step_time_imbalance"] < 1.15, summary
+    # Forward 0.375 s vs 0.125 s: max / mean = 0.375 / 0.25 = 1.5; the synchronised steps are equal.
+    assert summary["compute_imbalance"] == 1.5, summary
+    assert summary["step_time_imbalance"] == 1.0, summary
+    assert summary["compute_time_s"] == FORWARD_S[0], summary  # rank 0 writes mfu.json: its own forward
+    assert summary["step_time_s"] == max(FORWARD_S) + BACKWARD_S, summary
 
 
 class _Recorder(Logger):

@@ -23,6 +23,7 @@ import torch
 
 from lightning_gem.ops.attention.impl.reference import gdpa_reference, gdpa_reference_backward
 from lightning_gem.ops.attention.ops import gdpa_flops
+from lightning_gem.ops.attention.spec import Spec
 
 HEADS, DIM = 4, 128
 
@@ -66,13 +67,14 @@ def _check_bf16() -> None:
                        block_size=mode.get("block_size"), scale=1 / math.sqrt(DIM))  # fmt: skip
         grad_out = torch.randn(total, HEADS, DIM, generator=gen).cuda().to(torch.bfloat16)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = gdpa_triton(*leaves, *jagged, **options)
+        spec = Spec(*jagged, **options)
+        out = gdpa_triton(*leaves, spec)
         grads = torch.autograd.grad(out, leaves, grad_out)
         f64 = [t.double() for t in (q, k, v)]
-        oracle = [gdpa_reference(*f64, *jagged, **options)]
-        oracle += gdpa_reference_backward(grad_out.double(), *f64, *jagged, **options)
-        same = [gdpa_reference(q, k, v, *jagged, **options)]
-        same += gdpa_reference_backward(grad_out, q, k, v, *jagged, **options)
+        oracle = [gdpa_reference(*f64, spec)]
+        oracle += gdpa_reference_backward(grad_out.double(), *f64, spec)
+        same = [gdpa_reference(q, k, v, spec)]
+        same += gdpa_reference_backward(grad_out, q, k, v, spec)
         for label, got, exact, ref in zip(("out", "dq", "dk", "dv"), [out, *grads], oracle, same, strict=True):
             err = float((got.double() - exact).abs().max())
             ref_err = float((ref.double() - exact).abs().max())
@@ -131,18 +133,15 @@ def _benchmark() -> None:
     for activation in ("softmax", "silu"):
         options = dict(activation=activation, causal=True, window=None, block_size=None, scale=scale,
                        max_seq_len_q=max_len, max_seq_len_kv=max_len)  # fmt: skip
-        fwd = _bench(lambda options=options: gdpa_triton(q, k, v, offsets, offsets, **options))
-        both = _bench(
-            lambda options=options: gdpa_triton(*leaves, offsets, offsets, **options).backward(grad_out), leaves
-        )
+        spec = Spec(offsets, offsets, None, None, **options)
+        fwd = _bench(lambda spec=spec: gdpa_triton(q, k, v, spec))
+        both = _bench(lambda spec=spec: gdpa_triton(*leaves, spec).backward(grad_out), leaves)
         rows.append((f"gdpa triton {activation}", fwd, both))
     fwd = _bench(lambda: flex(fq.detach(), fk.detach(), fv.detach(), block_mask=block_mask, scale=scale))
     both = _bench(lambda: flex(fq, fk, fv, block_mask=block_mask, scale=scale).backward(fgrad), [fq, fk, fv])
     rows.append(("flex_attention softmax", fwd, both))
     # Same-answer check for the softmax pair (bf16 on both sides).
-    ours = gdpa_triton(
-        q, k, v, offsets, offsets, activation="softmax", causal=True, window=None, block_size=None, scale=scale
-    )
+    ours = gdpa_triton(q, k, v, Spec(offsets, offsets, None, None, "softmax", True, None, None, scale))
     theirs = flex(fq, fk, fv, block_mask=block_mask, scale=scale)[0].transpose(0, 1)[:total]
     print(f"max |gdpa - flex| (softmax, bf16): {float((ours.float() - theirs.float()).abs().max()):.3e}")
     print(f"flex block mask: first build {mask_ms:.1f} ms (incl. compile), then {block_mask_ms:.3f} ms per batch")
@@ -199,7 +198,8 @@ def _tiles() -> None:
         jagged = (offsets, kv_offsets, kv_index, None)
         max_q = int(q_lengths.max())
         lens = dict(max_seq_len_q=max_q, max_seq_len_kv=int((q_lengths if kv_lengths is None else kv_lengths).max()))
-        out, lse = gdpa_forward(q, k, v, *jagged, **options, max_seq_len_q=max_q)
+        spec = Spec(*jagged, **options, **lens)
+        out, lse = gdpa_forward(q, k, v, spec)
         fwd_flops = gdpa_flops(
             q, k, v, *jagged, causal=options["causal"], window=None, block_size=options["block_size"]
         )
@@ -210,14 +210,10 @@ def _tiles() -> None:
             q.dtype, q.device, dim, deterministic=False, block_size=options["block_size"], max_len_q=max_q
         )
         bwd += [t for t in extra_bwd if t not in bwd and (max_q > 64 or t.dkdv.block_m <= 64)]
-        runs = [
-            (f"forward {tuple(t)}", partial(gdpa_forward, q, k, v, *jagged, **options, max_seq_len_q=max_q, tiles=t))
-            for t in fwd
-        ]
+        runs = [(f"forward {tuple(t)}", partial(gdpa_forward, q, k, v, spec, tiles=t)) for t in fwd]
         for plan in bwd:
             label = f"backward {tuple(plan.dkdv)} " + ("atomic dQ" if plan.dq is None else f"dQ {tuple(plan.dq)}")
-            run = partial(gdpa_backward, grad_out, q, k, v, out, lse, *jagged, **options, **lens,
-                          dkdv_tiles=plan.dkdv, dq_tiles=plan.dq)  # fmt: skip
+            run = partial(gdpa_backward, grad_out, q, k, v, out, lse, spec, dkdv_tiles=plan.dkdv, dq_tiles=plan.dq)
             runs.append((label, run))
         for label, run in runs:
             try:
@@ -311,10 +307,11 @@ def _sweep(
             q, k, v = dev["q"], dev["k"], dev["v"]
             grad_out = torch.randn(q.shape[0], heads, dim, generator=gen).to(device, dtype)
             f64 = [t.double() for t in (q, k, v)]
-            oracle = [gdpa_reference(*f64, *jagged, **options)]
-            oracle += gdpa_reference_backward(grad_out.double(), *f64, *jagged, **options)
-            same = [gdpa_reference(q, k, v, *jagged, **options, compute_dtype=dtype)]
-            same += gdpa_reference_backward(grad_out, q, k, v, *jagged, **options, compute_dtype=dtype)
+            spec = Spec(*jagged, **options)
+            oracle = [gdpa_reference(*f64, spec)]
+            oracle += gdpa_reference_backward(grad_out.double(), *f64, spec)
+            same = [gdpa_reference(q, k, v, spec, compute_dtype=dtype)]
+            same += gdpa_reference_backward(grad_out, q, k, v, spec, compute_dtype=dtype)
             case_scale = max(float(t.abs().max()) if t.numel() else 0.0 for t in oracle)
             gdpa_options = {key: value for key, value in options.items() if value is not None or key == "window"}
             for impl in impls:
@@ -359,7 +356,7 @@ def _compile() -> None:
     )
 
     def loss(q, k, v):
-        return gdpa_triton(q, k, v, offsets, offsets, **options).float().square().sum()
+        return gdpa_triton(q, k, v, Spec(offsets, offsets, None, None, **options)).float().square().sum()
 
     for dtype in (torch.bfloat16, torch.float32):
         try:
@@ -395,15 +392,15 @@ def _flash_overhead(heads: int = 16, dim: int = 128, rounds: int = 5) -> None:
     q, k, v, grad = (torch.randn(total, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     scale = 1 / math.sqrt(dim)
-    mode = dict(causal=True, window=None, block_size=None, scale=scale, max_seq_len_q=longest, max_seq_len_kv=longest)
+    spec = Spec(offsets, offsets, None, None, "softmax", True, None, None, scale, longest, longest)
 
     def fa4(*t):
         return flash_attn_varlen_func(q=t[0], k=t[1], v=t[2], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
                                       max_seqlen_k=longest, softmax_scale=scale, causal=True)[0]  # fmt: skip
 
     def wrappers_both() -> None:
-        out, lse = flash_forward(q, k, v, offsets, offsets, **mode)
-        flash_backward(grad, q, k, v, out, lse, offsets, offsets, **mode)
+        out, lse = flash_forward(q, k, v, spec)
+        flash_backward(grad, q, k, v, out, lse, spec)
 
     def api(impl: str):
         return lambda *t: gdpa(*t, offsets, activation="softmax", causal=True, scale=scale, max_seq_len_q=longest,
@@ -411,7 +408,7 @@ def _flash_overhead(heads: int = 16, dim: int = 128, rounds: int = 5) -> None:
 
     runs = {
         "fa4 varlen fwd": lambda: fa4(q, k, v),
-        "kit wrapper fwd": lambda: flash_forward(q, k, v, offsets, offsets, **mode),
+        "kit wrapper fwd": lambda: flash_forward(q, k, v, spec),
         "gdpa flash fwd": lambda: api("flash")(q, k, v),
         "gdpa auto fwd": lambda: api("auto")(q, k, v),
         "fa4 varlen f+b": lambda: fa4(*leaves).backward(grad),

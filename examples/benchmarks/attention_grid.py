@@ -59,6 +59,7 @@ from torch import Tensor
 
 from lightning_gem.ops import gdpa
 from lightning_gem.ops.attention.ops import gdpa_flops
+from lightning_gem.ops.attention.spec import Spec
 
 DTYPE = torch.bfloat16
 MODES: dict[str, dict] = {
@@ -445,32 +446,27 @@ def time_candidates(case: Case, runs: int) -> dict[str, dict[str, float]]:
 
     o = case.options
     kv_offsets = case.q_offsets if case.kv_offsets is None else case.kv_offsets
-    jag = (case.q, case.k, case.v, case.q_offsets, kv_offsets, None, case.num_targets)
-    mode = dict(
-        activation=o["activation"], causal=o["causal"], window=None, block_size=o["block_size"], scale=o["scale"]
-    )
+    qkv = (case.q, case.k, case.v)
+    spec = Spec(case.q_offsets, kv_offsets, None, case.num_targets, o["activation"], o["causal"], None,
+                o["block_size"], o["scale"], o["max_seq_len_q"], o["max_seq_len_kv"])  # fmt: skip
     fwd, bwd = {}, {}
     for tiles in candidate_tiles(
         "fwd", DTYPE, case.q.device, case.cell.dim, block_size=o["block_size"], max_len_q=o["max_seq_len_q"]
     ):
         try:
-            fwd[str(tuple(tiles))] = bench(
-                lambda t=tiles: gdpa_forward(*jag, **mode, max_seq_len_q=o["max_seq_len_q"], tiles=t), None, runs
-            )
+            fwd[str(tuple(tiles))] = bench(lambda t=tiles: gdpa_forward(*qkv, spec, tiles=t), None, runs)
         except Exception as error:
             fwd[str(tuple(tiles))] = f"{type(error).__name__}"
-    out, lse = gdpa_forward(*jag, **mode, max_seq_len_q=o["max_seq_len_q"])
+    out, lse = gdpa_forward(*qkv, spec)
     short = case.kv_offsets is None and case.num_targets is None and o["max_seq_len_q"] <= 64
     plans = backward_candidates(DTYPE, case.q.device, case.cell.dim, deterministic=False, block_size=o["block_size"],
                                 max_len_q=o["max_seq_len_q"], short_query=short or (case.cross and
                                 o["max_seq_len_q"] <= 64), tma=bulk_reduction_ok(case.q))  # fmt: skip
-    lens = dict(max_seq_len_q=o["max_seq_len_q"], max_seq_len_kv=o["max_seq_len_kv"])
     for plan in plans:
         chosen = dict(short_tiles=plan.dkdv) if plan.short else dict(dkdv_tiles=plan.dkdv, dq_tiles=plan.dq,
                                                                       bulk_dq=plan.tma)  # fmt: skip
         try:
-            bwd[str(plan)] = bench(lambda c=chosen: gdpa_backward(case.grad_out, *jag[:3], out, lse, *jag[3:], **mode,
-                                                                  **lens, **c), None, runs)  # fmt: skip
+            bwd[str(plan)] = bench(lambda c=chosen: gdpa_backward(case.grad_out, *qkv, out, lse, spec, **c), None, runs)
         except Exception as error:
             bwd[str(plan)] = f"{type(error).__name__}"
     return {"fwd": fwd, "bwd": bwd}

@@ -52,6 +52,7 @@ from attention import WORKLOAD_NAMES, make_case, make_workload
 from gem_example import cprofile_table
 
 from lightning_gem.ops import gdpa
+from lightning_gem.ops.attention.spec import Spec
 
 
 def _host_us(fn, calls: int = 200) -> float:
@@ -97,18 +98,15 @@ def _candidates(case, kwargs: dict) -> None:
     from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
 
     q, k, v = case.q, case.k, case.v
-    jagged = (case.q_offsets, case.kv_offsets, None, None)
-    mode = dict(
-        activation=case.activation, causal=case.causal, window=None, block_size=case.block_size, scale=case.scale
-    )
     max_q, max_kv = kwargs["max_seq_len_q"], kwargs["max_seq_len_kv"]
+    spec = Spec(case.q_offsets, case.kv_offsets, None, None, case.activation, case.causal, None, case.block_size,
+                case.scale, max_q, max_kv)  # fmt: skip
     fwd = candidate_tiles("fwd", q.dtype, q.device, q.shape[2], block_size=case.block_size, max_len_q=max_q)
-    out, lse = gdpa_forward(q, k, v, *jagged, **mode, max_seq_len_q=max_q)
+    out, lse = gdpa_forward(q, k, v, spec)
     print("  forward candidates:")
     for tiles in fwd:
         try:
-            ms = triton.testing.do_bench(lambda t=tiles: gdpa_forward(q, k, v, *jagged, **mode, max_seq_len_q=max_q,
-                                                                      tiles=t), warmup=10, rep=50,
+            ms = triton.testing.do_bench(lambda t=tiles: gdpa_forward(q, k, v, spec, tiles=t), warmup=10, rep=50,
                                          return_mode="median")  # fmt: skip
             print(f"    {ms * 1e3:8.1f} us  {tiles}")
         except Exception as error:
@@ -120,9 +118,7 @@ def _candidates(case, kwargs: dict) -> None:
         tiles = {"short_tiles": plan.dkdv} if plan.short else {"dkdv_tiles": plan.dkdv, "dq_tiles": plan.dq}
 
         def run(tiles=tiles) -> None:
-            gdpa_backward(
-                case.grad_out, q, k, v, out, lse, *jagged, **mode, max_seq_len_q=max_q, max_seq_len_kv=max_kv, **tiles
-            )
+            gdpa_backward(case.grad_out, q, k, v, out, lse, spec, **tiles)
 
         try:
             ms = triton.testing.do_bench(run, warmup=10, rep=50, return_mode="median")

@@ -39,6 +39,7 @@ from lightning_gem.ops.attention.impl.triton._tuning import (
 from lightning_gem.ops.attention.impl.triton.backward import bulk_reduction_ok, gdpa_backward
 from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
 from lightning_gem.ops.attention.ops import gdpa_flops
+from lightning_gem.ops.attention.spec import Spec
 
 # Tile shapes beyond the tuner's: (block_m, block_n, warps, stages) by head dim.
 FORWARD_SHAPES = {
@@ -69,10 +70,8 @@ def sweep_case(case, quick: bool, parts: tuple[str, ...] = ("fwd", "bwd")) -> di
     q, k, v = case.q, case.k, case.v
     head_dim = q.shape[2]
     jagged = (case.q_offsets, case.kv_offsets, None, None)
-    mode = dict(
-        activation=case.activation, causal=case.causal, window=None, block_size=case.block_size, scale=case.scale
-    )
     max_q, max_kv = int(case.q_lengths.max()), int(case.kv_lengths.max())
+    spec = Spec(*jagged, case.activation, case.causal, None, case.block_size, case.scale, max_q, max_kv)
     fwd_flops = gdpa_flops(q, k, v, *jagged, causal=case.causal, window=None, block_size=case.block_size)
     bwd_flops = gdpa_flops(q, k, v, *jagged, causal=case.causal, window=None, block_size=case.block_size, backward=True)
     result: dict = {"forward": [], "backward": []}
@@ -83,7 +82,7 @@ def sweep_case(case, quick: bool, parts: tuple[str, ...] = ("fwd", "bwd")) -> di
         shapes = _unique(shapes + [Tiles(*s) for s in FORWARD_SHAPES.get(head_dim, [])])
 
     def forward(tiles: Tiles) -> tuple:
-        return gdpa_forward(q, k, v, *jagged, **mode, max_seq_len_q=max_q, tiles=tiles)
+        return gdpa_forward(q, k, v, spec, tiles=tiles)
 
     _compile_all(shapes, forward)
     print("  forward:")
@@ -113,9 +112,7 @@ def sweep_case(case, quick: bool, parts: tuple[str, ...] = ("fwd", "bwd")) -> di
     def backward(plan: BackwardTiles) -> tuple:
         tiles = {"short_tiles": plan.dkdv} if plan.short else {"dkdv_tiles": plan.dkdv, "dq_tiles": plan.dq,
                                                               "bulk_dq": plan.tma}  # fmt: skip
-        return gdpa_backward(
-            case.grad_out, q, k, v, out, lse, *jagged, **mode, max_seq_len_q=max_q, max_seq_len_kv=max_kv, **tiles
-        )
+        return gdpa_backward(case.grad_out, q, k, v, out, lse, spec, **tiles)
 
     reference = None
     for plan in plans:

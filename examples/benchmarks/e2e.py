@@ -11,10 +11,10 @@ pooled user features, hundreds of candidates per user.
   micro-batches of ``batch_size / K`` users with gradient accumulation (the padded scores of many heads do not
   fit otherwise), timed as one step;
 - kit: the GDPA Triton kernels (``attention_impl="auto"``), ``MXFP8Precision()`` (its ``auto`` recipe
-  picks what is fast on the device: fp8 on Hopper), ``GEM5DStrategy(train_pipeline=True)`` (world size 1:
-  torchrec's sharded tables and gem5d's train step, without FSDP2 over a single rank; the next batch, pinned,
-  copied and its embedding input path prepared on a side stream; ``--compile-layers``: each HSTU layer
-  compiled too), Base Batch Shuffling in the DataModule.
+  picks what is fast on the device: fp8 on Hopper; ``--kit-precision bf16``: bf16-mixed instead),
+  ``GEM5DStrategy(train_pipeline=True)`` (world size 1: torchrec's sharded tables and gem5d's train step,
+  without FSDP2 over a single rank; the next batch, pinned, copied and its embedding input path prepared on a
+  side stream; ``--compile-layers``: each HSTU layer compiled too), Base Batch Shuffling in the DataModule.
 
 Each stack runs ``--warmup + --steps`` training steps in ``Trainer.fit``; a step's time is the interval
 between the ends of consecutive steps on the device's timeline (CUDA events: no device sync is added, data
@@ -85,6 +85,7 @@ def run_stack(
     """Train ``stack`` for warm-up + timed steps on ``source``; returns its measurements."""
     L.seed_everything(args.seed, verbose=False)
     kit = stack == "kit"
+    mx = kit and args.kit_precision == "mxfp8"  # else bf16 autocast, as the plain stack
     model = gem_ranker(source, args, "auto" if kit else "padded")
     cuda = args.device == "cuda"
     pinned = kit and cuda  # the kit's pipeline copies pinned batches asynchronously
@@ -99,8 +100,8 @@ def run_stack(
         accelerator="gpu" if cuda else "cpu",
         devices=1,
         strategy=GEM5DStrategy(train_pipeline=True, compile_layers=args.compile_layers) if kit else "auto",
-        precision=None if kit else ("bf16-mixed" if cuda else "32-true"),
-        plugins=[MXFP8Precision()] if kit else None,
+        precision=None if mx else ("bf16-mixed" if cuda else "32-true"),
+        plugins=[MXFP8Precision()] if mx else None,
         max_steps=args.warmup + args.steps,
         accumulate_grad_batches=micro,
         limit_val_batches=0,
@@ -181,6 +182,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--compile-layers", action="store_true", help="the kit stack compiles each HSTU layer (gem5d's compile_layers)"
+    )
+    parser.add_argument(
+        "--kit-precision",
+        choices=("mxfp8", "bf16"),
+        default="mxfp8",
+        help="the kit stack's precision: MXFP8Precision's auto recipe (FP8 linears on Hopper), or bf16-mixed",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--root", type=Path, default=Path("logs/e2e"), help="the Trainer's default_root_dir")

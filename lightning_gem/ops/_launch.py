@@ -19,7 +19,7 @@ def plain_eager(args: Sequence[object]) -> bool:
     """No compiler and no dispatch mode (fake, functional or FLOP-counting tensors) sees this call, and every
     tensor argument is a plain tensor or parameter (no tensor subclass): a launcher may then call its kernel
     directly instead of through ``torch.library.wrap_triton``, whose wrappers only cost host time outside
-    tracing (on an H200, ~0.7 ms of host time per launch)."""
+    tracing (docs/benchmarks.md#host-time-per-call)."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return False
     for a in args:  # a loop, not all() over a generator: launches pass some thirty arguments

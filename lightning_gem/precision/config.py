@@ -144,8 +144,8 @@ def _resolve(recipe: str, backend: str | None, device: torch.device) -> Plan:
         native = scaled_mm_supported(act_layout, act_layout, device)
         gemm = "scaled_mm" if native else "emulated"
         if native and weight_layout == "128x128":
-            # Verified on the H200 only where a 128x128 weight's scale rows (dim / 128) are a multiple of 4, the
-            # padding cuBLAS's block-scaling layout is defined with; other widths stay in high precision.
+            # Right only where a 128x128 weight's scale rows (dim / 128) are a multiple of 4, the padding cuBLAS's
+            # block-scaling layout is defined with (lightning_gem.ops.mx.gemm); other widths stay in high precision.
             multiple = 512
     running = chosen.replace("_", "-") + (" (emulated GEMMs)" if gemm == "emulated" else "")
     requested = recipe if backend is None else f"{recipe} with backend {backend}"

@@ -156,6 +156,44 @@ def test_fit_learns_and_logs_auc_and_ne(batches, esmm: bool, quiet_trainer) -> N
     assert trainer.predict(model, _loader(val[:1]))[0].shape[1] == 2
 
 
+def _auc_by_hand(scores: list[float], labels: list[int]) -> float:
+    """The probability that a positive outscores a negative, ties counting one half (every pair, by hand)."""
+    positives = [s for s, y in zip(scores, labels, strict=True) if y]
+    negatives = [s for s, y in zip(scores, labels, strict=True) if not y]
+    wins = sum(1.0 if p > n else 0.5 if p == n else 0.0 for p in positives for n in negatives)
+    return wins / (len(positives) * len(negatives))
+
+
+def test_validation_auc_and_ne_cover_the_whole_epoch(batches, quiet_trainer) -> None:
+    """The logged ``val/auc_{task}`` and ``val/ne_{task}`` are the AUC and NE of every candidate of the epoch (three
+    batches of different sizes, one with a user without candidates), from each task's column of the model's logits."""
+    torch.manual_seed(0)
+    schema = batches.ranking_schema(has_time=False)
+    g = torch.Generator().manual_seed(5)
+    val = [
+        batches.make_ranking_batch(schema, [3, 0, 7, 2], [4, 0, 3, 2], generator=g),
+        batches.make_ranking_batch(schema, [5, 1], [3, 5], generator=g),
+        batches.make_ranking_batch(schema, [2, 9, 4], [1, 6, 2], generator=g),
+    ]
+    model = _tiny(schema)
+    trainer = quiet_trainer()
+    metrics = trainer.validate(model, _loader(val), verbose=False)[0]
+    model.eval()
+    with torch.no_grad():
+        logits = torch.cat([model(batch) for batch in val]).double()
+    labels = torch.cat([batch.labels for batch in val]).double()
+    for i, task in enumerate(schema.tasks):
+        task_labels = labels[:, i]
+        assert 0 < int(task_labels.sum()) < task_labels.numel(), task  # both classes: the AUC is defined
+        auc = _auc_by_hand(torch.sigmoid(logits[:, i]).tolist(), task_labels.long().tolist())
+        assert metrics[f"val/auc_{task}"] == pytest.approx(auc, abs=1e-6), task
+        p = torch.sigmoid(logits[:, i])
+        log_loss = -(task_labels * p.log() + (1 - task_labels) * (1 - p).log()).mean()
+        base = task_labels.mean()
+        entropy = -(base * base.log() + (1 - base) * (1 - base).log())
+        assert metrics[f"val/ne_{task}"] == pytest.approx(float(log_loss / entropy), rel=1e-5), task
+
+
 def test_checkpoint_round_trip_rebuilds_the_model(batches, tmp_path, quiet_trainer) -> None:
     torch.manual_seed(0)
     schema = batches.ranking_schema()

@@ -18,6 +18,7 @@ import lightning_gem.imports
 from lightning_gem.ops import gdpa
 from lightning_gem.ops.attention.impl import flash
 from lightning_gem.ops.attention.impl.reference import gdpa_reference, gdpa_reference_backward
+from lightning_gem.ops.attention.spec import Spec
 from lightning_gem.testing.jagged_inputs import lengths_to_offsets, make_gdpa_inputs
 from lightning_gem.testing.numerics import assert_within_budget
 
@@ -112,19 +113,15 @@ def auto_with_stand_in(monkeypatch: pytest.MonkeyPatch) -> dict:
     device = _triton_device()
     calls = {"flash": set(), "ran": [], "need_lse": []}
 
-    def stand_in_forward(q, k, v, q_offsets, kv_offsets, **mode):
+    def stand_in_forward(q, k, v, spec, need_lse=True):
         calls["ran"].append("flash fwd")
-        calls["need_lse"].append(mode.get("need_lse", True))
-        mode.pop("max_seq_len_kv")
-        return forward.gdpa_forward(
-            q, k, v, q_offsets, kv_offsets, None, None, activation="softmax", tiles=_tuning.Tiles(16, 16, 1, 1), **mode
-        )
+        calls["need_lse"].append(need_lse)
+        return forward.gdpa_forward(q, k, v, spec, tiles=_tuning.Tiles(16, 16, 1, 1), need_lse=need_lse)
 
-    def stand_in_backward(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, **mode):
+    def stand_in_backward(grad_out, q, k, v, out, lse, spec):
         calls["ran"].append("flash bwd")
-        return backward.gdpa_backward(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, None, None,
-                                      activation="softmax", dkdv_tiles=_tuning.Tiles(16, 16, 1, 1),
-                                      dq_tiles=_tuning.Tiles(16, 16, 1, 1), **mode)  # fmt: skip
+        tiles = _tuning.Tiles(16, 16, 1, 1)
+        return backward.gdpa_backward(grad_out, q, k, v, out, lse, spec, dkdv_tiles=tiles, dq_tiles=tiles)
 
     def pick(registry, key, candidates, run, tensors, *, timings=None, **options):
         timings.update({c: 0.5 if c == _tuning.FLASH else 1.0 for c in candidates})
@@ -160,18 +157,18 @@ def test_auto_mixes_backends(auto_with_stand_in: dict, flash_phases: tuple, capl
         assert auto_with_stand_in["ran"] == []
         from lightning_gem.ops.attention.impl.triton import gdpa_triton
 
-        out = gdpa_triton(*leaves, inputs.q_offsets, inputs.q_offsets, activation="softmax", causal=True,
-                          window=None, block_size=None, scale=0.25, flash=True)  # fmt: skip
+        out = gdpa_triton(*leaves, Spec(inputs.q_offsets, inputs.q_offsets, None, None, **options), flash=True)
         grad_out = torch.randn_like(out)
         grads = torch.autograd.grad(out, leaves, grad_out)
     expected = ["flash fwd"] * ("fwd" in flash_phases) + ["flash bwd"] * ("bwd" in flash_phases)
     assert auto_with_stand_in["ran"] == expected
     jagged = (inputs.q_offsets, inputs.q_offsets, None, None)
     f64 = [t.double() for t in (inputs.q, inputs.k, inputs.v)]
-    oracle = [gdpa_reference(*f64, *jagged, **options)]
-    oracle += gdpa_reference_backward(grad_out.double(), *f64, *jagged, **options)
-    same = [gdpa_reference(inputs.q, inputs.k, inputs.v, *jagged, **options)]
-    same += gdpa_reference_backward(grad_out, inputs.q, inputs.k, inputs.v, *jagged, **options)
+    spec = Spec(*jagged, **options)
+    oracle = [gdpa_reference(*f64, spec)]
+    oracle += gdpa_reference_backward(grad_out.double(), *f64, spec)
+    same = [gdpa_reference(inputs.q, inputs.k, inputs.v, spec)]
+    same += gdpa_reference_backward(grad_out, inputs.q, inputs.k, inputs.v, spec)
     for name, got, exact, ref in zip(("out", "dq", "dk", "dv"), [out, *grads], oracle, same, strict=True):
         assert_within_budget(got, exact, ref, name=name)
     # The auto keys (ending in True) hold the choice; the same keys ending in False hold the best Triton tiles.
@@ -190,8 +187,7 @@ def test_auto_keys_hold_heads(auto_with_stand_in: dict) -> None:
     offsets = torch.tensor([0, 20, 33])
     for heads in (2, 4):
         q, k, v = (torch.randn(33, heads, 16) for _ in range(3))
-        gdpa_triton(q, k, v, offsets, offsets, activation="softmax", causal=True, window=None, block_size=None,
-                    scale=0.25, flash=True)  # fmt: skip
+        gdpa_triton(q, k, v, Spec(offsets, offsets, None, None, "softmax", True, None, None, 0.25), flash=True)
     keys = [key for key in _tuning.chosen_tiles() if key[0] == "fwd" and key[-1] is True]
     assert len(keys) == 2 and {key[-3] for key in keys} == {2, 4}
 
@@ -202,11 +198,13 @@ def test_auto_inference_skips_the_log_sum_exp(auto_with_stand_in: dict) -> None:
     auto_with_stand_in["flash"] = {"fwd"}
     offsets = torch.tensor([0, 20, 20, 33])
     q, k, v = (torch.randn(33, 2, 16, generator=torch.Generator().manual_seed(n)) for n in range(3))
-    options = dict(activation="softmax", causal=True, window=None, block_size=None, scale=0.25, flash=True)
+    spec = Spec(
+        offsets, offsets, None, None, activation="softmax", causal=True, window=None, block_size=None, scale=0.25
+    )
     with torch.no_grad():
-        inference = gdpa_triton(q, k, v, offsets, offsets, **options)
+        inference = gdpa_triton(q, k, v, spec, flash=True)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    training = gdpa_triton(*leaves, offsets, offsets, **options)
+    training = gdpa_triton(*leaves, spec, flash=True)
     # FA4 is asked for the log-sum-exp only where a backward will read it; the outputs agree.
     assert auto_with_stand_in["need_lse"] == [False, True]
     torch.testing.assert_close(inference, training.detach(), rtol=0, atol=0)
@@ -256,10 +254,11 @@ def test_flash_matches_reference_gpu(layout: str, mode: dict, impl: str, dim: in
     grads = torch.autograd.grad(out, leaves, grad_out)
     jagged = (cuda["q_offsets"], cuda["q_offsets"] if kv_offsets is None else kv_offsets, None, None)
     f64 = [t.double() for t in (q, k, v)]
-    oracle = [gdpa_reference(*f64, *jagged, **options)]
-    oracle += gdpa_reference_backward(grad_out.double(), *f64, *jagged, **options)
-    same = [gdpa_reference(q, k, v, *jagged, **options, compute_dtype=torch.bfloat16)]
-    same += gdpa_reference_backward(grad_out, q, k, v, *jagged, **options, compute_dtype=torch.bfloat16)
+    spec = Spec(*jagged, **options)
+    oracle = [gdpa_reference(*f64, spec)]
+    oracle += gdpa_reference_backward(grad_out.double(), *f64, spec)
+    same = [gdpa_reference(q, k, v, spec, compute_dtype=torch.bfloat16)]
+    same += gdpa_reference_backward(grad_out, q, k, v, spec, compute_dtype=torch.bfloat16)
     for name, got, exact, ref in zip(("out", "dq", "dk", "dv"), [out, *grads], oracle, same, strict=True):
         assert_within_budget(got, exact, ref, name=f"{impl} {name}", ulps=2.0)
 
@@ -269,5 +268,5 @@ def test_flash_ops_opcheck_gpu() -> None:
     _fa4_device()
     offsets = torch.tensor([0, 100, 100, 229], device="cuda")
     q, k, v = (torch.randn(229, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    args = (q, k, v, offsets, offsets, True, None, None, 0.125, 129, 129, False)
+    args = (q, k, v, offsets, offsets, None, None, "softmax", True, None, None, 0.125, 129, 129, False)
     torch.library.opcheck(flash._gdpa_flash_op, args, test_utils=("test_schema", "test_faketensor"))

@@ -19,6 +19,7 @@ import torch
 from lightning_gem.ops import gdpa
 from lightning_gem.ops.attention.impl.triton import _tuning, backward, forward
 from lightning_gem.ops.attention.impl.triton._tuning import Tiles, forget_choices, pick_launch
+from lightning_gem.ops.attention.spec import Spec
 
 # One change from BASE each: every field that could change a launch.
 BASE = dict(activation="softmax", causal=False, window=None, block_size=None, shared_kv=False, targets=False,
@@ -53,11 +54,11 @@ def _call(config: dict) -> None:
     num_kv = int(kv_offsets[-1])
     q, grad_out = torch.randn(8, heads, d, dtype=dtype), torch.randn(8, heads, dv, dtype=dtype)
     k, v = torch.randn(num_kv, heads, d, dtype=dtype), torch.randn(num_kv, heads, dv, dtype=dtype)
-    mode = {name: config[name] for name in ("activation", "causal", "window", "block_size")}
-    jagged = (q_offsets, kv_offsets, kv_index, num_targets)
-    out, lse = forward.gdpa_forward(q, k, v, *jagged, **mode, scale=0.25, max_seq_len_q=config["max_q"])
-    backward.gdpa_backward(grad_out, q, k, v, out, lse, *jagged, **mode, scale=0.25, max_seq_len_q=config["max_q"],
-                           max_seq_len_kv=8, deterministic=config["deterministic"])  # fmt: skip
+    mode = {name: config[name] for name in ("activation", "causal", "window", "block_size", "deterministic")}
+    spec = Spec(q_offsets, kv_offsets, kv_index, num_targets, **mode, scale=0.25, max_seq_len_q=config["max_q"],
+                max_seq_len_kv=8)  # fmt: skip
+    out, lse = forward.gdpa_forward(q, k, v, spec)
+    backward.gdpa_backward(grad_out, q, k, v, out, lse, spec)
 
 
 @pytest.fixture

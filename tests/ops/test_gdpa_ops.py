@@ -57,6 +57,30 @@ OPCHECK_CASES = {
 }
 
 
+@pytest.mark.parametrize(
+    ("op", "before"),
+    [
+        ("gdpa_reference", ["q", "k", "v"]),
+        ("gdpa_reference_backward", ["grad_out", "q", "k", "v"]),
+        ("gdpa_triton", ["q", "k", "v"]),
+        ("gdpa_triton_backward", ["grad_out", "q", "k", "v", "out", "lse"]),
+        ("gdpa_flash", ["q", "k", "v"]),
+        ("gdpa_flash_backward", ["grad_out", "q", "k", "v", "out", "lse"]),
+    ],
+)
+def test_op_arguments_are_the_spec_fields(op: str, before: list[str]) -> None:
+    """Every GDPA op takes its data, then :class:`Spec`'s fields in order (all of them but the reference's, which
+    stops at ``scale``; the Triton ops add ``flash``): ``op(q, k, v, *spec)`` and ``Spec(*args)`` rely on it."""
+    pytest.importorskip("triton")
+    from lightning_gem.ops.attention.spec import Spec
+
+    for module in ("lightning_gem.ops.attention.impl.triton.ops", "lightning_gem.ops.attention.impl.flash"):
+        importlib.import_module(module)  # registers their ops
+    names = [arg.name for arg in getattr(torch.ops.lightning_gem, op).default._schema.arguments]
+    fields = list(Spec._fields[: Spec._fields.index("scale") + 1] if op.startswith("gdpa_reference") else Spec._fields)
+    assert names == before + fields + (["flash"] if op.startswith("gdpa_triton") else [])
+
+
 @pytest.mark.parametrize("case", OPCHECK_CASES)
 def test_opcheck_gdpa_reference(case: str) -> None:
     layout, activation, causal, window, block_size, lengths = OPCHECK_CASES[case]

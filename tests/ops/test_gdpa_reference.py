@@ -18,6 +18,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_gem.ops import gdpa
 from lightning_gem.ops.attention.impl.reference import gdpa_reference, gdpa_reference_backward
+from lightning_gem.ops.attention.spec import Spec
 from lightning_gem.testing.gdpa_oracle import allowed_pairs, gdpa_oracle
 from lightning_gem.testing.jagged_inputs import LAYOUTS, GDPAInputs, lengths_to_offsets, make_gdpa_inputs
 from lightning_gem.testing.numerics import assert_within_budget
@@ -278,11 +279,12 @@ def test_reference_never_pads_the_whole_batch() -> None:
         dim_v=dim,
         dtype=torch.float32,
     )
-    args = (inputs.q, inputs.k, inputs.v, inputs.q_offsets, inputs.q_offsets, None, None)
-    mode = {"activation": "silu", "causal": True, "window": None, "block_size": None, "scale": 0.5}
+    qkv = (inputs.q, inputs.k, inputs.v)
+    spec = Spec(inputs.q_offsets, inputs.q_offsets, None, None, "silu", causal=True, window=None, block_size=None,
+                scale=0.5)  # fmt: skip
     with _LargestTensor() as counter:
-        out = gdpa_reference(*args, **mode)
-        gdpa_reference_backward(torch.ones_like(out), *args, **mode)
+        out = gdpa_reference(*qkv, spec)
+        gdpa_reference_backward(torch.ones_like(out), *qkv, spec)
     padded_scores = len(lengths) * max(lengths) ** 2 * heads
     # Buckets pad each segment at most to twice its length in each of the two dims.
     bound = max(4 * heads * sum(n * n for n in lengths), inputs.q.numel())

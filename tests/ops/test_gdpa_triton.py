@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from lightning_gem.ops.attention.impl.reference import gdpa_reference, gdpa_reference_backward
+from lightning_gem.ops.attention.spec import Spec
 from lightning_gem.testing.gdpa_oracle import gdpa_oracle
 from lightning_gem.testing.jagged_inputs import GDPAInputs, make_gdpa_inputs
 from lightning_gem.testing.numerics import assert_within_budget
@@ -66,13 +67,15 @@ def _inputs(layout: str, seed: int, dtype: torch.dtype, device: str, **kwargs: o
     return GDPAInputs(**moved, q_lengths=inputs.q_lengths, kv_lengths=inputs.kv_lengths)
 
 
-def _run_triton(inputs: GDPAInputs, grad_out: torch.Tensor | None = None, **options: object):
-    """Output and (if ``grad_out``) ``(dq, dk, dv)`` of :func:`gdpa_triton` through autograd."""
+def _run_triton(inputs: GDPAInputs, grad_out: torch.Tensor | None = None, flash: bool = False, **options: object):
+    """Output and (if ``grad_out``) ``(dq, dk, dv)`` of :func:`gdpa_triton` through autograd (``options``: the
+    :class:`Spec` fields but the tensors)."""
     from lightning_gem.ops.attention.impl.triton import gdpa_triton
 
     q, k, v = (t.detach().clone().requires_grad_(grad_out is not None) for t in (inputs.q, inputs.k, inputs.v))
     kv_offsets = inputs.q_offsets if inputs.kv_offsets is None else inputs.kv_offsets
-    out = gdpa_triton(q, k, v, inputs.q_offsets, kv_offsets, inputs.kv_index, inputs.num_targets, **options)
+    out = gdpa_triton(q, k, v, Spec(inputs.q_offsets, kv_offsets, inputs.kv_index, inputs.num_targets, **options),
+                      flash=flash)  # fmt: skip
     if grad_out is None:
         return out, None
     return out, torch.autograd.grad(out, (q, k, v), grad_out)
@@ -95,8 +98,8 @@ def _check_against_reference(
     q64, k64, v64 = (cpu[n].to(torch.float64) for n in ("q", "k", "v"))
     kv_offsets = cpu["q_offsets"] if cpu["kv_offsets"] is None else cpu["kv_offsets"]
     jagged = (cpu["q_offsets"], kv_offsets, cpu["kv_index"], cpu["num_targets"])
-    oracle = gdpa_reference(q64, k64, v64, *jagged, **options)
-    oracle_grads = gdpa_reference_backward(grad_out.cpu().to(torch.float64), q64, k64, v64, *jagged, **options)
+    oracle = gdpa_reference(q64, k64, v64, Spec(*jagged, **options))
+    oracle_grads = gdpa_reference_backward(grad_out.cpu().to(torch.float64), q64, k64, v64, Spec(*jagged, **options))
 
     # The budget: the padded oracle run entirely in the tested dtype (fp16 on CPU, like every naive path).
     leaves = [cpu[n].to(dtype).requires_grad_() for n in ("q", "k", "v")]
@@ -177,16 +180,15 @@ def test_other_tile_shapes(device: str, block_m: int, block_n: int, mask: tuple,
     options = _options("softmax", *mask)
     jagged = (inputs.q_offsets, inputs.q_offsets, None, inputs.num_targets)
     tiles = Tiles(block_m, block_n, 4)
-    out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, *jagged, **options, max_seq_len_q=96, tiles=tiles)
+    spec = Spec(*jagged, **options, max_seq_len_q=96, max_seq_len_kv=96, deterministic=deterministic)
+    out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=tiles)
     grad_out = torch.randn_like(out)
-    lens = {"max_seq_len_q": 96, "max_seq_len_kv": 96}
     tiles_bwd = {"dkdv_tiles": tiles, "dq_tiles": Tiles(block_n, block_m, 4) if deterministic else None}
-    grads = gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, *jagged, **options, **lens,
-                          deterministic=deterministic, **tiles_bwd)  # fmt: skip
+    grads = gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, spec, **tiles_bwd)
     cpu64 = [t.cpu().double() for t in (inputs.q, inputs.k, inputs.v)]
-    jagged = tuple(None if t is None else t.cpu() for t in jagged)
-    torch.testing.assert_close(out.cpu().double(), gdpa_reference(*cpu64, *jagged, **options), rtol=0, atol=1e-5)
-    expected = gdpa_reference_backward(grad_out.cpu().double(), *cpu64, *jagged, **options)
+    cpu_spec = Spec(*(None if t is None else t.cpu() for t in jagged), **options)
+    torch.testing.assert_close(out.cpu().double(), gdpa_reference(*cpu64, cpu_spec), rtol=0, atol=1e-5)
+    expected = gdpa_reference_backward(grad_out.cpu().double(), *cpu64, cpu_spec)
     for got, want in zip(grads, expected, strict=True):
         torch.testing.assert_close(got.cpu().double(), want, rtol=0, atol=1e-5)
 
@@ -250,7 +252,7 @@ def test_rejects_float64() -> None:
     q = torch.randn(3, 1, 4, dtype=torch.float64)
     offsets = torch.tensor([0, 3])
     with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
-        gdpa_triton(q, q, q, offsets, offsets, **_options("softmax", False, None, None))
+        gdpa_triton(q, q, q, Spec(offsets, offsets, None, None, **_options("softmax", False, None, None)))
 
 
 def test_opcheck(device: str) -> None:
@@ -272,7 +274,7 @@ def test_compile_fullgraph(device: str) -> None:
     options = {**_options("softmax", True, None, 8), "max_seq_len_q": MAX_LEN, "max_seq_len_kv": MAX_LEN}
 
     def loss(q, k, v):
-        out = gdpa_triton(q, k, v, inputs.q_offsets, inputs.kv_offsets, inputs.kv_index, None, **options)
+        out = gdpa_triton(q, k, v, Spec(inputs.q_offsets, inputs.kv_offsets, inputs.kv_index, None, **options))
         return out.square().sum()
 
     # The interpreter runs kernels on CPU tensors, which Inductor cannot launch: trace with AOT autograd only.
@@ -301,7 +303,7 @@ def test_flop_counter(device: str) -> None:
     q, k, v = (t.clone().requires_grad_() for t in (inputs.q, inputs.k, inputs.v))
     jagged = (inputs.q_offsets, inputs.q_offsets, None, inputs.num_targets)
     with FlopCounterMode(display=False) as counter:
-        gdpa_triton(q, k, v, *jagged, **options).sum().backward()
+        gdpa_triton(q, k, v, Spec(*jagged, **options)).sum().backward()
     forward = gdpa_flops(q, k, v, *jagged, **mask)
     backward = gdpa_flops(q, k, v, *jagged, **mask, backward=True)
     assert forward > 0
@@ -330,15 +332,14 @@ def test_short_query_backward(device: str, layout: str, activation: str, mask: t
     kv_offsets = inputs.q_offsets if inputs.kv_offsets is None else inputs.kv_offsets
     jagged = (inputs.q_offsets, kv_offsets, None, None)
     max_kv = max(kv_lengths or q_lengths)
-    out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, *jagged, **options, max_seq_len_q=16)
+    spec = Spec(*jagged, **options, max_seq_len_q=16, max_seq_len_kv=max_kv)
+    out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, spec)
     grad_out = torch.randn_like(out)
-    grads = gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, *jagged, **options, max_seq_len_q=16,
-                          max_seq_len_kv=max_kv, short_tiles=Tiles(16, 16, 1, 1))  # fmt: skip
-    again = gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, *jagged, **options, max_seq_len_q=16,
-                          max_seq_len_kv=max_kv, short_tiles=Tiles(16, 16, 1, 1))  # fmt: skip
+    grads = gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, spec, short_tiles=Tiles(16, 16, 1, 1))
+    again = gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, spec, short_tiles=Tiles(16, 16, 1, 1))
     cpu64 = [t.cpu().double() for t in (inputs.q, inputs.k, inputs.v)]
-    jagged = tuple(None if t is None else t.cpu() for t in jagged)
-    expected = gdpa_reference_backward(grad_out.cpu().double(), *cpu64, *jagged, **options)
+    cpu_spec = Spec(*(None if t is None else t.cpu() for t in jagged), **options)
+    expected = gdpa_reference_backward(grad_out.cpu().double(), *cpu64, cpu_spec)
     for got, want in zip(grads, expected, strict=True):
         torch.testing.assert_close(got.cpu().double(), want, rtol=0, atol=2e-5)
     for a, b in zip(grads, again, strict=True):
@@ -351,15 +352,14 @@ def test_short_query_backward_refuses_what_it_cannot_serve(device: str) -> None:
 
     inputs = _inputs("shared_kv", 1, torch.float32, device, q_lengths=[4, 2])
     options = _options("silu", False, None, None)
-    args = (inputs.q, inputs.q, inputs.k, inputs.v, None, None, inputs.q_offsets, inputs.kv_offsets)
+    args = (inputs.q, inputs.q, inputs.k, inputs.v, None, None)
+    offsets = (inputs.q_offsets, inputs.kv_offsets)
     with pytest.raises(ValueError, match="short_tiles needs no kv_index"):
-        gdpa_backward(
-            *args, inputs.kv_index, None, **options, max_seq_len_q=4, max_seq_len_kv=64, short_tiles=Tiles(16, 16, 1, 1)
-        )
+        spec = Spec(*offsets, inputs.kv_index, None, **options, max_seq_len_q=4, max_seq_len_kv=64)
+        gdpa_backward(*args, spec, short_tiles=Tiles(16, 16, 1, 1))
     with pytest.raises(ValueError, match="block_m >= max_seq_len_q"):
-        gdpa_backward(
-            *args, None, None, **options, max_seq_len_q=32, max_seq_len_kv=64, short_tiles=Tiles(16, 16, 1, 1)
-        )
+        spec = Spec(*offsets, None, None, **options, max_seq_len_q=32, max_seq_len_kv=64)
+        gdpa_backward(*args, spec, short_tiles=Tiles(16, 16, 1, 1))
 
 
 @pytest.mark.gpu
@@ -384,9 +384,9 @@ def test_short_query_backward_bf16_gpu(activation: str) -> None:
     for plan in plans:
 
         def run(grad_out: torch.Tensor, plan=plan) -> tuple:
-            out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, *jagged, **options, max_seq_len_q=32)
-            grads = gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, *jagged, **options,
-                                  max_seq_len_q=32, max_seq_len_kv=300, short_tiles=plan.dkdv)  # fmt: skip
+            spec = Spec(*jagged, **options, max_seq_len_q=32, max_seq_len_kv=300)
+            out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, spec)
+            grads = gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, spec, short_tiles=plan.dkdv)
             return out, grads
 
         _check_against_reference(inputs, options, f"short {activation} {plan.dkdv}", run=run)
@@ -418,11 +418,11 @@ def test_bulk_reduced_dq_gpu(layout: str, mask: tuple) -> None:
     for tiles in (Tiles(64, 128, 8, 3), Tiles(32, 64, 4, 2)):
 
         def run(grad_out: torch.Tensor, tiles=tiles) -> tuple:
-            out, lse = gdpa_forward(
-                inputs.q, inputs.k, inputs.v, *jagged, **options, max_seq_len_q=lens["max_seq_len_q"]
+            spec = Spec(*jagged, **options, **lens)
+            out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, spec)
+            grads = gdpa_backward(
+                grad_out, inputs.q, inputs.k, inputs.v, out, lse, spec, dkdv_tiles=tiles, bulk_dq=True
             )
-            grads = gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, *jagged, **options, **lens,
-                                  dkdv_tiles=tiles, bulk_dq=True)  # fmt: skip
             return out, grads
 
         _check_against_reference(inputs, options, f"{layout} bulk dQ {tiles}", run=run)
@@ -444,16 +444,17 @@ def test_bulk_reduced_dq_falls_back_when_traced(device: str, monkeypatch: pytest
     options = _options("softmax", True, None, None)
     jagged = (inputs.q_offsets, inputs.q_offsets, None, inputs.num_targets)
     lens = {"max_seq_len_q": MAX_LEN, "max_seq_len_kv": MAX_LEN}
-    out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, *jagged, **options, max_seq_len_q=MAX_LEN)
+    spec = Spec(*jagged, **options, **lens)
+    out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, spec)
     grad_out = torch.randn_like(out)
     tiles = Tiles(16, 16, 1, 1) if device == "cpu" else Tiles(64, 64, 4, 2)
     with FlopCounterMode(display=False):
         grads = backward.gdpa_backward(
-            grad_out, inputs.q, inputs.k, inputs.v, out, lse, *jagged, **options, **lens, dkdv_tiles=tiles, bulk_dq=True
+            grad_out, inputs.q, inputs.k, inputs.v, out, lse, spec, dkdv_tiles=tiles, bulk_dq=True
         )
     assert not made, "a traced launch built a tensor descriptor"
     cpu64 = [t.cpu().double() for t in (inputs.q, inputs.k, inputs.v)]
-    jagged = tuple(None if t is None else t.cpu() for t in jagged)
-    expected = gdpa_reference_backward(grad_out.cpu().double(), *cpu64, *jagged, **options)
+    cpu_spec = Spec(*(None if t is None else t.cpu() for t in jagged), **options)
+    expected = gdpa_reference_backward(grad_out.cpu().double(), *cpu64, cpu_spec)
     for got, want in zip(grads, expected, strict=True):
         torch.testing.assert_close(got.cpu().double(), want, rtol=0, atol=1e-5)

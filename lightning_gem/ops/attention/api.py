@@ -1,7 +1,8 @@
 """The public GDPA function: validation, defaults and ``impl=`` dispatch.
 
 GDPA (generalized dot-product attention) is the one attention op of the kit. Jagged Flash Attention,
-HSTU pointwise attention, target-aware candidate attention and BlockAttention are modes of it.
+HSTU pointwise attention, target-aware candidate attention and BlockAttention are modes of it. The package
+(:mod:`lightning_gem.ops.attention`) lists the public names.
 """
 
 from __future__ import annotations
@@ -14,16 +15,7 @@ from torch import Tensor
 
 from lightning_gem import jagged
 from lightning_gem.ops.attention.impl.reference import ACTIVATIONS
-
-__all__ = [
-    "ACTIVATIONS",
-    "IMPLS",
-    "block_attention",
-    "gdpa",
-    "hstu_attention",
-    "jagged_flash_attention",
-    "resolve_impl",
-]
+from lightning_gem.ops.attention.spec import Spec
 
 IMPLS = ("auto", "reference", "triton", "flash", "padded")
 
@@ -187,37 +179,26 @@ def gdpa(
         resolved = resolve_impl(impl, q)
     else:
         resolved = _resolve_biased(impl, score_bias, q, self_attention, kv_index, num_targets, num_segments)
-    tensors = (q, k, v, q_offsets, kv_offsets, kv_index, num_targets)
-    if resolved == "triton":  # the hot path first, its arguments passed as they are (no dicts to unpack)
+    spec = Spec(q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size, float(scale),
+                max_seq_len_q, max_seq_len_kv, deterministic)  # fmt: skip
+    if resolved == "triton":  # the hot path first
         from lightning_gem.ops.attention.impl.triton import gdpa_triton
 
-        out = gdpa_triton(
-            *tensors, activation=activation, causal=causal, window=window, block_size=block_size, scale=float(scale),
-            max_seq_len_q=max_seq_len_q, max_seq_len_kv=max_seq_len_kv, deterministic=deterministic,
-            flash=impl == "auto",
-        )  # fmt: skip
+        out = gdpa_triton(q, k, v, spec, flash=impl == "auto")
     elif resolved == "padded":  # divides by normalization_length itself
         from lightning_gem.ops.attention.impl.padded import gdpa_padded
 
-        mode = {"activation": activation, "causal": causal, "window": window, "block_size": block_size}
-        return gdpa_padded(
-            *tensors, **mode, scale=float(scale), score_bias=score_bias, normalization_length=normalization_length,
-            max_seq_len_q=max_seq_len_q, max_seq_len_kv=max_seq_len_kv,
-        )  # fmt: skip
+        return gdpa_padded(q, k, v, spec, score_bias=score_bias, normalization_length=normalization_length)
     elif resolved == "flash":
         from lightning_gem.ops.attention.impl.flash import gdpa_flash
 
-        mode = {"activation": activation, "causal": causal, "window": window, "block_size": block_size}
-        hints = {"max_seq_len_q": max_seq_len_q, "max_seq_len_kv": max_seq_len_kv}
-        out = gdpa_flash(
-            *tensors, **mode, scale=float(scale), **hints, deterministic=deterministic, self_attention=self_attention
-        )
+        out = gdpa_flash(q, k, v, spec, self_attention=self_attention)
     else:
         # Imported on first use: registering FLOP formulas imports torch.utils.flop_counter, which imports
         # Triton. FLOP counting that starts before the first call imports this module itself (lightning_gem.flops).
         from lightning_gem.ops.attention.ops import gdpa_reference_op
 
-        out = gdpa_reference_op(*tensors, activation, causal, window, block_size, float(scale))
+        out = gdpa_reference_op(q, k, v, *spec[:9])
     if normalization_length is not None:
         out = _renormalized(out, q_offsets, kv_offsets, kv_index, normalization_length)
     return out

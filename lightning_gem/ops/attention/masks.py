@@ -25,7 +25,7 @@ from torch import Tensor
 
 from lightning_gem import jagged
 
-__all__ = ["Segments", "allowed_mask", "key_ranges", "num_allowed_pairs", "segments"]
+__all__ = ["Segments", "key_ranges", "num_allowed_pairs", "padded_mask", "segments"]
 
 
 class Segments(NamedTuple):
@@ -49,27 +49,22 @@ def segments(q_offsets: Tensor, kv_offsets: Tensor, kv_index: Tensor | None, num
     return Segments(q_start, len_q, k_start, len_k, num_history)
 
 
-def allowed_mask(
-    q_pos: Tensor,
-    k_pos: Tensor,
+def padded_mask(
     len_q: Tensor,
     len_k: Tensor,
     num_history: Tensor,
+    num_q: int,
+    num_k: int,
     *,
     causal: bool,
     window: int | None,
     block_size: int | None,
 ) -> Tensor:
-    """Broadcasting boolean mask of allowed pairs.
-
-    Args:
-        q_pos: local query indices ``i`` (broadcastable, e.g. ``[N, Lq, 1]``).
-        k_pos: local key indices ``t`` (e.g. ``[N, 1, Lk]``).
-        len_q, len_k: segment lengths, broadcastable against the above (e.g. ``[N, 1, 1]``).
-        num_history: ``h`` per segment (``len_k`` when there are no targets).
-    Returns:
-        bool tensor of the broadcast shape; pairs outside ``[0, len)`` are False.
-    """
+    """``[N, num_q, num_k]`` boolean mask of the allowed pairs of ``N`` segments padded to ``num_q`` queries and
+    ``num_k`` keys; ``len_q``, ``len_k``, ``num_history``: ``[N]`` each. Pairs outside ``[0, len)`` are False."""
+    q_pos = torch.arange(num_q, device=len_q.device)[None, :, None]
+    k_pos = torch.arange(num_k, device=len_q.device)[None, None, :]
+    len_q, len_k, num_history = len_q[:, None, None], len_k[:, None, None], num_history[:, None, None]
     # Each query row sees one contiguous range of history keys, plus its own key if it is a target:
     # building the mask from the ranges costs a few comparisons per pair whatever the rules enabled.
     lo, hi, own_target = key_ranges(
@@ -90,7 +85,7 @@ def key_ranges(
     block_size: int | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per query row: the history keys it sees as a half-open range ``[lo, hi)`` and whether it also sees
-    its own target key. All arguments are 1-D and aligned (one entry per query row).
+    its own target key. The arguments broadcast against each other (e.g. one entry per query row).
 
     Kernels use this to skip key blocks outside ``[lo, hi)``; FLOP counting sums ``hi - lo`` (+1).
     """

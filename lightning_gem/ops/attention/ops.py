@@ -13,83 +13,37 @@ from torch.utils.flop_counter import register_flop_formula
 
 from lightning_gem.ops.attention.impl.reference import gdpa_reference, gdpa_reference_backward
 from lightning_gem.ops.attention.masks import num_allowed_pairs
+from lightning_gem.ops.attention.spec import MODE_SCHEMA, Spec
 
-__all__ = ["gdpa_flops", "gdpa_op_flops", "gdpa_reference_op"]
+__all__ = ["gdpa_flops", "gdpa_op_flops", "gdpa_reference_op", "register_flop_formulas"]
 
 
-@torch.library.custom_op("lightning_gem::gdpa_reference", mutates_args=())
-def gdpa_reference_op(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_offsets: Tensor,
-    kv_offsets: Tensor,
-    kv_index: Tensor | None,
-    num_targets: Tensor | None,
-    activation: str,
-    causal: bool,
-    window: int | None,
-    block_size: int | None,
-    scale: float,
-) -> Tensor:
-    """Forward of the reference GDPA (inputs already validated by :func:`lightning_gem.ops.gdpa`)."""
-    return gdpa_reference(
-        q,
-        k,
-        v,
-        q_offsets,
-        kv_offsets,
-        kv_index,
-        num_targets,
-        activation=activation,
-        causal=causal,
-        window=window,
-        block_size=block_size,
-        scale=scale,
-    )
+@torch.library.custom_op(
+    "lightning_gem::gdpa_reference", mutates_args=(), schema=f"(Tensor q, Tensor k, Tensor v, {MODE_SCHEMA}) -> Tensor"
+)
+def gdpa_reference_op(q: Tensor, k: Tensor, v: Tensor, *spec: object) -> Tensor:
+    """Forward of the reference GDPA: ``q, k, v`` and the first nine fields of a :class:`Spec` (inputs already
+    validated by :func:`lightning_gem.ops.gdpa`)."""
+    return gdpa_reference(q, k, v, Spec(*spec))
 
 
 @gdpa_reference_op.register_fake
-def _(q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size, scale):
+def _(q, k, v, *spec):
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
 
 
-@torch.library.custom_op("lightning_gem::gdpa_reference_backward", mutates_args=())
-def gdpa_reference_backward_op(
-    grad_out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_offsets: Tensor,
-    kv_offsets: Tensor,
-    kv_index: Tensor | None,
-    num_targets: Tensor | None,
-    activation: str,
-    causal: bool,
-    window: int | None,
-    block_size: int | None,
-    scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
+@torch.library.custom_op(
+    "lightning_gem::gdpa_reference_backward",
+    mutates_args=(),
+    schema=f"(Tensor grad_out, Tensor q, Tensor k, Tensor v, {MODE_SCHEMA}) -> (Tensor, Tensor, Tensor)",
+)
+def gdpa_reference_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, *spec: object) -> tuple[Tensor, ...]:
     """Backward of the reference GDPA: the explicit formulas of :func:`gdpa_reference_backward`."""
-    return gdpa_reference_backward(
-        grad_out,
-        q,
-        k,
-        v,
-        q_offsets,
-        kv_offsets,
-        kv_index,
-        num_targets,
-        activation=activation,
-        causal=causal,
-        window=window,
-        block_size=block_size,
-        scale=scale,
-    )
+    return gdpa_reference_backward(grad_out, q, k, v, Spec(*spec))
 
 
 @gdpa_reference_backward_op.register_fake
-def _(grad_out, q, k, v, *args):
+def _(grad_out, q, k, v, *spec):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -100,11 +54,8 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grad_out):
-    q, k, v, q_offsets, kv_offsets, kv_index, num_targets = ctx.saved_tensors
-    dq, dk, dv = gdpa_reference_backward_op(
-        grad_out.contiguous(), q, k, v, q_offsets, kv_offsets, kv_index, num_targets, *ctx.options
-    )
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    dq, dk, dv = gdpa_reference_backward_op(grad_out.contiguous(), *ctx.saved_tensors, *ctx.options)
+    return dq, dk, dv, *(None,) * 9
 
 
 gdpa_reference_op.register_autograd(_backward, setup_context=_setup_context)
@@ -116,12 +67,12 @@ def gdpa_flops(
     v: Tensor,
     q_offsets: Tensor,
     kv_offsets: Tensor,
-    kv_index: Tensor | None,
-    num_targets: Tensor | None,
+    kv_index: Tensor | None = None,
+    num_targets: Tensor | None = None,
     *,
-    causal: bool,
-    window: int | None,
-    block_size: int | None,
+    causal: bool = False,
+    window: int | None = None,
+    block_size: int | None = None,
     backward: bool = False,
 ) -> int:
     """Useful matmul FLOPs of one GDPA call: only allowed (query, key) pairs are counted.
@@ -156,12 +107,22 @@ def gdpa_op_flops(qkv: tuple, rest: tuple, *, backward: bool) -> int:
     return gdpa_flops(*qkv, *jagged, causal=causal, window=window, block_size=block_size, backward=backward)
 
 
-@register_flop_formula(torch.ops.lightning_gem.gdpa_reference, get_raw=True)
-def _gdpa_flop(*args, out_val=None, **kwargs) -> int:
-    return gdpa_op_flops(args[:3], args[3:], backward=False)
+def register_flop_formulas(forward_op: object, backward_op: object, *, saved_outputs: int) -> None:
+    """Count a GDPA op and its backward with :func:`gdpa_op_flops`: ``forward_op`` takes ``(q, k, v, *spec)``,
+    ``backward_op`` ``(grad_out, q, k, v, *saved, *spec)`` with ``saved_outputs`` forward outputs between (``spec``:
+    :class:`Spec`'s fields in order, as many as the op takes)."""
+    first = 4 + saved_outputs
+
+    def forward_flops(*args, out_val=None, **kwargs) -> int:
+        return gdpa_op_flops(args[:3], args[3:], backward=False)
+
+    def backward_flops(*args, out_val=None, **kwargs) -> int:
+        return gdpa_op_flops(args[1:4], args[first:], backward=True)
+
+    register_flop_formula(forward_op, get_raw=True)(forward_flops)
+    register_flop_formula(backward_op, get_raw=True)(backward_flops)
 
 
-@register_flop_formula(torch.ops.lightning_gem.gdpa_reference_backward, get_raw=True)
-def _gdpa_backward_flop(*args, out_val=None, **kwargs) -> int:
-    # (grad_out, q, k, v, q_offsets, ...)
-    return gdpa_op_flops(args[1:4], args[4:], backward=True)
+register_flop_formulas(
+    torch.ops.lightning_gem.gdpa_reference, torch.ops.lightning_gem.gdpa_reference_backward, saved_outputs=0
+)

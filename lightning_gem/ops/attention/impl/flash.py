@@ -28,12 +28,11 @@ import math
 
 import torch
 from torch import Tensor
-from torch.utils.flop_counter import register_flop_formula
 
 from lightning_gem.imports import FA4_AVAILABLE, FA4_INSTALL
-from lightning_gem.jagged import max_length_hint
 from lightning_gem.ops._launch import plain_eager, records_graph
-from lightning_gem.ops.attention.ops import gdpa_flops
+from lightning_gem.ops.attention.ops import register_flop_formulas
+from lightning_gem.ops.attention.spec import HINTS_SCHEMA, MODE_SCHEMA, Spec, with_length_hints
 
 __all__ = ["block_offsets", "flash_backward", "flash_forward", "gdpa_flash", "require_flash", "unsupported"]
 
@@ -105,17 +104,20 @@ def block_offsets(offsets: Tensor, block_size: int, num_rows: int) -> Tensor:
     return torch.cat([starts, starts.new_full((1,), num_rows)]).to(torch.int32)
 
 
-def _varlen_args(
-    q_offsets: Tensor, kv_offsets: Tensor, block_size: int | None, num_q: int, max_seq_len_q: int, max_seq_len_kv: int
-) -> dict[str, object]:
+def _varlen_args(spec: Spec, num_q: int) -> dict[str, object]:
     """FA4's varlen keywords: int32 cumulative lengths and Python-int maximum lengths."""
-    if block_size is not None:  # self-attention: queries and keys share the block segments
-        blocks = block_offsets(q_offsets, block_size, num_q)
-        longest = min(block_size, max_seq_len_q)
+    if spec.block_size is not None:  # self-attention: queries and keys share the block segments
+        blocks = block_offsets(spec.q_offsets, spec.block_size, num_q)
+        longest = min(spec.block_size, int(spec.max_seq_len_q))
         return dict(cu_seqlens_q=blocks, cu_seqlens_k=blocks, max_seqlen_q=longest, max_seqlen_k=longest)
-    cu_q = q_offsets.to(torch.int32)
-    cu_k = cu_q if kv_offsets is q_offsets else kv_offsets.to(torch.int32)
-    return dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=int(max_seq_len_q), max_seqlen_k=int(max_seq_len_kv))
+    cu_q = spec.q_offsets.to(torch.int32)
+    cu_k = cu_q if spec.kv_offsets is spec.q_offsets else spec.kv_offsets.to(torch.int32)
+    return dict(
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=int(spec.max_seq_len_q),
+        max_seqlen_k=int(spec.max_seq_len_kv),
+    )
 
 
 def _window(causal: bool, window: int | None) -> dict[str, int | None]:
@@ -129,24 +131,10 @@ def _empty(q: Tensor, v: Tensor) -> bool:
     return q.shape[0] == 0 or q.shape[1] == 0 or v.shape[0] == 0
 
 
-def flash_forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_offsets: Tensor,
-    kv_offsets: Tensor,
-    *,
-    causal: bool,
-    window: int | None,
-    block_size: int | None,
-    scale: float,
-    max_seq_len_q: int,
-    max_seq_len_kv: int,
-    need_lse: bool = True,
-) -> tuple[Tensor, Tensor]:
-    """FA4's forward on validated inputs: ``(out [Tq, H, Dv], lse [H, Tq])`` (the kit's base-2 log-sum-exp).
-    ``need_lse=False`` (no backward will read it): FA4 runs its kernel without the log-sum-exp, returned as
-    ``[H, 0]``."""
+def flash_forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, need_lse: bool = True) -> tuple[Tensor, Tensor]:
+    """FA4's forward on validated inputs (a softmax ``spec`` with its length hints, no kv index or targets):
+    ``(out [Tq, H, Dv], lse [H, Tq])`` (the kit's base-2 log-sum-exp). ``need_lse=False`` (no backward will read
+    it): FA4 runs its kernel without the log-sum-exp, returned as ``[H, 0]``."""
     num_q, heads = q.shape[0], q.shape[1]
     if _empty(q, v):
         out = q.new_zeros(num_q, heads, v.shape[2])
@@ -154,8 +142,8 @@ def flash_forward(
     from flash_attn.cute.interface import _flash_attn_fwd
 
     out, lse, *_ = _flash_attn_fwd(
-        q, k, v, **_varlen_args(q_offsets, kv_offsets, block_size, num_q, max_seq_len_q, max_seq_len_kv),
-        softmax_scale=scale, causal=causal, **_window(causal, window), return_lse=need_lse,
+        q, k, v, **_varlen_args(spec, num_q), softmax_scale=spec.scale, causal=spec.causal,
+        **_window(spec.causal, spec.window), return_lse=need_lse,
     )  # fmt: skip
     if not need_lse:
         return out, torch.empty(heads, 0, dtype=torch.float32, device=q.device)
@@ -164,84 +152,45 @@ def flash_forward(
 
 
 def flash_backward(
-    grad_out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    q_offsets: Tensor,
-    kv_offsets: Tensor,
-    *,
-    causal: bool,
-    window: int | None,
-    block_size: int | None,
-    scale: float,
-    max_seq_len_q: int,
-    max_seq_len_kv: int,
-    deterministic: bool = False,
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: Spec
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """FA4's backward from a forward's ``out`` and the kit's base-2 ``lse``: ``(dq, dk, dv)``. ``deterministic``
-    is handed to FA4 (its dQ accumulation in a fixed order)."""
+    """FA4's backward from a forward's ``out`` and the kit's base-2 ``lse``: ``(dq, dk, dv)``. The spec's
+    ``deterministic`` is handed to FA4 (its dQ accumulation in a fixed order)."""
     if _empty(q, v):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     from flash_attn.cute.interface import _flash_attn_bwd
 
     # +inf stays +inf: exp(s - inf) = 0, the rows that see no key get no gradient.
     grads = _flash_attn_bwd(
-        q, k, v, out, grad_out.contiguous(), lse * _LN2, softmax_scale=scale, causal=causal,
-        **_window(causal, window), **_varlen_args(q_offsets, kv_offsets, block_size, q.shape[0], max_seq_len_q,
-                                                   max_seq_len_kv), deterministic=deterministic,
+        q, k, v, out, grad_out.contiguous(), lse * _LN2, softmax_scale=spec.scale, causal=spec.causal,
+        **_window(spec.causal, spec.window), **_varlen_args(spec, q.shape[0]), deterministic=spec.deterministic,
     )  # fmt: skip
     return grads[0], grads[1], grads[2]
 
 
-@torch.library.custom_op("lightning_gem::gdpa_flash", mutates_args=())
-def _gdpa_flash_op(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_offsets: Tensor,
-    kv_offsets: Tensor,
-    causal: bool,
-    window: int | None,
-    block_size: int | None,
-    scale: float,
-    max_seq_len_q: int,
-    max_seq_len_kv: int,
-    deterministic: bool,
-) -> tuple[Tensor, Tensor]:
-    return flash_forward(q, k, v, q_offsets, kv_offsets, causal=causal, window=window, block_size=block_size,
-                         scale=scale, max_seq_len_q=max_seq_len_q, max_seq_len_kv=max_seq_len_kv)  # fmt: skip
+@torch.library.custom_op(
+    "lightning_gem::gdpa_flash",
+    mutates_args=(),
+    schema=f"(Tensor q, Tensor k, Tensor v, {MODE_SCHEMA}, {HINTS_SCHEMA}) -> (Tensor, Tensor)",
+)
+def _gdpa_flash_op(q: Tensor, k: Tensor, v: Tensor, *spec: object) -> tuple[Tensor, Tensor]:
+    return flash_forward(q, k, v, Spec(*spec))
 
 
 @_gdpa_flash_op.register_fake
-def _(q, k, v, q_offsets, kv_offsets, *args):
+def _(q, k, v, *spec):
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2]), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
 
 
-@torch.library.custom_op("lightning_gem::gdpa_flash_backward", mutates_args=())
-def _gdpa_flash_backward_op(
-    grad_out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    q_offsets: Tensor,
-    kv_offsets: Tensor,
-    causal: bool,
-    window: int | None,
-    block_size: int | None,
-    scale: float,
-    max_seq_len_q: int,
-    max_seq_len_kv: int,
-    deterministic: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    return flash_backward(
-        grad_out, q, k, v, out, lse, q_offsets, kv_offsets, causal=causal, window=window, block_size=block_size,
-        scale=scale, max_seq_len_q=max_seq_len_q, max_seq_len_kv=max_seq_len_kv, deterministic=deterministic,
-    )  # fmt: skip
+@torch.library.custom_op(
+    "lightning_gem::gdpa_flash_backward",
+    mutates_args=(),
+    schema=f"(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {MODE_SCHEMA}, {HINTS_SCHEMA}) -> "
+    "(Tensor, Tensor, Tensor)",
+)
+def _gdpa_flash_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                            *spec: object) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    return flash_backward(grad_out, q, k, v, out, lse, Spec(*spec))
 
 
 @_gdpa_flash_backward_op.register_fake
@@ -250,61 +199,27 @@ def _(grad_out, q, k, v, *args):
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, q_offsets, kv_offsets, *options = inputs
+    q, k, v, q_offsets, kv_offsets, kv_index, num_targets, *options = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets)
+    ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets, kv_index, num_targets)
     ctx.options = tuple(options)
 
 
 def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
-    q, k, v, out, lse, q_offsets, kv_offsets = ctx.saved_tensors
+    q, k, v, out, lse, *jagged = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    dq, dk, dv = _gdpa_flash_backward_op(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, *ctx.options)
-    return dq, dk, dv, *(None,) * 9
+    dq, dk, dv = _gdpa_flash_backward_op(grad_out, q, k, v, out, lse, *jagged, *ctx.options)
+    return dq, dk, dv, *(None,) * 12
 
 
 _gdpa_flash_op.register_autograd(_backward, setup_context=_setup_context)
+register_flop_formulas(torch.ops.lightning_gem.gdpa_flash, torch.ops.lightning_gem.gdpa_flash_backward, saved_outputs=2)
 
 
-def _flops(q: Tensor, k: Tensor, v: Tensor, rest: tuple, *, backward: bool) -> int:
-    q_offsets, kv_offsets, causal, window, block_size = rest[:5]
-    return gdpa_flops(q, k, v, q_offsets, kv_offsets, None, None, causal=causal, window=window,
-                      block_size=block_size, backward=backward)  # fmt: skip
-
-
-@register_flop_formula(torch.ops.lightning_gem.gdpa_flash, get_raw=True)
-def _gdpa_flash_flop(*args, out_val=None, **kwargs) -> int:
-    return _flops(*args[:3], args[3:], backward=False)
-
-
-@register_flop_formula(torch.ops.lightning_gem.gdpa_flash_backward, get_raw=True)
-def _gdpa_flash_backward_flop(*args, out_val=None, **kwargs) -> int:
-    # (grad_out, q, k, v, out, lse, q_offsets, kv_offsets, causal, ...)
-    return _flops(*args[1:4], args[6:], backward=True)
-
-
-def gdpa_flash(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_offsets: Tensor,
-    kv_offsets: Tensor,
-    kv_index: Tensor | None = None,
-    num_targets: Tensor | None = None,
-    *,
-    activation: str,
-    causal: bool,
-    window: int | None,
-    block_size: int | None,
-    scale: float,
-    max_seq_len_q: int | None = None,
-    max_seq_len_kv: int | None = None,
-    deterministic: bool = False,
-    self_attention: bool,
-) -> Tensor:
+def gdpa_flash(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, self_attention: bool) -> Tensor:
     """GDPA through FlashAttention-4 (``impl="flash"``), differentiable; inputs validated by
     :func:`lightning_gem.ops.gdpa`. A missing length hint is read from the offsets (one device sync).
 
@@ -312,20 +227,13 @@ def gdpa_flash(
         ModuleNotFoundError: FlashAttention-4 (the pinned version) is not installed; the message has the command.
         ValueError: a mode FlashAttention-4 does not compute exactly (the message names the argument).
     """
-    reason = unsupported(q, v, activation=activation, block_size=block_size, kv_index=kv_index,
-                         num_targets=num_targets, self_attention=self_attention)  # fmt: skip
+    reason = unsupported(q, v, activation=spec.activation, block_size=spec.block_size, kv_index=spec.kv_index,
+                         num_targets=spec.num_targets, self_attention=self_attention)  # fmt: skip
     if reason is not None:
         raise ValueError(f"impl='flash' cannot compute {reason}; impl='triton' or impl='auto' can")
     require_flash()
-    if max_seq_len_q is None:
-        max_seq_len_q = max_length_hint(q_offsets, q.shape[0])
-    if max_seq_len_kv is None:
-        max_seq_len_kv = max_length_hint(kv_offsets, k.shape[0])
-    scale, max_q, max_kv = float(scale), int(max_seq_len_q), int(max_seq_len_kv)
-    if plain_eager((q, k, v, q_offsets, kv_offsets)) and not records_graph(q, k, v):
+    spec = with_length_hints(spec, q, k)
+    if plain_eager((q, k, v, spec.q_offsets, spec.kv_offsets)) and not records_graph(q, k, v):
         # Nothing will differentiate the call: FA4 runs without the log-sum-exp.
-        return flash_forward(q, k, v, q_offsets, kv_offsets, causal=causal, window=window, block_size=block_size,
-                             scale=scale, max_seq_len_q=max_q, max_seq_len_kv=max_kv, need_lse=False)[0]  # fmt: skip
-    return _gdpa_flash_op(
-        q, k, v, q_offsets, kv_offsets, causal, window, block_size, scale, max_q, max_kv, deterministic
-    )[0]
+        return flash_forward(q, k, v, spec, need_lse=False)[0]
+    return _gdpa_flash_op(q, k, v, *spec)[0]

@@ -24,7 +24,8 @@ from torch import Tensor
 
 from lightning_gem import jagged
 from lightning_gem.ops.attention.impl.reference import POINTWISE
-from lightning_gem.ops.attention.masks import allowed_mask, segments
+from lightning_gem.ops.attention.masks import padded_mask, segments
+from lightning_gem.ops.attention.spec import Spec
 
 __all__ = ["gdpa_padded"]
 
@@ -43,32 +44,23 @@ def gdpa_padded(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    q_offsets: Tensor,
-    kv_offsets: Tensor,
-    kv_index: Tensor | None,
-    num_targets: Tensor | None,
+    spec: Spec,
     *,
-    activation: str,
-    causal: bool,
-    window: int | None,
-    block_size: int | None,
-    scale: float,
     score_bias: Tensor | None = None,
     normalization_length: int | None = None,
-    max_seq_len_q: int | None = None,
-    max_seq_len_kv: int | None = None,
 ) -> Tensor:
     """GDPA forward on validated inputs by padding (see :func:`lightning_gem.ops.gdpa` for the contract).
 
-    Shapes as :func:`~lightning_gem.ops.attention.impl.reference.gdpa_reference`; ``max_seq_len_q`` /
-    ``max_seq_len_kv`` are the padded lengths (read from the offsets, a device sync, when omitted).
+    Shapes as :func:`~lightning_gem.ops.attention.impl.reference.gdpa_reference`; the spec's ``max_seq_len_q`` /
+    ``max_seq_len_kv`` are the padded lengths (read from the offsets, a device sync, when None).
     ``score_bias`` (self-attention without targets) broadcasts to ``[B, H, Lq, Lk]`` of those lengths.
     """
     if q.shape[0] == 0 or k.shape[0] == 0:
         return q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+    q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size, scale = spec[:9]
     q_start, len_q, k_start, len_k, num_history = segments(q_offsets, kv_offsets, kv_index, num_targets)
-    max_q = int(len_q.max()) if max_seq_len_q is None else max_seq_len_q
-    max_k = int(len_k.max()) if max_seq_len_kv is None else max_seq_len_kv
+    max_q = int(len_q.max()) if spec.max_seq_len_q is None else spec.max_seq_len_q
+    max_k = int(len_k.max()) if spec.max_seq_len_kv is None else spec.max_seq_len_kv
     if max_q == 0 or max_k == 0:
         return q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
     if score_bias is not None and tuple(score_bias.shape[-2:]) != (max_q, max_k):
@@ -84,16 +76,8 @@ def gdpa_padded(
     if sdpa_causal and torch.equal(q_offsets.to(torch.int64), kv_offsets.to(torch.int64)):
         out = F.scaled_dot_product_attention(q_BHLD, k_BHLD, v_BHLD, is_causal=True, scale=scale)
     else:
-        pos_q, pos_k = torch.arange(max_q, device=q.device), torch.arange(max_k, device=q.device)
-        mask = allowed_mask(
-            pos_q[None, :, None],
-            pos_k[None, None, :],
-            len_q[:, None, None],
-            len_k[:, None, None],
-            num_history[:, None, None],
-            causal=causal,
-            window=window,
-            block_size=block_size,
+        mask = padded_mask(
+            len_q, len_k, num_history, max_q, max_k, causal=causal, window=window, block_size=block_size
         )[:, None]  # [B, 1, Lq, Lk]
         if score_bias is not None:
             divisor = len_k.clamp_min(1)[:, None, None, None] if normalization_length is None else normalization_length

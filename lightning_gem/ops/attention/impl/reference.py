@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_gem.ops.attention.masks import allowed_mask, segments
+from lightning_gem.ops.attention.masks import padded_mask, segments
+from lightning_gem.ops.attention.spec import Spec
 
 __all__ = ["ACTIVATIONS", "gdpa_reference", "gdpa_reference_backward"]
 
@@ -65,20 +66,12 @@ def _pow2_bucket(length: Tensor) -> Tensor:
     return torch.pow(2, torch.ceil(torch.log2(length.to(torch.float64)))).to(torch.int64)
 
 
-def _buckets(
-    num_q: int,
-    num_k: int,
-    q_offsets: Tensor,
-    kv_offsets: Tensor,
-    kv_index: Tensor | None,
-    num_targets: Tensor | None,
-    causal: bool,
-    window: int | None,
-    block_size: int | None,
-) -> Iterator[_Bucket]:
+def _buckets(num_q: int, num_k: int, spec: Spec) -> Iterator[_Bucket]:
     """Groups of segments with similar lengths, padded to the group's longest; skips empty work."""
-    device = q_offsets.device
-    q_start, len_q, k_start, len_k, num_history = segments(q_offsets, kv_offsets, kv_index, num_targets)
+    device = spec.q_offsets.device
+    q_start, len_q, k_start, len_k, num_history = segments(
+        spec.q_offsets, spec.kv_offsets, spec.kv_index, spec.num_targets
+    )
     keys = _pow2_bucket(len_q) * (1 << 32) + _pow2_bucket(len_k)
     for key in torch.unique(keys).tolist():
         seg = torch.nonzero(keys == key).squeeze(1)
@@ -87,16 +80,16 @@ def _buckets(
             continue  # no query, or no key: those outputs stay zero
         q_pos = torch.arange(pad_q, device=device)
         k_pos = torch.arange(pad_k, device=device)
-        lq, lk, hist = len_q[seg, None], len_k[seg, None], num_history[seg, None]
-        mask = allowed_mask(
-            q_pos[None, :, None],
-            k_pos[None, None, :],
-            lq[:, :, None],
-            lk[:, :, None],
-            hist[:, :, None],
-            causal=causal,
-            window=window,
-            block_size=block_size,
+        lq, lk = len_q[seg, None], len_k[seg, None]
+        mask = padded_mask(
+            len_q[seg],
+            len_k[seg],
+            num_history[seg],
+            pad_q,
+            pad_k,
+            causal=spec.causal,
+            window=spec.window,
+            block_size=spec.block_size,
         )
         yield _Bucket(
             q_idx=(q_start[seg, None] + q_pos).clamp_max(num_q - 1),
@@ -140,26 +133,11 @@ def _head_major(x: Tensor) -> Tensor:
     return x.transpose(0, 1).contiguous()
 
 
-def gdpa_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_offsets: Tensor,
-    kv_offsets: Tensor,
-    kv_index: Tensor | None,
-    num_targets: Tensor | None,
-    *,
-    activation: str,
-    causal: bool,
-    window: int | None,
-    block_size: int | None,
-    scale: float,
-    compute_dtype: torch.dtype | None = None,
-) -> Tensor:
+def gdpa_reference(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, compute_dtype: torch.dtype | None = None) -> Tensor:
     """GDPA forward on validated inputs (see :func:`lightning_gem.ops.gdpa` for the contract).
 
-    Shapes: q ``[Tq, H, D]``, k ``[Tk, H, D]``, v ``[Tk, H, Dv]``, q_offsets ``[B + 1]``,
-    kv_offsets ``[Bkv + 1]``, kv_index ``[B]`` or None, num_targets ``[B]`` or None. Returns ``[Tq, H, Dv]``.
+    Shapes: q ``[Tq, H, D]``, k ``[Tk, H, D]``, v ``[Tk, H, Dv]``; ``spec`` (:class:`~.spec.Spec`) holds the
+    offsets, index, targets and mode (its length hints and ``deterministic`` are not needed). Returns ``[Tq, H, Dv]``.
     ``compute_dtype`` overrides the dtype every step runs in (default float32, float64 for float64 inputs):
     the inputs' own low precision gives the error budget of a same-precision computation in tests.
     """
@@ -169,15 +147,13 @@ def gdpa_reference(
         out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2], dtype=compute)
         q_h, k_h, v_h = _head_major(q), _head_major(k), _head_major(v)
         rows, values = [], []
-        for b in _buckets(
-            q.shape[0], k.shape[0], q_offsets, kv_offsets, kv_index, num_targets, causal, window, block_size
-        ):
-            qb = _gather(q_h, b.q_idx, compute) * scale  # [H, N, Lq, D]
+        for b in _buckets(q.shape[0], k.shape[0], spec):
+            qb = _gather(q_h, b.q_idx, compute) * spec.scale  # [H, N, Lq, D]
             kb, vb = _gather(k_h, b.k_idx, compute), _gather(v_h, b.k_idx, compute)  # [H, N, Lk, D]
             scores = torch.matmul(qb, kb.transpose(-1, -2))  # [H, N, Lq, Lk]
-            probs = _probabilities(scores, b.mask, activation)
+            probs = _probabilities(scores, b.mask, spec.activation)
             ob = torch.matmul(probs, vb)  # [H, N, Lq, Dv]
-            if activation != "softmax":
+            if spec.activation != "softmax":
                 ob = ob / b.len_k
             rows.append(b.q_idx[b.q_valid])
             values.append(ob.permute(1, 2, 0, 3)[b.q_valid])  # [rows, H, Dv]
@@ -187,21 +163,7 @@ def gdpa_reference(
 
 
 def gdpa_reference_backward(
-    grad_out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_offsets: Tensor,
-    kv_offsets: Tensor,
-    kv_index: Tensor | None,
-    num_targets: Tensor | None,
-    *,
-    activation: str,
-    causal: bool,
-    window: int | None,
-    block_size: int | None,
-    scale: float,
-    compute_dtype: torch.dtype | None = None,
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, compute_dtype: torch.dtype | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`gdpa_reference`, written out as a kernel computes them (in
     ``compute_dtype``, as :func:`gdpa_reference`).
@@ -217,14 +179,12 @@ def gdpa_reference_backward(
         dk = torch.zeros(k.shape, dtype=compute, device=k.device)
         dv = torch.zeros(v.shape, dtype=compute, device=v.device)
         q_h, k_h, v_h, g_h = _head_major(q), _head_major(k), _head_major(v), _head_major(grad_out)
-        for b in _buckets(
-            q.shape[0], k.shape[0], q_offsets, kv_offsets, kv_index, num_targets, causal, window, block_size
-        ):
+        for b in _buckets(q.shape[0], k.shape[0], spec):
             qb, kb, vb = _gather(q_h, b.q_idx, compute), _gather(k_h, b.k_idx, compute), _gather(v_h, b.k_idx, compute)
             gb = _gather(g_h, b.q_idx, compute) * b.q_valid[None, :, :, None]  # padded query slots carry no grad
-            scores = torch.matmul(qb * scale, kb.transpose(-1, -2))  # [H, N, Lq, Lk]
-            probs = _probabilities(scores, b.mask, activation)
-            if activation == "softmax":
+            scores = torch.matmul(qb * spec.scale, kb.transpose(-1, -2))  # [H, N, Lq, Lk]
+            probs = _probabilities(scores, b.mask, spec.activation)
+            if spec.activation == "softmax":
                 dprobs = torch.matmul(gb, vb.transpose(-1, -2))
                 # rowsum(dP * P) == rowsum(dO * O), as kernels compute it; this form is exact where a row
                 # attends to a single key (its dS is then exactly zero).
@@ -233,11 +193,11 @@ def gdpa_reference_backward(
             else:
                 gb = gb / b.len_k
                 dprobs = torch.matmul(gb, vb.transpose(-1, -2))
-                derivative = POINTWISE[activation][1](scores)
+                derivative = POINTWISE[spec.activation][1](scores)
                 dscores = torch.where(b.mask, derivative * dprobs, torch.zeros_like(dprobs))
             dv_b = torch.matmul(probs.transpose(-1, -2), gb)  # [H, N, Lk, Dv]
-            dq_b = torch.matmul(dscores, kb) * scale
-            dk_b = torch.matmul(dscores.transpose(-1, -2), qb) * scale
+            dq_b = torch.matmul(dscores, kb) * spec.scale
+            dk_b = torch.matmul(dscores.transpose(-1, -2), qb) * spec.scale
             dq.index_put_((b.q_idx[b.q_valid],), dq_b.permute(1, 2, 0, 3)[b.q_valid])
             dk.index_put_((b.k_idx[b.k_valid],), dk_b.permute(1, 2, 0, 3)[b.k_valid], accumulate=True)
             dv.index_put_((b.k_idx[b.k_valid],), dv_b.permute(1, 2, 0, 3)[b.k_valid], accumulate=True)

@@ -147,8 +147,8 @@ def candidate_tiles(
     if kernel == "fwd":
         if short <= 64:
             return [Tiles(short, 64, 4, 3), Tiles(short, 128, 4, 3), Tiles(short, 128, 8, 3)]
-        # Narrow key tiles over 4 warps first: on an H200, 64 x 32 tiles ran the causal jagged forward 8% faster
-        # than 128 x 64 at head dim 128 (and 1-4% faster than 64 x 64 at 64).
+        # Narrow key tiles over 4 warps first: the plan for untimed shapes, and the faster causal jagged forward at
+        # head dims 64 and 128 (``examples/benchmarks/attention_check.py tiles`` times every candidate).
         if head_dim <= 64:
             return [Tiles(64, 32, 4, 3), Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 2), Tiles(128, 64, 8, 3)]
         if head_dim <= 128:

@@ -60,6 +60,7 @@ from lightning_gem.ops.attention.impl.triton._tuning import (
 )
 from lightning_gem.ops.attention.impl.triton.backward_short import _gdpa_bwd_short_kernel
 from lightning_gem.ops.attention.impl.triton.forward import flash_candidate
+from lightning_gem.ops.attention.spec import Spec
 
 __all__ = ["gdpa_backward"]
 
@@ -481,19 +482,8 @@ def gdpa_backward(
     v: Tensor,
     out: Tensor | None,
     lse: Tensor | None,
-    q_offsets: Tensor,
-    kv_offsets: Tensor,
-    kv_index: Tensor | None,
-    num_targets: Tensor | None,
+    spec: Spec,
     *,
-    activation: str,
-    causal: bool,
-    window: int | None,
-    block_size: int | None,
-    scale: float,
-    max_seq_len_q: int,
-    max_seq_len_kv: int,
-    deterministic: bool = False,
     flash: bool = False,
     dkdv_tiles: Tiles | None = None,
     dq_tiles: Tiles | None = None,
@@ -501,20 +491,20 @@ def gdpa_backward(
     bulk_dq: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Launch the backward kernels. ``out`` and ``lse`` (from :func:`gdpa_forward`) are needed for softmax
-    only. ``deterministic`` keeps to the one-launch kernel whose dQ programs write each row once (bitwise
-    reproducible); otherwise the tuner also tries the dK/dV kernel that adds dQ through fp32 atomics and keeps
-    the faster. Where every query segment is short (at most ``SHORT_QUERY_ROWS``, no shared kv segments, no
-    targets) the tuner also tries the short-query kernel (:mod:`.backward_short`, deterministic). ``dkdv_tiles``
-    (alone: the atomic kernel), both tiles (the one-launch kernel) or ``short_tiles`` (the short-query kernel,
-    whose ``block_m`` must hold the longest query segment) override the tuned choice; ``bulk_dq`` with
-    ``dkdv_tiles`` alone adds dQ through bulk tensor reductions (:func:`bulk_reduction_ok`). Returns ``(dq, dk, dv)``
-    in the inputs' dtypes. ``flash`` (``impl="auto"``, softmax modes FlashAttention-4 computes exactly) lets the
-    tuner pick FlashAttention-4's backward instead, from the same ``out`` and ``lse``.
+    only; the spec's length hints bound the segments. ``spec.deterministic`` keeps to the one-launch kernel whose dQ
+    programs write each row once (bitwise reproducible); otherwise the tuner also tries the dK/dV kernel that adds
+    dQ through fp32 atomics and keeps the faster. Where every query segment is short (at most ``SHORT_QUERY_ROWS``,
+    no shared kv segments, no targets) the tuner also tries the short-query kernel (:mod:`.backward_short`,
+    deterministic). ``dkdv_tiles`` (alone: the atomic kernel), both tiles (the one-launch kernel) or ``short_tiles``
+    (the short-query kernel, whose ``block_m`` must hold the longest query segment) override the tuned choice;
+    ``bulk_dq`` with ``dkdv_tiles`` alone adds dQ through bulk tensor reductions (:func:`bulk_reduction_ok`).
+    Returns ``(dq, dk, dv)`` in the inputs' dtypes. ``flash`` (``impl="auto"``, softmax modes FlashAttention-4
+    computes exactly) lets the tuner pick FlashAttention-4's backward instead, from the same ``out`` and ``lse``.
     """
-    use_flash = flash and flash_candidate(q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation, block_size)
-    flash_mode = dict(causal=causal, window=window, block_size=block_size, scale=scale, max_seq_len_q=max_seq_len_q,
-                      max_seq_len_kv=max_seq_len_kv)  # fmt: skip
-    flash_inputs = (grad_out, q, k, v, out, lse, q_offsets, kv_offsets)
+    q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size, scale = spec[:9]
+    max_seq_len_q, max_seq_len_kv, deterministic = spec.max_seq_len_q, spec.max_seq_len_kv, spec.deterministic
+    use_flash = flash and flash_candidate(q, k, v, spec)
+    flash_inputs = (grad_out, q, k, v, out, lse, spec)
     grad_out, do_strides = dense_rows(grad_out)
     (q, q_strides), (k, k_strides), (v, v_strides) = dense_rows(q), dense_rows(k), dense_rows(v)
     num_q, heads, head_dim = q.shape
@@ -572,7 +562,7 @@ def gdpa_backward(
         if plan == FLASH:
             from lightning_gem.ops.attention.impl.flash import flash_backward
 
-            flash_backward(*flash_inputs, **flash_mode)
+            flash_backward(*flash_inputs)
             return
         tiles = plan.dkdv
         if plan.short:  # softmax's delta comes from the kernel's own rows of O and dO
@@ -640,7 +630,7 @@ def gdpa_backward(
     if plan == FLASH:
         from lightning_gem.ops.attention.impl.flash import flash_backward
 
-        return flash_backward(*flash_inputs, **flash_mode)
+        return flash_backward(*flash_inputs)
     run(plan, meta)
     if plan.dq is None and not plan.short:
         return dq_buffers[torch.float32].to(q.dtype), dk, dv

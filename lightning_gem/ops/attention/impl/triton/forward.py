@@ -50,6 +50,7 @@ from lightning_gem.ops.attention.impl.triton._tuning import (
     tile_meta,
     work_bucket,
 )
+from lightning_gem.ops.attention.spec import Spec
 
 __all__ = ["gdpa_forward"]
 
@@ -181,28 +182,20 @@ def gdpa_forward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    q_offsets: Tensor,
-    kv_offsets: Tensor,
-    kv_index: Tensor | None,
-    num_targets: Tensor | None,
+    spec: Spec,
     *,
-    activation: str,
-    causal: bool,
-    window: int | None,
-    block_size: int | None,
-    scale: float,
-    max_seq_len_q: int,
-    max_seq_len_kv: int | None = None,
     flash: bool = False,
     tiles: Tiles | None = None,
     need_lse: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Launch the forward kernel. Returns ``out [Tq, H, DV]`` (q's dtype) and ``lse [H, Tq]`` (fp32, base 2;
-    empty for pointwise activations). ``max_seq_len_q`` sizes the grid and must bound every ``Lq``;
+    empty for pointwise activations). The spec's ``max_seq_len_q`` sizes the grid and must bound every ``Lq``;
     ``tiles`` overrides the tuned choice (:mod:`._tuning`). ``flash`` (``impl="auto"``) lets the tuner pick
-    FlashAttention-4 instead (:func:`flash_candidate`), which needs ``max_seq_len_kv``; ``need_lse=False`` (nothing
-    differentiates the call) lets FlashAttention-4 skip the log-sum-exp (the returned one is then empty).
+    FlashAttention-4 instead (:func:`flash_candidate`), which needs ``max_seq_len_kv`` too; ``need_lse=False``
+    (nothing differentiates the call) lets FlashAttention-4 skip the log-sum-exp (the returned one is then empty).
     """
+    q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size, scale = spec[:9]
+    max_seq_len_q = spec.max_seq_len_q
     (q, q_strides), (k, k_strides), (v, v_strides) = dense_rows(q), dense_rows(k), dense_rows(v)
     num_q, heads, head_dim = q.shape
     head_dim_v = v.shape[2]
@@ -225,9 +218,7 @@ def gdpa_forward(
     flags = mode_flags(activation, causal, window, block_size, kv_index, num_targets)
     fast = fast_math(q)
 
-    use_flash = flash and flash_candidate(q, k, v, q_offsets, kv_offsets, kv_index, num_targets, activation, block_size)
-    mode = dict(causal=causal, window=window, block_size=block_size, scale=scale, max_seq_len_q=max_seq_len_q,
-                max_seq_len_kv=max_seq_len_kv)  # fmt: skip
+    use_flash = flash and flash_candidate(q, k, v, spec)
 
     def options(tiles: Tiles | str) -> dict[str, object]:
         if tiles == FLASH:
@@ -238,7 +229,7 @@ def gdpa_forward(
         if tiles == FLASH:
             from lightning_gem.ops.attention.impl.flash import flash_forward
 
-            flash_forward(q, k, v, q_offsets, kv_offsets, **mode)
+            flash_forward(q, k, v, spec)
             return
         grid = (num_segments, heads, max(1, cdiv(max_seq_len_q, tiles.block_m)))
         launch(_gdpa_fwd_kernel, grid, args, meta)
@@ -259,22 +250,12 @@ def gdpa_forward(
     if tiles == FLASH:
         from lightning_gem.ops.attention.impl.flash import flash_forward
 
-        return flash_forward(q, k, v, q_offsets, kv_offsets, **mode, need_lse=need_lse)
+        return flash_forward(q, k, v, spec, need_lse=need_lse)
     run(tiles, meta)
     return out, lse
 
 
-def flash_candidate(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_offsets: Tensor,
-    kv_offsets: Tensor,
-    kv_index: Tensor | None,
-    num_targets: Tensor | None,
-    activation: str,
-    block_size: int | None,
-) -> bool:
+def flash_candidate(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> bool:
     """Whether ``impl="auto"`` may time FlashAttention-4 on this call: a plain eager call (nothing traces it), a
     mode FA4 computes exactly (:func:`lightning_gem.ops.attention.impl.flash.unsupported`) and FA4 installed."""
     if not q.is_cuda or not plain_eager((q, k, v)):
@@ -282,6 +263,6 @@ def flash_candidate(
     from lightning_gem.imports import FA4_AVAILABLE
     from lightning_gem.ops.attention.impl.flash import unsupported
 
-    reason = unsupported(q, v, activation=activation, block_size=block_size, kv_index=kv_index,
-                         num_targets=num_targets, self_attention=kv_offsets is q_offsets)  # fmt: skip
+    reason = unsupported(q, v, activation=spec.activation, block_size=spec.block_size, kv_index=spec.kv_index,
+                         num_targets=spec.num_targets, self_attention=spec.kv_offsets is spec.q_offsets)  # fmt: skip
     return reason is None and bool(FA4_AVAILABLE)

@@ -14,6 +14,7 @@ norm=...)``, so no normalised activation is ever stored for backward.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -93,20 +94,21 @@ def norm_quantize_triton(
     kind: str,
     layout: str,
     rounding: str = "rceil",
-    *,
     write_output: bool = False,
     out_dtype: torch.dtype | None = None,
-    config: tuple[int, int, int] | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
-    """Normalise ``[R, D]`` ``x`` and quantize the result along ``D``.
+    config: Sequence[int] | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Normalise ``[R, D]`` ``x`` and quantize the result along ``D``; also the body of the custom op
+    ``lightning_gem::mx_norm_quantize`` (:mod:`.ops`), whose schema these arguments are.
 
     ``config``: ``(TILE_R, NUM_TILES, num_warps)`` to launch instead of the tuner's choice (benchmarks time each
     candidate of :func:`_valid_configs` so).
 
     Returns:
-        ``(q [R, D] fp8, scale, rstd [R] fp32, mean [R] fp32 or None, y [R, D] or None)``; scales as
-        :func:`~lightning_gem.ops.mx.impl.triton.quantize.quantize_triton` lays them out. The output is
-        rounded to ``out_dtype`` (default ``x``'s) before quantization.
+        ``(q [R, D] fp8, scale, rstd [R] fp32, mean [R] fp32, y [R, D])``; scales as
+        :func:`~lightning_gem.ops.mx.impl.triton.quantize.quantize_triton` lays them out; ``mean`` (RMSNorm) and ``y``
+        (without ``write_output``) empty, as an op returns a fixed tuple of tensors. The output is rounded to
+        ``out_dtype`` (default ``x``'s) before quantization.
     """
     out_dtype = out_dtype or x.dtype
     num_rows, dim = x.shape
@@ -127,13 +129,15 @@ def norm_quantize_triton(
         BLOCK_D=block_d, BLOCK=block, LAYER=kind == "layer", WRITE_Y=write_output, MX=mx,
         RCEIL=rounding == "rceil", OUT_DTYPE=_TL_DTYPES[out_dtype], EXACT=_INTERPRETED, EVEN_D=dim == block_d,
     )  # fmt: skip
+    outputs = (q, scale, rstd, x.new_empty(0, dtype=torch.float32) if mean is None else mean,
+               x.new_empty(0) if y is None else y)  # fmt: skip
     if not num_rows:
-        return q, scale, rstd, mean, y
+        return outputs
     configs = _valid_configs(block_d) if config is None else (config,)
     key = ("norm_quantize", args[-1], x.dtype, block_d, block, meta["LAYER"], write_output, mx, out_dtype)
     grid = lambda tile_r, num_tiles: (cdiv(num_rows, tile_r * num_tiles),)
     launch_tuned(_norm_quantize_kernel, configs, key, grid, args, meta, num_rows * dim, ("TILE_R", "NUM_TILES"))
-    return q, scale, rstd, mean, y
+    return outputs
 
 
 # (rows per tile, tiles per program, num_warps): whole rows live in registers, so fewer rows for wider ones;

@@ -54,28 +54,8 @@ def _quantize(x, layout, rounding, rows, cols, norm_kind, rstd, mean, weight, bi
     return (*row_out, *col_out, sums)
 
 
-@triton_op("lightning_gem::mx_norm_quantize", mutates_args=())
-def mx_norm_quantize_op(
-    x: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    eps: float,
-    kind: str,
-    layout: str,
-    rounding: str,
-    write_output: bool,
-    out_dtype: torch.dtype | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(q, scale, rstd, mean, y)`` of :func:`norm_quantize_triton` (``mean``/``y`` empty when absent)."""
-    return _norm_quantize(x, weight, bias, eps, kind, layout, rounding, write_output, out_dtype)
-
-
-def _norm_quantize(x, weight, bias, eps, kind, layout, rounding, write_output, out_dtype):
-    q, scale, rstd, mean, y = norm_quantize_triton(
-        x, weight, bias, eps, kind, layout, rounding, write_output=write_output, out_dtype=out_dtype
-    )
-    empty = x.new_empty(0, dtype=torch.float32)
-    return q, scale, rstd, mean if mean is not None else empty, y if y is not None else x.new_empty(0)
+# The launcher is the op's body: its arguments are the schema, its outputs the op's fixed tuple.
+mx_norm_quantize_op = triton_op("lightning_gem::mx_norm_quantize", mutates_args=())(norm_quantize_triton)
 
 
 def _keep_opaque(mode, op, types, args, kwargs):
@@ -92,8 +72,8 @@ if is_interpreted(_norm_quantize_kernel):
 def mx_quantize(*args: object) -> tuple[Tensor, ...]:
     """:func:`mx_quantize_op` under ``torch.compile``; its body called directly in eager mode.
 
-    In eager mode the op's dispatch layers add host time and nothing else (on an H200 the profiler put ~0.6 ms
-    of host time per quantizer call inside the op, enough to make small FP8 layers CPU-bound).
+    In eager mode the op's dispatch layers add host time and nothing else, enough to make small FP8 layers
+    CPU-bound (docs/benchmarks.md#host-time-per-call).
     """
     if torch.compiler.is_compiling():
         return mx_quantize_op(*args)
@@ -104,4 +84,4 @@ def mx_norm_quantize(*args: object) -> tuple[Tensor, ...]:
     """:func:`mx_norm_quantize_op` under ``torch.compile``; its body called directly in eager mode."""
     if torch.compiler.is_compiling():
         return mx_norm_quantize_op(*args)
-    return _norm_quantize(*args, *(None,) * (9 - len(args)))
+    return norm_quantize_triton(*args)

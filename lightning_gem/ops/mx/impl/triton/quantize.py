@@ -111,7 +111,7 @@ def _quantize_kernel(
             tl.store(S + pid_r * stride_s_r + pid_c * stride_s_c, scale)
             tl.store(Q + rows[:, None] * num_cols + cols[None, :], q, mask=in_bounds)
         if COLS:  # QT is a byte buffer here: the codes are transposed as bytes (rows past R load as zero codes).
-            # 16-bit inputs only: from fp32 tiles this transposition wrote wrong codes on an H200 (Triton 3.6)
+            # 16-bit inputs only: fp32 tiles take _square_transposed_apart (see its docstring for why)
             padded_rows = num_padded_blocks * BLOCK
             t_mask = (cols < num_cols)[:, None] & (rows < padded_rows)[None, :]
             codes_t = tl.trans(q.to(tl.uint8, bitcast=True))
@@ -263,10 +263,9 @@ def _quantize_split_kernel(
     ``REGION_R / ROW_TILE_R`` row programs (wide slabs: the row layout), numbered consecutively, so the programs
     of one region run at the same time and the second read of its tile mostly hits L2. Each part keeps the tile
     shape that suits it, with few registers (a bf16 tile stays bf16); one program doing both parts of a tile
-    needs the whole tile widened to fp32 at once. On an H200 at 65,536 x 4096 (bf16) this moves 84-86% of the
-    copy bandwidth for ``1x128`` (``mx``: 76-78%), against 56% (44%) for ``_quantize_kernel`` with both flags.
-    ``C_FIRST`` numbers the regions along ``x``'s rows first (a band of whole rows at a time) instead of down its
-    columns.
+    needs the whole tile widened to fp32 at once, which is why this kernel, not ``_quantize_kernel`` with both
+    flags, quantizes rows and columns together (docs/benchmarks.md#quantization-kernels). ``C_FIRST`` numbers the
+    regions along ``x``'s rows first (a band of whole rows at a time) instead of down its columns.
 
     Columns alone (no ``ROWS``) of ``mx`` come here too: the 3-D slabs take each 32-row block's maximum in one
     reduction, where ``_quantize_kernel`` reshapes its 2-D tile.
@@ -297,11 +296,10 @@ def _quantize_split_kernel(
 
 
 # (REGION_R, REGION_C, COL_TILE_C, ROW_TILE_R, C_FIRST, num_warps) candidates of _quantize_split_kernel, by block
-# and by whether rows are wanted: the best of sweeps on an H200 (65,536 x 4096 bf16, ``precision.py --sweep-split``)
-# first. Column slabs are 64 wide: a full 128-byte line of each row (32- and 16-wide ones ran at half the speed).
-# 1x128 wants 4 warps (1 or 2 ran at 17-70%). mx rows+cols wants small programs in regions only 64 rows tall
-# (1 or 2 warps; 77-78% of the copy bandwidth, against 65-69% for 256-row regions with 4 warps) and wide row slabs,
-# so each row's E8M0 scales are written in runs of 32 bytes or more (128-wide slabs writing 4-byte runs: 51%).
+# and by whether rows are wanted, the fastest of ``precision.py --sweep-split`` first (the plan for untimed sizes).
+# Column slabs are 64 wide: a full 128-byte line of each row. 1x128 wants 4 warps. mx rows+cols wants small programs
+# (1 or 2 warps) in regions only 64 rows tall and wide row slabs, so each row's E8M0 scales are written in runs of
+# 32 bytes or more, not 4 bytes at a time (the rates: docs/benchmarks.md#quantization-kernels).
 _SPLIT_CONFIGS = {
     (128, True): [(128, 128, 64, 64, 0, 4), (128, 256, 64, 32, 0, 4), (128, 128, 64, 32, 0, 4)],
     (32, True): [
@@ -472,9 +470,9 @@ def _line_amax_kernel(
 
 # (TILE_R, TILE_C, STEPS, num_warps) candidates of _line_amax_kernel: a program's strip is STEPS * TILE_R rows of
 # TILE_C columns. Wider tiles take fewer row atomics, taller strips fewer column atomics; many strips keep every
-# SM busy (the previous design, each program walking whole rows, made 256 programs at 65,536 x 4096 and read at
-# 69% of the copy bandwidth on an H200; these reach 87-89%). Every TILE_R divides SUM_ROWS, and every strip
-# holds whole groups of SUM_ROWS rows.
+# SM busy, where programs walking whole rows would number only as many as the rows' blocks (the rates:
+# docs/benchmarks.md#quantization-kernels). Every TILE_R divides SUM_ROWS, and every strip holds whole groups of
+# SUM_ROWS rows.
 _AMAX_CONFIGS = [
     (32, 256, 16, 4), (16, 512, 16, 4), (32, 512, 8, 8), (64, 256, 8, 8), (16, 1024, 16, 8), (32, 128, 32, 4),
     (8, 1024, 32, 4), (64, 128, 16, 4),
@@ -622,8 +620,9 @@ def _square_transposed_apart(
     x: Tensor, rounding: str, rows: bool, padded_rows: int
 ) -> tuple[tuple[Tensor, Tensor] | None, tuple[Tensor, Tensor]]:
     """``128x128`` tiles of an fp32 ``x`` and their transpose: the kernel writes the row layout, PyTorch transposes
-    the codes and scales. On an H200 (Triton 3.6) the kernel's in-register transposition of tiles quantized from
-    fp32 wrote wrong codes for some shapes, where bf16 and fp16 tiles came out bit-exact; see the GPU tests."""
+    the codes and scales. The kernel's in-register transposition is exact for bf16 and fp16 tiles only: Triton
+    (3.6, compiled for the GPU) writes wrong codes for some shapes of tiles quantized from fp32; the GPU tests
+    hold both paths to the reference."""
     q, s = quantize_triton(x, "128x128", rounding)[0]
     qt = q.new_zeros(x.shape[1], padded_rows)  # rows past R: zero codes, as the kernel writes them
     qt[:, : x.shape[0]] = q.t()
@@ -658,10 +657,10 @@ def _launch_general(
     return partial
 
 
-# How rows and columns of ``mx`` / ``1x128`` are quantized together, by block, the plan for untimed sizes first
-# (from an H200 at 65,536 x 4096 bf16): "split" is one launch of _quantize_split_kernel (84-86% of the copy
-# bandwidth for 1x128, 76-78% for mx with its small-program configs); "apart" is the rows alone with
-# whole-row tiles, then the columns alone (mx: 0.193 + 0.221 ms, 64%, against 0.338-0.340 ms split).
+# How rows and columns of ``mx`` / ``1x128`` are quantized together, by block, the plan for untimed sizes first:
+# "split" is one launch of _quantize_split_kernel, which reads each tile once for both layouts; "apart" is the rows
+# alone with whole-row tiles, then the columns alone (two reads of ``x``; the tuner times both where it can, the
+# rates: docs/benchmarks.md#quantization-kernels).
 _ROWS_AND_COLUMNS_PLANS = {32: ("split", "apart"), 128: ("split", "apart")}
 
 
@@ -706,9 +705,9 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 
 
 # (TILE_R, TILE_C, num_warps) candidates; _valid_tiles keeps those whose tiles hold whole scale blocks. The wide,
-# short ones (whole rows of a GEM width) serve rows alone: on an H200 they quantize 65,536 x 4096 at the copy's
-# bandwidth, where 32 x 128 tiles reach 71% for ``mx`` (a tile's scales are then 32 scattered 4-byte stores)
-# and 90% for ``1x128``.
+# short ones (whole rows of a GEM width) serve rows alone: they write each row's scales contiguously, where a
+# 32 x 128 tile's ``mx`` scales are 32 scattered 4-byte stores (rows alone run at the copy's bandwidth:
+# docs/benchmarks.md#quantization-kernels).
 _CONFIGS = [
     (32, 128, 4), (64, 128, 8), (32, 256, 8), (128, 128, 8), (128, 128, 16), (128, 64, 4), (128, 32, 4), (32, 64, 4),
     (2, 4096, 8), (1, 4096, 4), (2, 2048, 4), (4, 1024, 4), (8, 512, 4),
@@ -723,8 +722,8 @@ def _valid_configs(
     rows' width rounded up to a power of two; 128 always fits), pruned once per set of flags and width.
 
     ``128x128`` (weights) takes 8 warps only: a weight is too small for the tuner, which times launches from
-    Python, to tell its configs apart, and on an H200 (16 distinct 4096 x 4096 weights in a CUDA graph) the
-    transposed tiles took 0.021 ms per weight with 8 warps against 0.029 ms with 16, which the tuner had chosen.
+    Python, to tell its configs apart, and 8 warps are the faster for the transposed tiles of weights replayed in a
+    CUDA graph (docs/benchmarks.md#quantization-kernels, the 128x128 row).
     """
     return tuple(
         c
