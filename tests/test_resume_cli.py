@@ -99,8 +99,20 @@ def _fit_then_resume_on_rank(rank: int, world_size: int, uninterrupted: str, int
     return _fit_then_resume(uninterrupted, interrupted)
 
 
-def _run_and_kill(config: Path, last: Path, log: Path) -> None:
-    """Start a fit and kill it (SIGKILL to its process group: the launcher's ranks too) once ``last`` is written."""
+def _run_and_kill(config: Path, last: Path, log: Path, attempts: int = 3) -> None:
+    """Start a fit and kill it (SIGKILL to its process group: the launcher's ranks too) once ``last`` is written.
+
+    A launch whose rendezvous port was taken between Lightning picking it and the store binding it (another process
+    on the machine got it first: EADDRINUSE) is started again, up to ``attempts`` times in all."""
+    for _ in range(attempts):
+        killed = _start_and_kill(config, last, log)
+        if killed or "EADDRINUSE" not in log.read_text():
+            break
+    assert killed, log.read_text()[-3000:]  # killed once `last` was written, not finished or failed
+
+
+def _start_and_kill(config: Path, last: Path, log: Path) -> bool:
+    """One launch of :func:`_run_and_kill`; whether it was killed (True) or ended by itself (False)."""
     with log.open("w") as out:
         # A session of its own: its process group id is its PID, shared by the ranks it launches.
         process = subprocess.Popen(
@@ -110,10 +122,11 @@ def _run_and_kill(config: Path, last: Path, log: Path) -> None:
             deadline = time.monotonic() + 240
             while not last.exists() and process.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.01)
-            os.killpg(process.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # the group is gone if the run ended by itself
+                os.killpg(process.pid, signal.SIGKILL)
         finally:
             process.wait(timeout=60)
-    assert process.returncode == -signal.SIGKILL, log.read_text()[-3000:]  # killed, not finished
+    return process.returncode == -signal.SIGKILL  # killed, not finished
 
 
 def _metrics(run: Path) -> dict[tuple[str, int], str]:
