@@ -13,6 +13,7 @@ import contextlib
 import csv
 import io
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -102,17 +103,20 @@ def _fit_then_resume_on_rank(rank: int, world_size: int, uninterrupted: str, int
 def _run_and_kill(config: Path, last: Path, log: Path, attempts: int = 3) -> None:
     """Start a fit and kill it (SIGKILL to its process group: the launcher's ranks too) once ``last`` is written.
 
-    A launch whose rendezvous port was taken between Lightning picking it and the store binding it (another process
-    on the machine got it first: EADDRINUSE) is started again, up to ``attempts`` times in all."""
+    A launch that failed before writing anything because its rendezvous port was taken between Lightning picking it
+    and the store binding it (another process on the machine got it first: EADDRINUSE) is started again from an
+    empty run folder, up to ``attempts`` times in all."""
     for _ in range(attempts):
-        killed = _start_and_kill(config, last, log)
-        if killed or "EADDRINUSE" not in log.read_text():
+        killed, returncode = _start_and_kill(config, last, log)
+        port_taken = returncode not in (0, -signal.SIGKILL) and "EADDRINUSE" in log.read_text()
+        if killed or not port_taken or last.exists():
             break
+        shutil.rmtree(last.parents[2], ignore_errors=True)  # the run's version folder: the next launch starts clean
     assert killed, log.read_text()[-3000:]  # killed once `last` was written, not finished or failed
 
 
-def _start_and_kill(config: Path, last: Path, log: Path) -> bool:
-    """One launch of :func:`_run_and_kill`; whether it was killed (True) or ended by itself (False)."""
+def _start_and_kill(config: Path, last: Path, log: Path) -> tuple[bool, int]:
+    """One launch of :func:`_run_and_kill`: whether it was killed once ``last`` was written, and its return code."""
     with log.open("w") as out:
         # A session of its own: its process group id is its PID, shared by the ranks it launches.
         process = subprocess.Popen(
@@ -126,7 +130,7 @@ def _start_and_kill(config: Path, last: Path, log: Path) -> bool:
                 os.killpg(process.pid, signal.SIGKILL)
         finally:
             process.wait(timeout=60)
-    return process.returncode == -signal.SIGKILL  # killed, not finished
+    return process.returncode == -signal.SIGKILL and last.exists(), process.returncode
 
 
 def _metrics(run: Path) -> dict[tuple[str, int], str]:
