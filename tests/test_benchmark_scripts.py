@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -199,17 +200,17 @@ def test_ml100k_time_bias_trains_with_and_without_it(tmp_path: Path) -> None:
     assert all(0.0 <= float(c) <= 1.0 for r in rows for c in r[3:8])
 
 
-def _gem_example():
+def _benchmark(name: str):
+    """The benchmark script ``name`` as a module (the scripts import their shared ``gem_example`` by name)."""
     sys.path.insert(0, str(ROOT / "examples" / "benchmarks"))
     try:
-        import gem_example
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
-    return gem_example
 
 
 def test_device_time_unions_each_family_and_shares_divide_by_the_real_step() -> None:
-    gem = _gem_example()
+    gem = _benchmark("gem_example")
     kernels = [
         ("_gdpa_fwd_kernel", 0.0, 600.0),
         ("_gdpa_bwd_kernel", 300.0, 900.0),  # overlaps the forward on another stream: counted once
@@ -233,16 +234,18 @@ def test_device_time_unions_each_family_and_shares_divide_by_the_real_step() -> 
     assert gem.step_shares(times, num_steps=1, step_ms=1.0)["host gaps"] == 0.0
 
 
-def test_e2e_presets_set_nvidia_hstu_shapes_and_flags_override_them(tmp_path: Path) -> None:
-    sys.path.insert(0, str(ROOT / "examples" / "benchmarks"))
-    try:
-        import e2e
-    finally:
-        sys.path.pop(0)
+def test_e2e_presets_set_nvidia_hstu_shapes_and_flags_override_them() -> None:
+    e2e = _benchmark("e2e")
     hstu, fixed = e2e.PRESETS["nvidia-hstu"], e2e.PRESETS["nvidia-hstu-fixed"]
     assert (hstu["model_dim"], hstu["num_layers"], hstu["num_heads"], hstu["batch_size"]) == (1024, 8, 4, 32)
     assert hstu["model_dim"] // hstu["num_heads"] == 256 and hstu["max_history"] == 4096
     assert fixed == {**hstu, "min_history": 4096}
+    args, stacks = e2e.parse_args(["--preset", "nvidia-hstu-fixed", "--num-layers", "2", "--stacks", "kit"])
+    shape = (args.num_layers, args.model_dim, args.num_heads, args.min_history, args.max_history)
+    assert shape == (2, 1024, 4, 4096, 4096)  # --num-layers given: the preset's 8 overridden
+    assert stacks == ["kit"]
+    args, _ = e2e.parse_args([])  # no preset: the GEM example's own shapes
+    assert (args.model_dim, args.num_layers, args.min_history) == (512, 4, 16)
 
 
 @pytest.mark.slow

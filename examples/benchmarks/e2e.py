@@ -142,11 +142,10 @@ def useful_flops_per_step(source: SyntheticRankingSource, args: argparse.Namespa
     counts = []
     # The same matmuls as the trained stacks, at their speed: on CUDA in bf16 (a float32 pass over 8 layers of
     # 4096-token histories would take longer than the training it counts).
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     for step, batch in enumerate(data.train_dataloader()):
         if step >= args.warmup:
             batch = batch.to(device)
-            with torch.autocast(device.type, dtype=dtype, enabled=device.type == "cuda"):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 counts.append(model_flops(model, batch))  # backward of sum(logits): the loss adds no matmul
     return statistics.fmean(counts)
 
@@ -163,7 +162,9 @@ def _histories(args: argparse.Namespace) -> str:
     return f"histories clip({args.max_history} u^3, {args.min_history}, {args.max_history})"
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """The command line (``argv``, default ``sys.argv[1:]``) as arguments, a preset's values under the flags given,
+    and the stacks to run."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="a named shape set (see above)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
@@ -195,10 +196,10 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=0, help="profile this many last steps of each stack")
     parser.add_argument("--cprofile-steps", type=int, default=0, help="cProfile this many last steps of each stack")
     parser.add_argument("--sync-debug", action="store_true", help="list the device syncs of the first timed step")
-    preset = parser.parse_known_args()[0].preset
+    preset = parser.parse_known_args(argv)[0].preset
     if preset is not None:
         parser.set_defaults(**PRESETS[preset])
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.tiny:
         args.steps, args.warmup, args.batch_size = min(args.steps, 3), min(args.warmup, 1), min(args.batch_size, 4)
         use_tiny_shapes(args)
@@ -207,7 +208,11 @@ def main() -> None:
     stacks = [s.strip() for s in args.stacks.split(",")]
     if any(s not in STACKS for s in stacks):
         parser.error(f"--stacks must be from {STACKS}, got {args.stacks!r}")
+    return args, stacks
 
+
+def main() -> None:
+    args, stacks = parse_args()
     source = synthetic_users(args, args.batch_size * (args.warmup + args.steps))  # every stack, and the FLOPs
     tokens_per_step = args.batch_size * _mean_tokens_per_user(source)
     results = {}

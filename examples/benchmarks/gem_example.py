@@ -77,7 +77,7 @@ def synthetic_users(args: argparse.Namespace, num_users: int) -> SyntheticRankin
         num_train_users=num_users,
         num_val_users=1,
         num_test_users=1,
-        min_history_length=min(args.min_history, args.max_history),
+        min_history_length=args.min_history,
         max_history_length=args.max_history,
         mean_candidates=args.mean_candidates,
         max_candidates=args.max_candidates,
