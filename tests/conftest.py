@@ -1,4 +1,5 @@
-"""Test-wide setup: Triton's interpreter on CPU, a fixed seed, and no process group leaking between tests."""
+"""Test-wide setup: Triton's interpreter on CPU, a fixed seed, and no process group or rendezvous variable leaking
+between tests."""
 
 import os
 
@@ -24,3 +25,19 @@ def _destroy_process_group():
     yield
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+# Set in this process by Lightning's launchers (the main port of a fit that launched ranks) and by in-process fits:
+# a later test's launch would inherit them and bind a port that may since have been taken.
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
+
+
+@pytest.fixture(autouse=True)
+def _restore_rendezvous_variables():
+    before = {name: os.environ.get(name) for name in _RENDEZVOUS}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

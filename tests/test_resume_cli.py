@@ -25,7 +25,7 @@ import torch
 import yaml
 
 from lightning_gem.cli import main
-from lightning_gem.testing.distributed import forget_torchrec_node_groups, run_ranks
+from lightning_gem.testing.distributed import forget_torchrec_node_groups, free_port, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "examples" / "configs"
@@ -80,7 +80,8 @@ def _command(config: Path, *extra: str) -> list[str]:
 
 
 def _environment() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    """This process's environment with a main port free now: each launch picks its own rendezvous port."""
+    return {**os.environ, "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def _fit_then_resume(uninterrupted: str, interrupted: str) -> str:
@@ -103,9 +104,9 @@ def _fit_then_resume_on_rank(rank: int, world_size: int, uninterrupted: str, int
 def _run_and_kill(config: Path, last: Path, log: Path, attempts: int = 3) -> None:
     """Start a fit and kill it (SIGKILL to its process group: the launcher's ranks too) once ``last`` is written.
 
-    A launch that failed before writing anything because its rendezvous port was taken between Lightning picking it
-    and the store binding it (another process on the machine got it first: EADDRINUSE) is started again from an
-    empty run folder, up to ``attempts`` times in all."""
+    Each launch gets a main port that is free when it starts; one that failed before writing anything because the
+    port was taken before its store bound it (another process on the machine got it first: EADDRINUSE) is started
+    again, on a new port, from an empty run folder, up to ``attempts`` times in all."""
     for _ in range(attempts):
         killed, returncode = _start_and_kill(config, last, log)
         port_taken = returncode not in (0, -signal.SIGKILL) and "EADDRINUSE" in log.read_text()

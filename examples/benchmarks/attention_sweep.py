@@ -9,8 +9,12 @@ prints and saves:
 - ``forward``: every tile shape of a wider set than the tuner's candidates (query rows, key rows, warps,
   stages), compiled at once, each timed alone (median of ``triton.testing.do_bench``), with useful TFLOP/s;
 - ``backward``: every backward plan (the tuner's candidates, dQ through element atomics or through bulk tensor
-  reductions on several tile shapes, the one-launch dK/dV + dQ kernel), each timed alone, with its largest
-  difference from the one-launch (bitwise reproducible) plan's gradients, relative to their largest value.
+  reductions on several tile shapes, the one-launch dK/dV + dQ kernel, and dK and dV in programs of their own),
+  each timed alone, with its largest difference from the one-launch (bitwise reproducible) plan's gradients,
+  relative to their largest value.
+
+``--heads`` and ``--dim`` run a workload's lengths at other head counts and head dims (shapes around the named
+ones).
 
 The tuner picks among a subset of these at run time; this script shows what each variant costs, so candidate
 lists are chosen on measurements.
@@ -19,6 +23,7 @@ lists are chosen on measurements.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -35,6 +40,7 @@ from lightning_gem.ops.attention.impl.triton._tuning import (
     Tiles,
     backward_candidates,
     candidate_tiles,
+    split_candidates,
 )
 from lightning_gem.ops.attention.impl.triton.backward import bulk_reduction_ok, gdpa_backward
 from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
@@ -104,14 +110,16 @@ def sweep_case(case, quick: bool, parts: tuple[str, ...] = ("fwd", "bwd")) -> di
     plans = backward_candidates(
         q.dtype, q.device, head_dim, deterministic=False, block_size=case.block_size, max_len_q=max_q, tma=tma
     )
+    plans += split_candidates(q.dtype, q.device, head_dim, block_size=case.block_size, max_len_q=max_q, tma=tma)
     if not quick:
         extra = [Tiles(*s) for s in BACKWARD_SHAPES.get(head_dim, [])]
         plans += [BackwardTiles(t) for t in extra] + ([BackwardTiles(t, tma=True) for t in extra] if tma else [])
     plans = _unique(plans)
 
     def backward(plan: BackwardTiles) -> tuple:
-        tiles = {"short_tiles": plan.dkdv} if plan.short else {"dkdv_tiles": plan.dkdv, "dq_tiles": plan.dq,
-                                                              "bulk_dq": plan.tma}  # fmt: skip
+        if plan.short:
+            return gdpa_backward(case.grad_out, q, k, v, out, lse, spec, short_tiles=plan.dkdv)
+        tiles = {"dkdv_tiles": plan.dkdv, "dq_tiles": plan.dq, "bulk_dq": plan.tma, "split_dkdv": plan.split}
         return gdpa_backward(case.grad_out, q, k, v, out, lse, spec, **tiles)
 
     reference = None
@@ -123,6 +131,7 @@ def sweep_case(case, quick: bool, parts: tuple[str, ...] = ("fwd", "bwd")) -> di
     print("  backward:")
     for plan in plans:
         label = "short" if plan.short else "bulk dQ" if plan.tma else "atomic dQ" if plan.dq is None else "one-launch"
+        label += " split" if plan.split else ""
         try:
             ms = _bench(lambda p=plan: backward(p))
             grads = backward(plan)
@@ -133,10 +142,11 @@ def sweep_case(case, quick: bool, parts: tuple[str, ...] = ("fwd", "bwd")) -> di
                   zip(grads, reference, strict=True)) if reference is not None else float("nan")  # fmt: skip
         dq_tiles = None if plan.dq is None else list(plan.dq)
         result["backward"].append({"plan": label, "dkdv": list(plan.dkdv), "dq": dq_tiles, "ms": ms,
+                                   "fwd_ms": min(r["ms"] for r in result["forward"]),
                                    "tflops": bwd_flops / ms / 1e9, "rel_err": err})  # fmt: skip
         dq = "" if plan.dq is None else f" dq {tuple(plan.dq)}"
         print(
-            f"    {ms * 1e3:8.1f} us {bwd_flops / ms / 1e9:7.1f} TF/s  err {err:.1e}  {label:10s} "
+            f"    {ms * 1e3:8.1f} us {bwd_flops / ms / 1e9:7.1f} TF/s  err {err:.1e}  {label:16s} "
             f"{tuple(plan.dkdv)}{dq}"
         )
     return result
@@ -148,6 +158,8 @@ def main() -> None:
     parser.add_argument("--modes", default="", help="only modes whose label contains this (default: every mode)")
     parser.add_argument("--quick", action="store_true", help="the tuner's candidates only")
     parser.add_argument("--parts", default="fwd,bwd", help="fwd, bwd or both")
+    parser.add_argument("--heads", type=int, help="heads of every workload (default: each workload's own)")
+    parser.add_argument("--dim", type=int, help="head dim of every workload (default: each workload's own)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -155,12 +167,14 @@ def main() -> None:
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     for name in args.workloads.split(","):
         workload = make_workload(name.strip(), tiny=False, seed=0)
+        workload = dataclasses.replace(workload, heads=args.heads or workload.heads, dim=args.dim or workload.dim)
         for label, options in workload.modes:
             if args.modes not in label:
                 continue
             case = make_case(workload, label, options, torch.device("cuda"))
             print(f"\n== {name}: {label} (H={workload.heads}, D={workload.dim}) ==", flush=True)
-            results[f"{name}: {label}"] = sweep_case(case, args.quick, tuple(args.parts.split(",")))
+            key = f"{name}: {label} H={workload.heads} D={workload.dim}"
+            results[key] = sweep_case(case, args.quick, tuple(args.parts.split(",")))
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
 

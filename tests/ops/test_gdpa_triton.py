@@ -168,10 +168,11 @@ TILE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dq", "deterministic"])
+@pytest.mark.parametrize("plan", ["atomic_dq", "deterministic", "split_dkdv"])
 @pytest.mark.parametrize(("block_m", "block_n", "mask"), TILE_CASES)
-def test_other_tile_shapes(device: str, block_m: int, block_n: int, mask: tuple, deterministic: bool) -> None:
-    """Key/query ranges with tiles of other and unequal sizes, through the launchers directly."""
+def test_other_tile_shapes(device: str, block_m: int, block_n: int, mask: tuple, plan: str) -> None:
+    """Key/query ranges with tiles of other and unequal sizes, through the launchers directly: the dK/dV kernel with
+    atomic dQ (dK and dV in one program, or in programs of their own) and the one-launch deterministic kernel."""
     from lightning_gem.ops.attention.impl.triton._tuning import Tiles
     from lightning_gem.ops.attention.impl.triton.backward import gdpa_backward
     from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
@@ -180,10 +181,13 @@ def test_other_tile_shapes(device: str, block_m: int, block_n: int, mask: tuple,
     options = _options("softmax", *mask)
     jagged = (inputs.q_offsets, inputs.q_offsets, None, inputs.num_targets)
     tiles = Tiles(block_m, block_n, 4)
+    deterministic = plan == "deterministic"
     spec = Spec(*jagged, **options, max_seq_len_q=96, max_seq_len_kv=96, deterministic=deterministic)
     out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=tiles)
     grad_out = torch.randn_like(out)
     tiles_bwd = {"dkdv_tiles": tiles, "dq_tiles": Tiles(block_n, block_m, 4) if deterministic else None}
+    if plan == "split_dkdv":
+        tiles_bwd["split_dkdv"] = True
     grads = gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, spec, **tiles_bwd)
     cpu64 = [t.cpu().double() for t in (inputs.q, inputs.k, inputs.v)]
     cpu_spec = Spec(*(None if t is None else t.cpu() for t in jagged), **options)
@@ -191,6 +195,59 @@ def test_other_tile_shapes(device: str, block_m: int, block_n: int, mask: tuple,
     expected = gdpa_reference_backward(grad_out.cpu().double(), *cpu64, cpu_spec)
     for got, want in zip(grads, expected, strict=True):
         torch.testing.assert_close(got.cpu().double(), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_split_dkdv_programs(device: str, layout: str, activation: str) -> None:
+    """dK and dV in programs of their own (the dK one adding dQ): every layout (targets, shared and cross kv
+    segments) and both activation families, under a causal window, against the float64 reference."""
+    from lightning_gem.ops.attention.impl.triton._tuning import Tiles
+    from lightning_gem.ops.attention.impl.triton.backward import gdpa_backward
+    from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
+
+    inputs = _inputs(layout, 41, torch.float32, device)
+    options = _options(activation, True, 9, None)
+    kv_offsets = inputs.q_offsets if inputs.kv_offsets is None else inputs.kv_offsets
+    jagged = (inputs.q_offsets, kv_offsets, inputs.kv_index, inputs.num_targets)
+    tiles = Tiles(16, 16, 1, 1) if device == "cpu" else Tiles(32, 32, 4, 2)
+    lens = {"max_seq_len_q": max(inputs.q_lengths), "max_seq_len_kv": max(inputs.kv_lengths)}
+
+    def run(grad_out: torch.Tensor) -> tuple:
+        spec = Spec(*jagged, **options, **lens)
+        out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, spec)
+        return out, gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, spec, dkdv_tiles=tiles,
+                                  split_dkdv=True)  # fmt: skip
+
+    _check_against_reference(inputs, options, f"{layout}/{activation}/split", run=run)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [128, 256])
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_split_dkdv_programs_bf16_gpu(activation: str, dim: int) -> None:
+    """The split dK/dV programs in bf16 on their tuner shapes (tall tiles, bulk-reduced dQ where the GPU has it),
+    targets included, within the bf16 budget of the float64 reference."""
+    if not torch.cuda.is_available() or _triton_device() != "cuda":
+        pytest.skip("needs a CUDA GPU with compiled (not interpreted) Triton kernels")
+    from lightning_gem.ops.attention.impl.triton._tuning import Tiles
+    from lightning_gem.ops.attention.impl.triton.backward import bulk_reduction_ok, gdpa_backward
+    from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
+
+    inputs = _inputs("self_targets", 17, torch.bfloat16, "cuda", q_lengths=[300, 0, 1, 64, 517, 3], max_len=520,
+                     dim=dim, dim_v=dim)  # fmt: skip
+    options = {**_options(activation, True, None, None), "scale": 1 / math.sqrt(dim)}
+    jagged = (inputs.q_offsets, inputs.q_offsets, None, inputs.num_targets)
+    for tiles in (Tiles(64, 64, 8, 2), Tiles(128, 64, 8, 2)):
+
+        def run(grad_out: torch.Tensor, tiles=tiles) -> tuple:
+            spec = Spec(*jagged, **options, max_seq_len_q=520, max_seq_len_kv=520)
+            out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, spec)
+            grads = gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, spec, dkdv_tiles=tiles,
+                                  split_dkdv=True, bulk_dq=bulk_reduction_ok(inputs.q))  # fmt: skip
+            return out, grads
+
+        _check_against_reference(inputs, options, f"{activation} D={dim} split {tiles}", run=run)
 
 
 @pytest.mark.parametrize("activation", ["softmax", "silu"])

@@ -286,11 +286,30 @@ def _load_tile(
 
 
 @triton.jit
-def _query_rows(Q, DO, LSE, q_start, head, offs_m, row_ok, stride_qt, stride_qh, stride_dot, stride_doh, stride_lse_h,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                BLOCK_M: tl.constexpr, ACTIVATION: tl.constexpr):  # fmt: skip
-    """A query tile's rows for a backward: ``q [M, D]``, ``dO [M, DV]`` (zeros past the rows) and softmax's
+def _key_tile(
+    k_base, v_base, n_start, hi, stride_kt, stride_vt,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """Key rows ``n_start + [0, BLOCK_N)`` of one kv segment and head: ``offs_n``, ``col_ok`` (rows below
+    ``hi``), ``k [N, D]`` and ``v [N, DV]``; ``MASKED`` loads zeros at rows from ``hi`` on (else every row is
+    read)."""
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < hi
+    k_ND = _load_tile(k_base, offs_n, stride_kt, tl.arange(0, BLOCK_D), col_ok, HEAD_DIM, BLOCK_D, MASKED)
+    v_NDV = _load_tile(v_base, offs_n, stride_vt, tl.arange(0, BLOCK_DV), col_ok, HEAD_DIM_V, BLOCK_DV, MASKED)
+    return offs_n, col_ok, k_ND, v_NDV
+
+
+@triton.jit
+def _query_rows(Q, DO, LSE, q_start, head, offs_m, len_q, shift, num_history, stride_qt, stride_qh, stride_dot,
+                stride_doh, stride_lse_h, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, ACTIVATION: tl.constexpr):  # fmt: skip
+    """A query tile's rows ``offs_m`` of a segment of ``len_q`` for a backward: ``row_ok`` (rows in the segment),
+    their positions (:func:`_position`), ``q [M, D]``, ``dO [M, DV]`` (zeros past the rows) and softmax's
     log-sum-exp ``[M]`` (``+inf`` past the rows; zeros for pointwise activations)."""
+    row_ok = offs_m < len_q
+    pos_m = _position(offs_m, shift, num_history)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     q_MD = _load_tile(
@@ -302,7 +321,7 @@ def _query_rows(Q, DO, LSE, q_start, head, offs_m, row_ok, stride_qt, stride_qh,
     lse_M = tl.zeros([BLOCK_M], dtype=tl.float32)
     if ACTIVATION == "softmax":
         lse_M = tl.load(LSE + head * stride_lse_h + q_start + offs_m, mask=row_ok, other=float("inf"))
-    return q_MD, do_MDV, lse_M
+    return row_ok, pos_m, q_MD, do_MDV, lse_M
 
 
 def fast_math(q: torch.Tensor) -> bool:

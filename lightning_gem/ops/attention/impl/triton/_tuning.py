@@ -43,6 +43,7 @@ __all__ = [
     "length_bucket",
     "pick_launch",
     "pick_tiles",
+    "split_candidates",
     "tile_meta",
     "work_bucket",
 ]
@@ -67,13 +68,15 @@ class BackwardTiles(NamedTuple):
     the launch); ``dq`` the dQ programs' query rows x key rows in the same launch, or None for dQ added through
     fp32 atomics by the dK/dV programs (not bitwise reproducible); ``tma`` (with ``dq`` None): those additions as
     one bulk tensor reduction per tile (the copy engine's ``cp.reduce.async.bulk``, sm_90+) instead of one atomic
-    per element, in plain eager calls (traced ones add element by element). ``short``: the short-query kernel
-    instead (:mod:`.backward_short`; ``dkdv`` then tiles its one query tile per segment and its key tiles)."""
+    per element, in plain eager calls (traced ones add element by element). ``split`` (with ``dq`` None): dK and dV
+    in programs of their own, one fp32 accumulator each (``Q K^T`` computed by both). ``short``: the short-query
+    kernel instead (:mod:`.backward_short`; ``dkdv`` then tiles its one query tile per segment and its key tiles)."""
 
     dkdv: Tiles
     dq: Tiles | None = None
     short: bool = False
     tma: bool = False
+    split: bool = False
 
 
 # The candidate that runs FlashAttention-4's kernel instead of a Triton launch (``impl="auto"`` only).
@@ -205,6 +208,30 @@ def backward_candidates(
     atomic = [BackwardTiles(t) for t in dkdv[:4]]
     bulk = [BackwardTiles(t, tma=True) for t in dkdv[:2]] if tma else []
     return atomic + merged + short + bulk if device.type != "cuda" else short + bulk + merged + atomic
+
+
+def split_candidates(
+    dtype: torch.dtype,
+    device: torch.device,
+    head_dim: int,
+    *,
+    block_size: int | None = None,
+    max_len_q: int = 1 << 30,
+    tma: bool = False,
+) -> list[BackwardTiles]:
+    """Launches of the dK/dV kernel with split dK and dV programs (atomic dQ; bulk reductions where ``tma``): with
+    one accumulator a program, taller tiles fit than in :func:`candidate_tiles`'s ``"dkdv"`` shapes. Not among
+    :func:`backward_candidates` until timed on a GPU (``examples/benchmarks/attention_sweep.py`` times them beside
+    those); none where a BlockAttention block or short query segments fix the tiles."""
+    if device.type != "cuda":
+        return [BackwardTiles(Tiles(16, 16, 1, 1), split=True)]
+    if dtype == torch.float32 or _block_tiles(block_size) is not None or length_bucket(max_len_q) <= 64:
+        return []
+    if head_dim <= 128:
+        shapes = [Tiles(64, 128, 8, 2), Tiles(128, 128, 8, 2), Tiles(128, 64, 8, 2)]
+    else:
+        shapes = [Tiles(64, 64, 8, 2), Tiles(128, 64, 8, 2), Tiles(64, 128, 8, 2), Tiles(32, 128, 8, 2)]
+    return [BackwardTiles(t, tma=tma, split=True) for t in shapes]
 
 
 def _short_tiles(dtype: torch.dtype, device: torch.device, max_len_q: int) -> list[BackwardTiles]:

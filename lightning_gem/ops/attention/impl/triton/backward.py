@@ -31,6 +31,7 @@ from lightning_gem.ops.attention.impl.triton._common import (
     _activation_grad,
     _full_query_range,
     _history_mask,
+    _key_tile,
     _kv_segment,
     _load_tile,
     _position,
@@ -64,6 +65,11 @@ from lightning_gem.ops.attention.spec import Spec
 
 __all__ = ["gdpa_backward"]
 
+# What a dK/dV program accumulates (``PART``).
+BOTH = tl.constexpr(0)
+DV_ONLY = tl.constexpr(1)
+DK_ONLY = tl.constexpr(2)
+
 
 @triton.jit(do_not_specialize=["num_rows"])  # a per-batch count: no recompile when it changes
 def _bwd_delta_kernel(
@@ -90,9 +96,11 @@ def _dkdv_query_blocks(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FAST: tl.constexpr, PART: tl.constexpr,
 ):  # fmt: skip
-    """Query blocks ``[m_lo, m_hi)`` against one key tile; ``MASKED`` applies ``allowed``; ``FUSED_DQ`` adds
+    """Query blocks ``[m_lo, m_hi)`` against one key tile; ``MASKED`` applies ``allowed``; ``PART`` (:data:`BOTH`,
+    :data:`DV_ONLY`, :data:`DK_ONLY`) says which of dK and dV the tile accumulates (the other is returned as given);
+    ``FUSED_DQ`` (with dK) adds
     this tile's part of dQ (``scale dS K``) into the fp32 rows at ``dq_base`` atomically: element by element, or with
     ``DQ_TMA`` as one bulk reduction of the whole tile through ``dq_desc`` (rows ``dq_row + m``, columns from
     ``dq_col``). Rows of the tile past ``row_end`` hold zeros there (nothing allowed), so adding them to the rows
@@ -105,7 +113,9 @@ def _dkdv_query_blocks(
         q_MD = _load_tile(q_base, offs_m, stride_qt, offs_d, row_ok, HEAD_DIM, BLOCK_D, MASKED)
         do_MDV = _load_tile(do_base, offs_m, stride_dot, offs_dv, row_ok, HEAD_DIM_V, BLOCK_DV, MASKED)
         qk_NM = tl.dot(k_ND, tl.trans(q_MD), input_precision=DOT_PRECISION)
-        dp_NM = tl.dot(v_NDV, tl.trans(do_MDV), input_precision=DOT_PRECISION)
+        dp_NM = qk_NM  # read only where dK is accumulated
+        if PART != DV_ONLY:
+            dp_NM = tl.dot(v_NDV, tl.trans(do_MDV), input_precision=DOT_PRECISION)
         if MASKED:
             allowed_NM = row_ok[None, :] & _history_mask(
                 _position(offs_m, shift, num_history)[None, :], offs_n[:, None], num_history, window, block_size,
@@ -114,24 +124,32 @@ def _dkdv_query_blocks(
         if ACTIVATION == "softmax":
             if MASKED:
                 lse_M = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
-                delta_M = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
                 p_NM = tl.where(allowed_NM, tl.exp2(qk_NM * qk_scale - lse_M[None, :]), 0.0)
             else:
                 lse_M = tl.load(lse_base + offs_m)
-                delta_M = tl.load(delta_base + offs_m)
                 p_NM = tl.exp2(qk_NM * qk_scale - lse_M[None, :])
-            ds_NM = p_NM * (dp_NM - delta_M[None, :])
+            if PART != DV_ONLY:
+                if MASKED:
+                    delta_M = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+                else:
+                    delta_M = tl.load(delta_base + offs_m)
+                ds_NM = p_NM * (dp_NM - delta_M[None, :])
         else:
             s_NM = qk_NM * scale
-            p_NM = _activation(s_NM, ACTIVATION, FAST) * inv_len_k
-            ds_NM = _activation_grad(s_NM, ACTIVATION, FAST) * dp_NM * inv_len_k
-            if MASKED:
-                p_NM = tl.where(allowed_NM, p_NM, 0.0)
-                ds_NM = tl.where(allowed_NM, ds_NM, 0.0)
-        dv_NDV = tl.dot(p_NM.to(do_MDV.dtype), do_MDV, dv_NDV, input_precision=DOT_PRECISION)
-        ds_NM = ds_NM.to(q_MD.dtype)
-        dk_ND = tl.dot(ds_NM, q_MD, dk_ND, input_precision=DOT_PRECISION)
-        if FUSED_DQ:
+            if PART != DK_ONLY:
+                p_NM = _activation(s_NM, ACTIVATION, FAST) * inv_len_k
+                if MASKED:
+                    p_NM = tl.where(allowed_NM, p_NM, 0.0)
+            if PART != DV_ONLY:
+                ds_NM = _activation_grad(s_NM, ACTIVATION, FAST) * dp_NM * inv_len_k
+                if MASKED:
+                    ds_NM = tl.where(allowed_NM, ds_NM, 0.0)
+        if PART != DK_ONLY:
+            dv_NDV = tl.dot(p_NM.to(do_MDV.dtype), do_MDV, dv_NDV, input_precision=DOT_PRECISION)
+        if PART != DV_ONLY:
+            ds_NM = ds_NM.to(q_MD.dtype)
+            dk_ND = tl.dot(ds_NM, q_MD, dk_ND, input_precision=DOT_PRECISION)
+        if FUSED_DQ and PART != DV_ONLY:
             dq_MD = tl.dot(tl.trans(ds_NM), k_ND, input_precision=DOT_PRECISION) * scale
             dq_ptrs = dq_base + offs_m[:, None] * stride_dqt + offs_d[None, :]
             if DQ_TMA:
@@ -156,9 +174,11 @@ def _dkdv_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
     HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
+    PART: tl.constexpr,
 ):  # fmt: skip
     """dK and dV of the key tile at ``n_start`` of kv segment ``kv_seg``, head ``head`` (and, with ``FUSED_DQ``,
-    its part of dQ through atomics); nothing when the tile lies past the segment's end."""
+    its part of dQ through atomics), or only one of them (``PART``); nothing when the tile lies past the segment's
+    end."""
     qk_scale = scale * LOG2E
     k_start = tl.load(KV_OFFSETS + kv_seg).to(tl.int64)
     len_k = (tl.load(KV_OFFSETS + kv_seg + 1) - k_start).to(tl.int32)
@@ -212,7 +232,7 @@ def _dkdv_program(
                     q_start.to(tl.int32), (head * HEAD_DIM).to(tl.int32),
                     stride_qt, stride_dot, stride_dqt, m_lo, m_hi, i_hi, shift, num_history, window, block_size,
                     qk_scale, scale, inv_len_k, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, stage != 1, FUSED_DQ,
-                    DQ_TMA, ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
+                    DQ_TMA, ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST, PART,
                 )  # fmt: skip
 
             # A target key t is seen by one query only: the target itself, row t of the segment. A run-time branch:
@@ -232,9 +252,11 @@ def _dkdv_program(
                 else:
                     p_N = tl.where(own, _activation(qk_N * scale, ACTIVATION, FAST) * inv_len_k, 0.0)
                     ds_N = tl.where(own, _activation_grad(qk_N * scale, ACTIVATION, FAST) * dp_N * inv_len_k, 0.0)
-                dv_NDV += p_N[:, None] * do_own_NDV
-                dk_ND += ds_N[:, None] * q_own_ND
-                if FUSED_DQ:
+                if PART != DK_ONLY:
+                    dv_NDV += p_N[:, None] * do_own_NDV
+                if PART != DV_ONLY:
+                    dk_ND += ds_N[:, None] * q_own_ND
+                if FUSED_DQ and PART != DV_ONLY:
                     tl.atomic_add(
                         dq_base + offs_n[:, None] * stride_dqt + offs_d[None, :],
                         ds_N[:, None] * k_ND.to(tl.float32) * scale,
@@ -242,16 +264,18 @@ def _dkdv_program(
                         sem="relaxed",
                     )
 
-        tl.store(
-            DK + (k_start + offs_n)[:, None] * stride_dkt + head * stride_dkh + offs_d[None, :],
-            (dk_ND * scale).to(DK.dtype.element_ty),
-            mask=col_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
-        )
-        tl.store(
-            DV + (k_start + offs_n)[:, None] * stride_dvt + head * stride_dvh + offs_dv[None, :],
-            dv_NDV.to(DV.dtype.element_ty),
-            mask=col_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V),
-        )
+        if PART != DV_ONLY:
+            tl.store(
+                DK + (k_start + offs_n)[:, None] * stride_dkt + head * stride_dkh + offs_d[None, :],
+                (dk_ND * scale).to(DK.dtype.element_ty),
+                mask=col_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
+            )
+        if PART != DK_ONLY:
+            tl.store(
+                DV + (k_start + offs_n)[:, None] * stride_dvt + head * stride_dvh + offs_dv[None, :],
+                dv_NDV.to(DV.dtype.element_ty),
+                mask=col_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V),
+            )
 
 
 @triton.jit
@@ -266,18 +290,44 @@ def _gdpa_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
     HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):  # fmt: skip
     """One program per (kv segment, head, key tile): dK/dV, plus dQ through fp32 atomics with ``FUSED_DQ`` (bulk
-    tensor reductions with ``DQ_TMA``)."""
-    _dkdv_program(
-        Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_DESC, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
-        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
-        stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
-        tl.cast(scale, tl.float32),  # Inductor passes Python floats as fp64 scalars
-        window, block_size, tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2) * BLOCK_N,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, FUSED_DQ, DQ_TMA,
-        ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST,
-    )  # fmt: skip
+    tensor reductions with ``DQ_TMA``). ``SPLIT``: two programs per key tile along axis 2, one for dK (and dQ), then
+    one for dV: one fp32 accumulator each instead of two, so taller key tiles fit in registers, at the price of
+    computing ``Q K^T`` twice."""
+    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
+    kv_seg = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    if SPLIT:
+        n_start = (tl.program_id(2) // 2) * BLOCK_N
+        if tl.program_id(2) % 2 == 0:
+            _dkdv_program(
+                Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_DESC, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS,
+                SEG_ORDER, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                stride_lse_h, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
+                scale, window, block_size, kv_seg, head, n_start,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, FUSED_DQ, DQ_TMA,
+                ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, DK_ONLY,
+            )  # fmt: skip
+        else:
+            _dkdv_program(
+                Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_DESC, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS,
+                SEG_ORDER, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                stride_lse_h, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
+                scale, window, block_size, kv_seg, head, n_start,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, False,
+                ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, DV_ONLY,
+            )  # fmt: skip
+    else:
+        _dkdv_program(
+            Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_DESC, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
+            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
+            stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
+            scale, window, block_size, kv_seg, head, tl.program_id(2) * BLOCK_N,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, FUSED_DQ, DQ_TMA,
+            ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, BOTH,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -290,13 +340,10 @@ def _dq_key_blocks(
     DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
     """Key blocks ``[n_lo, n_hi)`` of one query tile's dQ (unscaled); ``MASKED`` applies ``allowed``."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     for n_start in tl.range(n_lo, n_hi, BLOCK_N):
-        offs_n = n_start + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < hi
-        k_ND = _load_tile(k_base, offs_n, stride_kt, offs_d, col_ok, HEAD_DIM, BLOCK_D, MASKED)
-        v_NDV = _load_tile(v_base, offs_n, stride_vt, offs_dv, col_ok, HEAD_DIM_V, BLOCK_DV, MASKED)
+        offs_n, col_ok, k_ND, v_NDV = _key_tile(
+            k_base, v_base, n_start, hi, stride_kt, stride_vt, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, MASKED
+        )
         qk_MN = tl.dot(q_MD, tl.trans(k_ND), input_precision=DOT_PRECISION)
         dp_MN = tl.dot(do_MDV, tl.trans(v_NDV), input_precision=DOT_PRECISION)
         if ACTIVATION == "softmax":
@@ -338,11 +385,9 @@ def _dq_program(
         offs_m = m_start + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
-        row_ok = offs_m < len_q
-        pos_m = _position(offs_m, shift, num_history)
-        q_MD, do_MDV, lse_M = _query_rows(
-            Q, DO, LSE, q_start, head, offs_m, row_ok, stride_qt, stride_qh, stride_dot, stride_doh, stride_lse_h,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, ACTIVATION,
+        row_ok, pos_m, q_MD, do_MDV, lse_M = _query_rows(
+            Q, DO, LSE, q_start, head, offs_m, len_q, shift, num_history, stride_qt, stride_qh, stride_dot, stride_doh,
+            stride_lse_h, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, ACTIVATION,
         )  # fmt: skip
         delta_M = tl.zeros([BLOCK_M], dtype=tl.float32)
         if ACTIVATION == "softmax":
@@ -425,7 +470,7 @@ def _gdpa_bwd_kernel(
                 stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
                 scale, window, block_size, seg, head, index * BLOCK_N,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, False,
-                ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST,
+                ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, BOTH,
             )  # fmt: skip
 
 
@@ -489,6 +534,7 @@ def gdpa_backward(
     dq_tiles: Tiles | None = None,
     short_tiles: Tiles | None = None,
     bulk_dq: bool = False,
+    split_dkdv: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Launch the backward kernels. ``out`` and ``lse`` (from :func:`gdpa_forward`) are needed for softmax
     only; the spec's length hints bound the segments. ``spec.deterministic`` keeps to the one-launch kernel whose dQ
@@ -497,7 +543,8 @@ def gdpa_backward(
     no shared kv segments, no targets) the tuner also tries the short-query kernel (:mod:`.backward_short`,
     deterministic). ``dkdv_tiles`` (alone: the atomic kernel), both tiles (the one-launch kernel) or ``short_tiles``
     (the short-query kernel, whose ``block_m`` must hold the longest query segment) override the tuned choice;
-    ``bulk_dq`` with ``dkdv_tiles`` alone adds dQ through bulk tensor reductions (:func:`bulk_reduction_ok`).
+    ``bulk_dq`` with ``dkdv_tiles`` alone adds dQ through bulk tensor reductions (:func:`bulk_reduction_ok`);
+    ``split_dkdv`` with ``dkdv_tiles`` alone gives dK and dV programs of their own (one accumulator each).
     Returns ``(dq, dk, dv)`` in the inputs' dtypes. ``flash`` (``impl="auto"``, softmax modes FlashAttention-4
     computes exactly) lets the tuner pick FlashAttention-4's backward instead, from the same ``out`` and ``lse``.
     """
@@ -553,6 +600,7 @@ def gdpa_backward(
         elif plan.dq is None:
             meta["FUSED_DQ"] = True
             meta["DQ_TMA"] = plan.tma
+            meta["SPLIT"] = plan.split
         else:
             meta.update(DQ_BLOCK_M=plan.dq.block_m, DQ_BLOCK_N=plan.dq.block_n)
         meta.update(tile_meta(plan.dkdv))
@@ -583,7 +631,7 @@ def gdpa_backward(
                 args = (q, k, v, grad_out, lse, delta, dk, dv, dq32, dq_desc, q_offsets, kv_offsets, targets,
                         seg_offsets, seg_order, *strides, *dq32.stride()[:2], scale, window or 0,
                         block_size or 1)  # fmt: skip
-                grid = (num_kv_segments, heads, num_key_tiles)
+                grid = (num_kv_segments, heads, num_key_tiles * (2 if plan.split else 1))
                 launch(_gdpa_bwd_dkdv_kernel, grid, args, meta if bulk or not plan.tma else {**meta, "DQ_TMA": False})
             return
         dq = dq_buffer(q.dtype)
@@ -606,9 +654,11 @@ def gdpa_backward(
         plan = BackwardTiles(short_tiles, short=True)
         meta = options(plan)
     elif dkdv_tiles is not None:
-        plan = BackwardTiles(dkdv_tiles, dq_tiles, tma=bulk_dq)
+        plan = BackwardTiles(dkdv_tiles, dq_tiles, tma=bulk_dq, split=split_dkdv)
         if dq_tiles is None and deterministic:
             raise ValueError("deterministic=True needs dq_tiles with dkdv_tiles")
+        if split_dkdv and dq_tiles is not None:
+            raise ValueError("split_dkdv needs dkdv_tiles alone (the dK/dV kernel with atomic dQ)")
         if bulk_dq and (dq_tiles is not None or not bulk_reduction_ok(q)):
             raise ValueError("bulk_dq needs dkdv_tiles alone, on an sm_90+ GPU with a power-of-two head dim")
         meta = options(plan)

@@ -21,8 +21,8 @@ from lightning_gem.ops.attention.impl.triton._common import (
     _activation,
     _activation_grad,
     _history_mask,
+    _key_tile,
     _load_tile,
-    _position,
     _query_rows,
     _query_tile_keys,
     _stage_range,
@@ -68,10 +68,9 @@ def _short_key_blocks(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for n_start in tl.range(n_lo, n_hi, BLOCK_N):
-        offs_n = n_start + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < hi
-        k_ND = _load_tile(k_base, offs_n, stride_kt, offs_d, col_ok, HEAD_DIM, BLOCK_D, MASKED)
-        v_NDV = _load_tile(v_base, offs_n, stride_vt, offs_dv, col_ok, HEAD_DIM_V, BLOCK_DV, MASKED)
+        offs_n, col_ok, k_ND, v_NDV = _key_tile(
+            k_base, v_base, n_start, hi, stride_kt, stride_vt, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, MASKED
+        )
         qk_MN = tl.dot(q_MD, tl.trans(k_ND), input_precision=DOT_PRECISION)
         dp_MN = tl.dot(do_MDV, tl.trans(v_NDV), input_precision=DOT_PRECISION)
         if MASKED:
@@ -131,11 +130,9 @@ def _gdpa_bwd_short_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    row_ok = offs_m < len_q
-    pos_m = _position(offs_m, shift, num_history)
-    q_MD, do_MDV, lse_M = _query_rows(
-        Q, DO, LSE, q_start, head, offs_m, row_ok, stride_qt, stride_qh, stride_dot, stride_doh, stride_lse_h,
-        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, ACTIVATION,
+    row_ok, pos_m, q_MD, do_MDV, lse_M = _query_rows(
+        Q, DO, LSE, q_start, head, offs_m, len_q, shift, num_history, stride_qt, stride_qh, stride_dot, stride_doh,
+        stride_lse_h, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, ACTIVATION,
     )  # fmt: skip
     delta_M = tl.zeros([BLOCK_M], dtype=tl.float32)
     if ACTIVATION == "softmax":

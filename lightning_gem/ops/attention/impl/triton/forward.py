@@ -29,6 +29,7 @@ from lightning_gem.ops.attention.impl.triton._common import (
     LOG2E,
     _activation,
     _history_mask,
+    _key_tile,
     _kv_segment,
     _load_tile,
     _position,
@@ -65,13 +66,10 @@ def _fwd_key_blocks(
     DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
     """Key blocks ``[n_lo, n_hi)`` of one query tile; ``MASKED`` applies ``allowed`` (else all are allowed)."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
     for n_start in tl.range(n_lo, n_hi, BLOCK_N):
-        offs_n = n_start + tl.arange(0, BLOCK_N)
-        col_ok = offs_n < hi
-        k_ND = _load_tile(k_base, offs_n, stride_kt, offs_d, col_ok, HEAD_DIM, BLOCK_D, MASKED)
-        v_NDV = _load_tile(v_base, offs_n, stride_vt, offs_dv, col_ok, HEAD_DIM_V, BLOCK_DV, MASKED)
+        offs_n, col_ok, k_ND, v_NDV = _key_tile(
+            k_base, v_base, n_start, hi, stride_kt, stride_vt, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, MASKED
+        )
         qk_MN = tl.dot(q_MD, tl.trans(k_ND), input_precision=DOT_PRECISION)
         if MASKED:
             allowed_MN = row_ok[:, None] & _history_mask(
