@@ -30,6 +30,7 @@ def _import_seconds(code: str) -> tuple[float, str]:
     return time.perf_counter() - start, out
 
 
+@pytest.mark.slow  # six fresh interpreters
 def test_import_is_light() -> None:
     # Against importing torch alone, in alternating rounds (the fastest of each), so a slow or busy machine moves
     # both: the kit's own import (its modules and custom op registrations) adds under a second, and loads none of
@@ -51,7 +52,9 @@ def test_import_is_light() -> None:
     "imports",
     [
         "import lightning as L, lightning_gem",  # Lightning loaded first: the package root registers
-        "import lightning_gem.components; import lightning as L",  # the kit first: its modules register
+        pytest.param(  # the kit first: its modules register
+            "import lightning_gem.components; import lightning as L", marks=pytest.mark.slow
+        ),
     ],
 )
 def test_gem5d_strategy_name_resolves(imports: str) -> None:

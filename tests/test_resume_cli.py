@@ -148,7 +148,7 @@ def _metrics(run: Path) -> dict[tuple[str, int], str]:
 @pytest.mark.parametrize(
     ("config", "world_size", "written"),
     [
-        pytest.param("quickstart.yaml", 1, "last.ckpt", id="one-process"),
+        pytest.param("quickstart.yaml", 1, "last.ckpt", id="one-process", marks=pytest.mark.slow),
         pytest.param("quickstart_gem5d.yaml", 2, "last.ckpt/meta.pt", id="gem5d-2-gloo-ranks", marks=pytest.mark.slow),
     ],
 )

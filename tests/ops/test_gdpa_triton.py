@@ -37,6 +37,14 @@ MASKS = [
 LAYOUTS = ("self", "self_targets", "cross", "shared_kv")
 
 
+def _slow_beyond(values: list, quick: int, *, unpack: bool = False) -> list:
+    """``values`` as parameters (each one tuple of several arguments with ``unpack``), those past the first
+    ``quick`` marked ``slow``: the quick loop (``-m "not slow"``) keeps a representative few, the full suite runs
+    them all."""
+    params = [pytest.param(*v) if unpack else pytest.param(v) for v in values]
+    return [p if i < quick else pytest.param(*p.values, marks=pytest.mark.slow) for i, p in enumerate(params)]
+
+
 def _triton_device() -> str:
     """Where the kernels run in this process: ``cpu`` under the interpreter, else ``cuda``; skip if neither."""
     pytest.importorskip("triton")
@@ -117,7 +125,7 @@ def _options(activation: str, causal: bool, window: int | None, block_size: int 
             "scale": 1.0 / math.sqrt(16)}  # fmt: skip
 
 
-@pytest.mark.parametrize("mask", MASKS, ids=lambda m: f"causal{int(m[0])}-w{m[1]}-bs{m[2]}")
+@pytest.mark.parametrize("mask", _slow_beyond(MASKS, 2), ids=lambda m: f"causal{int(m[0])}-w{m[1]}-bs{m[2]}")
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_matches_reference_fp32(device: str, layout: str, activation: str, mask: tuple) -> None:
@@ -169,7 +177,7 @@ TILE_CASES = [
 
 
 @pytest.mark.parametrize("plan", ["atomic_dq", "deterministic", "split_dkdv"])
-@pytest.mark.parametrize(("block_m", "block_n", "mask"), TILE_CASES)
+@pytest.mark.parametrize(("block_m", "block_n", "mask"), _slow_beyond(TILE_CASES, 2, unpack=True))
 def test_other_tile_shapes(device: str, block_m: int, block_n: int, mask: tuple, plan: str) -> None:
     """Key/query ranges with tiles of other and unequal sizes, through the launchers directly: the dK/dV kernel with
     atomic dQ (dK and dV in one program, or in programs of their own) and the one-launch deterministic kernel."""
@@ -198,7 +206,7 @@ def test_other_tile_shapes(device: str, block_m: int, block_n: int, mask: tuple,
 
 
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", _slow_beyond(list(LAYOUTS), 2))
 def test_split_dkdv_programs(device: str, layout: str, activation: str) -> None:
     """dK and dV in programs of their own (the dK one adding dQ): every layout (targets, shared and cross kv
     segments) and both activation families, under a causal window, against the float64 reference."""
@@ -370,7 +378,9 @@ def test_flop_counter(device: str) -> None:
 SHORT_MASKS = [(False, None, None), (True, None, None), (True, 5, None), (False, None, 8)]
 
 
-@pytest.mark.parametrize("mask", SHORT_MASKS, ids=["bidirectional", "causal", "causal-window", "block"])
+@pytest.mark.parametrize(
+    "mask", _slow_beyond(SHORT_MASKS, 2), ids=["bidirectional", "causal", "causal-window", "block"]
+)
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
 @pytest.mark.parametrize("layout", ["self", "cross"])
 def test_short_query_backward(device: str, layout: str, activation: str, mask: tuple) -> None:

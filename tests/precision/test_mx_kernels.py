@@ -139,7 +139,9 @@ def _assert_column_sums(sums: torch.Tensor, x: torch.Tensor) -> None:
     ],
     ids=str,
 )  # fmt: skip
-@pytest.mark.parametrize("shape", [(300, 384), (1, 128), (129, 256)], ids=str)
+@pytest.mark.parametrize(
+    "shape", [(1, 128), (129, 256), pytest.param((300, 384), marks=pytest.mark.slow)], ids=str
+)  # the widest, several row tiles: in the full suite
 def test_column_sums_come_with_the_quantized_outputs(
     layout: str, rows: bool, cols: bool, shape: tuple[int, int]
 ) -> None:
@@ -227,7 +229,9 @@ def test_wide_row_tiles_match_reference(config: tuple, monkeypatch: pytest.Monke
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 @pytest.mark.parametrize("layout", ["mx", "1x128", "rowwise"])
-@pytest.mark.parametrize("dim", [384, 256])  # padded to a power of two in the kernel, or not
+@pytest.mark.parametrize(
+    "dim", [pytest.param(384, marks=pytest.mark.slow), 256]
+)  # padded to a power of two in the kernel (in the full suite), or not
 def test_norm_quantize(kind: str, layout: str, dtype: torch.dtype, dim: int) -> None:
     rows = 45
     x = (torch.randn(rows, dim, device=DEVICE) * 2 + 0.5).to(dtype)
