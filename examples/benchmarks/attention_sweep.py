@@ -142,7 +142,6 @@ def sweep_case(case, quick: bool, parts: tuple[str, ...] = ("fwd", "bwd")) -> di
                   zip(grads, reference, strict=True)) if reference is not None else float("nan")  # fmt: skip
         dq_tiles = None if plan.dq is None else list(plan.dq)
         result["backward"].append({"plan": label, "dkdv": list(plan.dkdv), "dq": dq_tiles, "ms": ms,
-                                   "fwd_ms": min(r["ms"] for r in result["forward"]),
                                    "tflops": bwd_flops / ms / 1e9, "rel_err": err})  # fmt: skip
         dq = "" if plan.dq is None else f" dq {tuple(plan.dq)}"
         print(

@@ -17,8 +17,8 @@ import sys
 import pytest
 
 # Two specializations that between them turn on every mode flag, a head dim below its block (96 of 128), int32 and
-# int64 offsets, the atomic-dQ dK/dV kernel (dQ through bulk tensor reductions), the one-launch dK/dV + dQ kernel and
-# the short-query kernel.
+# int64 offsets, the atomic-dQ dK/dV kernel (dQ through bulk tensor reductions; dK and dV in one program, and in
+# programs of their own), the one-launch dK/dV + dQ kernel and the short-query kernel.
 _COMPILE = r"""
 import inspect, json
 import triton
@@ -62,8 +62,11 @@ for flags, offsets, (bm, bn, warps, stages), fused in modes:
     sizes[f"short {name}"] = compile_one(backward_short._gdpa_bwd_short_kernel, dict(short, BLOCK_M=32), offsets, 4,
                                          stages)
     # The fused-dQ mode adds its tiles through bulk tensor reductions (its head dim is a power of two).
-    sizes[f"dkdv {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(common, FUSED_DQ=fused, DQ_TMA=fused),
-                                        offsets, warps, stages)
+    dkdv = dict(common, FUSED_DQ=fused, DQ_TMA=fused)
+    sizes[f"dkdv {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(dkdv, SPLIT=False), offsets, warps,
+                                        stages)
+    sizes[f"dkdv split {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(dkdv, SPLIT=True), offsets, warps,
+                                              stages)
     sizes[f"bwd {name}"] = compile_one(backward._gdpa_bwd_kernel, dict(common, DQ_BLOCK_M=bn, DQ_BLOCK_N=bm),
                                        offsets, warps, stages)
 sizes["delta"] = compile_one(backward._bwd_delta_kernel, dict(HEAD_DIM_V=96, BLOCK_DV=128, BLOCK_T=64),
@@ -86,5 +89,5 @@ def test_kernels_compile_for_sm90() -> None:
     result = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     sizes = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(sizes) == 9
+    assert len(sizes) == 11
     assert all(size > 0 for size in sizes.values()), sizes

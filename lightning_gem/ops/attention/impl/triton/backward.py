@@ -113,7 +113,6 @@ def _dkdv_query_blocks(
         q_MD = _load_tile(q_base, offs_m, stride_qt, offs_d, row_ok, HEAD_DIM, BLOCK_D, MASKED)
         do_MDV = _load_tile(do_base, offs_m, stride_dot, offs_dv, row_ok, HEAD_DIM_V, BLOCK_DV, MASKED)
         qk_NM = tl.dot(k_ND, tl.trans(q_MD), input_precision=DOT_PRECISION)
-        dp_NM = qk_NM  # read only where dK is accumulated
         if PART != DV_ONLY:
             dp_NM = tl.dot(v_NDV, tl.trans(do_MDV), input_precision=DOT_PRECISION)
         if MASKED:
