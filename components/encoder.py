@@ -640,6 +640,9 @@ class JaggedHistoryEncoder(nn.Module):
         names. ``GEM5DStrategy(compile_layers=True)`` calls this between tensor parallelism and FSDP2."""
         return compile_hstu_layers(self.layers)
 
+    def _layers_compiled(self) -> bool:
+        return any(getattr(layer, "_compiled_call_impl", None) is not None for layer in self.layers)
+
     @property
     def use_time(self) -> bool:
         return self.time is not None
@@ -734,6 +737,10 @@ class JaggedHistoryEncoder(nn.Module):
             x = _shard_tokens(x, mesh)
         # Offsets and max_seq_len are validated above; num_targets (reading its values) by the first layer.
         check_targets = check_offsets and num_targets is not None
+        if type(max_seq_len) is int and max_seq_len > 1 and time_buckets_BLL is None and self._layers_compiled():
+            # A compiled layer's graph holds its int arguments as constants: a power-of-two bound (still an upper
+            # bound of every length) keeps jagged batches to a few graphs instead of one per longest length.
+            max_seq_len = 1 << (max_seq_len - 1).bit_length()
         for index, layer in enumerate(self.layers):
             x = layer(
                 x,

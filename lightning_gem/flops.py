@@ -78,6 +78,10 @@ class MatmulFlopCounter(TorchDispatchMode):
     number and no autograd graph. The FLOPs are the same: ops with formulas (the matmuls, SDPA, the GDPA ops)
     are never decomposed by either. Only totals are kept (no per-module table).
 
+    Code compiled with ``torch.compile`` runs eagerly under the counter (the ``"force_eager"`` stance): Dynamo
+    cannot compile a frame under a dispatch mode, and a frame it skipped for one is never compiled afterwards,
+    so without the stance one counted step would leave a compiled model eager for the rest of the run.
+
     Example:
         >>> with MatmulFlopCounter() as counter:
         ...     _ = nn.Linear(4, 8)(torch.randn(10, 4))
@@ -92,6 +96,23 @@ class MatmulFlopCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.flops = 0
+        self._stance: Any = None
+
+    def __enter__(self) -> MatmulFlopCounter:
+        self._stance = torch.compiler.set_stance("force_eager")
+        self._stance.__enter__()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._stance.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            stance, self._stance = self._stance, None
+            stance.__exit__(None, None, None)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}

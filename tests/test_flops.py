@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -227,3 +229,34 @@ def test_matmul_counter_runs_higher_order_ops() -> None:
     torch.testing.assert_close(y, x @ x if x.sum() > 0 else x + 1)
     torch.testing.assert_close(z, x @ x)
     assert counter.flops == 2 * 4 * 4 * 4  # the plain matmul; what runs inside the higher-order op is not counted
+
+
+def test_counting_a_compiled_module_leaves_it_compiled() -> None:
+    """A module compiled with ``torch.compile`` and run once under the counter (eagerly, with exact FLOPs) compiles
+    on its next call outside: a dispatch mode alone would make Dynamo skip its frame for good."""
+    from lightning_gem.flops import MatmulFlopCounter
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(4, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(x).relu()
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    module = Block()
+    module.compile(backend=backend)
+    x = torch.randn(3, 4)
+    with MatmulFlopCounter() as counter:
+        expected = module(x)
+    assert counter.flops == linear_flops(3, 4, 8)
+    assert graphs == []  # counted eagerly
+    torch.testing.assert_close(module(x), expected)
+    assert len(graphs) == 1

@@ -67,13 +67,18 @@ def compile_only() -> Iterator[None]:
         _COMPILE_ONLY.reset(token)
 
 
+@torch.compiler.disable
 def launch(kernel: object, grid: object, args: Sequence[object], meta: dict[str, object]) -> None:
     """``kernel[grid](*args, **meta)``: directly in plain eager mode, else through ``wrap_triton``.
 
-    Through ``wrap_triton`` compiled kernels go into traced graphs. An interpreted kernel is returned unwrapped
-    by ``wrap_triton`` and would read the data of fake tensors: there it is skipped, which is exactly the op's
-    fake impl (outputs allocated, contents unspecified). Under :func:`compile_only` the kernel is compiled for
-    these arguments and not run.
+    Through ``wrap_triton`` compiled kernels go into traced graphs: the ops' decompositions, which AOT autograd
+    traces, call this. Dynamo compiles neither this frame nor Triton's launcher frames below it on their own (it
+    would where a compiled region runs its callees eagerly past a graph break): the launch options would become
+    inputs of those frames' graphs, which automatic dynamic shapes turns into symbols where they differ between
+    calls, and ``wrap_triton`` takes no symbolic ``num_warps``. An interpreted kernel is returned unwrapped by
+    ``wrap_triton`` and would read the data of fake tensors: there it is skipped, which is exactly the op's fake
+    impl (outputs allocated, contents unspecified). Under :func:`compile_only` the kernel is compiled for these
+    arguments and not run.
     """
     if _COMPILE_ONLY.get():
         kernel.warmup(*args, grid=grid, **meta)  # type: ignore[attr-defined]

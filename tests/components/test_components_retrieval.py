@@ -232,7 +232,8 @@ def test_compiled_layers_match_eager_layers(batches) -> None:
         torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
         for (name, p_eager), p_compiled in zip(eager.named_parameters(), compiled.parameters(), strict=True):
             assert torch.allclose(p_compiled.grad, p_eager.grad, rtol=1e-4, atol=1e-5), name
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2  # forward of a layer (+ one recompile at most)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert 1 <= graphs <= 2, graphs  # forward of a layer (+ one recompile at most)
 
 
 def test_cosine_schedule_warms_up_then_decays_to_zero(batches, quiet_trainer) -> None:

@@ -231,14 +231,14 @@ def test_split_dkdv_programs(device: str, layout: str, activation: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dim", [128, 256])
+@pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
 def test_split_dkdv_programs_bf16_gpu(activation: str, dim: int) -> None:
-    """The split dK/dV programs in bf16 on their tuner shapes (tall tiles, bulk-reduced dQ where the GPU has it),
-    targets included, within the bf16 budget of the float64 reference."""
+    """The split dK/dV programs in bf16 on every shape ``split_candidates`` lists (tall tiles, bulk-reduced dQ
+    where the GPU has it), targets included, within the bf16 budget of the float64 reference."""
     if not torch.cuda.is_available() or _triton_device() != "cuda":
         pytest.skip("needs a CUDA GPU with compiled (not interpreted) Triton kernels")
-    from lightning_gem.ops.attention.impl.triton._tuning import Tiles
+    from lightning_gem.ops.attention.impl.triton._tuning import split_candidates
     from lightning_gem.ops.attention.impl.triton.backward import bulk_reduction_ok, gdpa_backward
     from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
 
@@ -246,7 +246,9 @@ def test_split_dkdv_programs_bf16_gpu(activation: str, dim: int) -> None:
                      dim=dim, dim_v=dim)  # fmt: skip
     options = {**_options(activation, True, None, None), "scale": 1 / math.sqrt(dim)}
     jagged = (inputs.q_offsets, inputs.q_offsets, None, inputs.num_targets)
-    for tiles in (Tiles(64, 64, 8, 2), Tiles(128, 64, 8, 2)):
+    plans = split_candidates(torch.bfloat16, inputs.q.device, dim, max_len_q=520)
+    assert plans
+    for tiles in (plan.dkdv for plan in plans):
 
         def run(grad_out: torch.Tensor, tiles=tiles) -> tuple:
             spec = Spec(*jagged, **options, max_seq_len_q=520, max_seq_len_kv=520)

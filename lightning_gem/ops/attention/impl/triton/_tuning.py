@@ -219,18 +219,21 @@ def split_candidates(
     max_len_q: int = 1 << 30,
     tma: bool = False,
 ) -> list[BackwardTiles]:
-    """Launches of the dK/dV kernel with split dK and dV programs (atomic dQ; bulk reductions where ``tma``): with
-    one accumulator a program, taller tiles fit than in :func:`candidate_tiles`'s ``"dkdv"`` shapes. Not among
-    :func:`backward_candidates` until timed on a GPU (``examples/benchmarks/attention_sweep.py`` times them beside
-    those); none where a BlockAttention block or short query segments fix the tiles."""
+    """Launches of the dK/dV kernel with split dK and dV programs (atomic dQ; bulk reductions where ``tma``): one
+    fp32 accumulator a program, each computing ``Q K^T`` itself. Not among :func:`backward_candidates`: on an H200
+    they ran slower than the unsplit launch on every shape timed (docs/benchmarks.md), and over head dim 128 no
+    two-stage tile fits in shared memory (each program still stages Q, dO, K and V tiles). The shapes listed are
+    those that fit; none where a BlockAttention block or short query segments fix the tiles."""
     if device.type != "cuda":
         return [BackwardTiles(Tiles(16, 16, 1, 1), split=True)]
     if dtype == torch.float32 or _block_tiles(block_size) is not None or length_bucket(max_len_q) <= 64:
         return []
-    if head_dim <= 128:
+    if head_dim <= 64:
         shapes = [Tiles(64, 128, 8, 2), Tiles(128, 128, 8, 2), Tiles(128, 64, 8, 2)]
+    elif head_dim <= 128:
+        shapes = [Tiles(64, 128, 8, 2)]
     else:
-        shapes = [Tiles(64, 64, 8, 2), Tiles(128, 64, 8, 2), Tiles(64, 128, 8, 2), Tiles(32, 128, 8, 2)]
+        shapes = []
     return [BackwardTiles(t, tma=tma, split=True) for t in shapes]
 
 
