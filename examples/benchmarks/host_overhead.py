@@ -7,7 +7,9 @@ after a warm-up. References: ``torch.empty`` and one elementwise torch op; a Tri
 with 28 arguments (the launcher's own cost); then ``lightning_gem.ops.mx.quantize`` in the layouts an FP8
 Linear uses, each one Triton launch plus the kit's Python (validation, allocation, tuning lookup); then GDPA's
 forward, and its forward and backward, on a tiny jagged batch (an HSTU layer makes one such call), beside
-SDPA's on a padded batch of the same size.
+SDPA's on a padded batch of the same size; last, bf16 GEMMs (``torch.mm``, ``F.linear`` with a bias, and
+``torch._scaled_mm`` in FP8) whose row count is the same on every call against a new row count on every call,
+the host cost of a jagged batch whose token count changes each step.
 
 Usage (CUDA only):
     python examples/benchmarks/host_overhead.py
@@ -118,6 +120,34 @@ def _attention_cases() -> list[tuple[str, Callable[[], object]]]:
     ]
 
 
+def _gemm_cases(rows: int = 256, width: int = 256, shapes: int = 10_000) -> list[tuple[str, Callable[[], object]]]:
+    """GEMMs ``[M, width] x [width, width]``, ``M`` fixed at ``rows`` or new on every call (``rows + 8 i``, ``i``
+    cycling through ``shapes`` values); small enough that the device keeps up with the host."""
+    a = torch.randn(rows + 8 * shapes, width, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(width, width, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(width, device="cuda", dtype=torch.bfloat16)
+    a8 = a.to(torch.float8_e4m3fn)
+    w8 = w.to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants its second operand
+    one = torch.ones((), device="cuda")
+    step = iter(range(1, 10**9))
+
+    def new_rows() -> int:
+        return rows + 8 * (next(step) % shapes)
+
+    def scaled_mm(m: int) -> torch.Tensor:
+        return torch._scaled_mm(a8[:m], w8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+    functional = torch.nn.functional
+    return [
+        ("bf16 mm, same M", lambda: torch.mm(a[:rows], w)),
+        ("bf16 mm, new M each call", lambda: torch.mm(a[: new_rows()], w)),
+        ("bf16 linear + bias, same M", lambda: functional.linear(a[:rows], w, bias)),
+        ("bf16 linear + bias, new M each call", lambda: functional.linear(a[: new_rows()], w, bias)),
+        ("fp8 _scaled_mm, same M", lambda: scaled_mm(rows)),
+        ("fp8 _scaled_mm, new M each call", lambda: scaled_mm(new_rows())),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=3000)
@@ -125,6 +155,7 @@ def main() -> None:
         "--cprofile", nargs="*", default=[], metavar="CALL",
         help="also print where the host time of these calls goes (cProfile over --calls calls; a prefix of the name)",
     )  # fmt: skip
+    parser.add_argument("--only", nargs="*", default=[], metavar="CALL", help="time only these calls (name prefixes)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("host_overhead.py measures CUDA launches: no CUDA device here")
@@ -145,7 +176,10 @@ def main() -> None:
         ("quantize rowwise rows", lambda: quantize(a, "rowwise")),
         ("quantize 128x128 (weight)", lambda: quantize(a, "128x128")),
         *_attention_cases(),
+        *_gemm_cases(),
     ]
+    if args.only:
+        cases = [(name, fn) for name, fn in cases if any(name.startswith(prefix) for prefix in args.only)]
     print(f"host time per call on {torch.cuda.get_device_name()}, median of {args.calls}")
     print("| call | host us | device syncs |\n| --- | --- | --- |")
     for name, fn in cases:
