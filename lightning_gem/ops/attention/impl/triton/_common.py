@@ -80,82 +80,65 @@ def _history_range(
 
 
 @triton.jit
-def _query_range(
-    n_lo,
-    n_hi,
-    len_q,
-    shift,
-    num_history,
-    window,
-    block_size,
-    CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    HAS_BLOCK: tl.constexpr,
-):
-    """Queries ``[i_lo, i_hi)`` whose history range meets the history keys ``[n_lo, n_hi)`` (a superset).
+def _key_tile_queries(
+    n_start, len_q, shift, num_history, window, block_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Queries of the key tile at ``n_start``, as ``(lo, a, b, hi)`` for :func:`_stage_range` (the transpose of
+    :func:`_query_tile_keys`).
 
-    Inverts :func:`_history_range` with ``p(i) = i + shift``: ``hi(p) > n_lo`` bounds ``p`` below and
-    ``lo(p) < n_hi`` bounds it above. In self-attention every target query sits at ``p = h``, so an upper
-    bound at or past ``h`` keeps all of them. Empty when ``n_lo >= n_hi``.
+    ``[lo, hi)`` holds every query whose history range meets the tile's history keys ``[n_start, n_end)`` (a
+    superset). It inverts :func:`_history_range` with ``p(i) = i + shift``: ``hi(p) > n_start`` bounds ``p``
+    below and ``lo(p) < n_end`` bounds it above. In self-attention every target query sits at ``p = h``, so an
+    upper bound at or past ``h`` keeps all of them.
+
+    Query tiles of ``BLOCK_M`` rows in ``[a, b)`` see all ``BLOCK_N`` keys of the tile (exact): a query sees the
+    whole tile iff ``lo(p) <= n_start`` and ``hi(p) >= n_start + BLOCK_N`` (and the tile lies in the history);
+    each rule bounds ``p`` to an interval, so these queries are contiguous, and inside them a tile needs no mask.
+    Both ranges are empty when no query qualifies.
     """
-    i_lo = n_lo * 0
-    i_hi = n_lo * 0 + len_q
-    p_max = n_lo * 0 + num_history  # no upper bound below h
+    # Queries that see some history key of the tile.
+    n_end = tl.minimum(n_start + BLOCK_N, num_history)
+    i_lo = n_start * 0
+    i_hi = n_start * 0 + len_q
+    p_max = n_start * 0 + num_history  # no upper bound below h
     if CAUSAL:
-        i_lo = tl.maximum(i_lo, n_lo - shift)
+        i_lo = tl.maximum(i_lo, n_start - shift)
     if HAS_WINDOW:
-        i_lo = tl.maximum(i_lo, n_lo - window - shift)
-        p_max = tl.minimum(p_max, n_hi - 1 + window)
+        i_lo = tl.maximum(i_lo, n_start - window - shift)
+        p_max = tl.minimum(p_max, n_end - 1 + window)
     if HAS_BLOCK:
-        i_lo = tl.maximum(i_lo, (n_lo // block_size) * block_size - shift)
-        last = tl.maximum(n_hi - 1, 0)
+        i_lo = tl.maximum(i_lo, (n_start // block_size) * block_size - shift)
+        last = tl.maximum(n_end - 1, 0)
         p_max = tl.minimum(p_max, (last // block_size) * block_size + block_size - 1)
-    keep_targets = (shift == 0) & (p_max >= num_history)
+    self_attention = shift == 0
+    keep_targets = self_attention & (p_max >= num_history)
     i_hi = tl.where(keep_targets, i_hi, tl.minimum(i_hi, p_max - shift + 1))
-    i_hi = tl.where(n_lo < n_hi, i_hi, i_lo)
-    return i_lo, tl.maximum(i_hi, i_lo)
+    i_hi = tl.maximum(tl.where(n_start < n_end, i_hi, i_lo), i_lo)
 
-
-@triton.jit
-def _full_query_range(
-    n_start,
-    n_end,
-    len_q,
-    shift,
-    num_history,
-    window,
-    block_size,
-    CAUSAL: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    HAS_BLOCK: tl.constexpr,
-):
-    """Queries ``[i_lo, i_hi)`` that see every history key of ``[n_start, n_end)`` (a subset: exact here).
-
-    A query sees the whole key block iff ``lo(p) <= n_start`` and ``hi(p) >= n_end`` (and the block lies
-    in the history); each rule bounds ``p`` to an interval, so these queries are contiguous. Inside that
-    range a tile needs no mask. Empty when no query qualifies.
-    """
-    ok = n_end <= num_history
+    # Queries that see every key of the tile.
+    full_end = n_start + BLOCK_N
+    ok = full_end <= num_history
     p_lo = shift  # i >= 0
     p_hi = n_start * 0 + 2147483647
     if CAUSAL:
-        p_lo = tl.maximum(p_lo, n_end - 1)
+        p_lo = tl.maximum(p_lo, full_end - 1)
     if HAS_WINDOW:
-        p_lo = tl.maximum(p_lo, n_end - 1 - window)
+        p_lo = tl.maximum(p_lo, full_end - 1 - window)
         p_hi = tl.minimum(p_hi, n_start + window)
     if HAS_BLOCK:
         start = (tl.maximum(n_start, 0) // block_size) * block_size
-        ok = ok & (n_end <= start + block_size)
+        ok = ok & (full_end <= start + block_size)
         p_lo = tl.maximum(p_lo, start)
         p_hi = tl.minimum(p_hi, start + block_size - 1)
-    i_lo = p_lo - shift
+    full_lo = p_lo - shift
     # Self-attention: history rows have p = i < h, every target row p = h.
-    self_attention = shift == 0
     ok = ok & ~(self_attention & (p_lo > num_history))
-    keep_targets = self_attention & (p_hi >= num_history)
-    i_hi = tl.where(keep_targets, len_q, tl.minimum(len_q, p_hi - shift + 1))
-    i_hi = tl.where(ok, i_hi, i_lo)
-    return i_lo, tl.maximum(i_hi, i_lo)
+    full_hi = tl.where(self_attention & (p_hi >= num_history), len_q, tl.minimum(len_q, p_hi - shift + 1))
+    full_hi = tl.maximum(tl.where(ok, full_hi, full_lo), full_lo)
+
+    a, b = _stages(i_lo, i_hi, full_lo, full_hi, BLOCK_M)
+    return i_lo, a, b, i_hi
 
 
 @triton.jit

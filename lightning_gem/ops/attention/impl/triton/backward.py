@@ -13,7 +13,7 @@ log-sum-exp; pointwise ``dS = mask * act'(S) * dP / Lk``; then ``dQ = scale dS K
 kv sharing (``kv_index``): a kv segment's dK/dV program loops over the query segments that map to it,
 listed by a CSR built on the device without a sync (``seg_offsets`` / ``seg_order``), so contributions add
 up in registers, deterministically, instead of through fp32 atomics. Per query segment it visits only the
-query rows whose key range meets its key block (``_query_range``), and target keys take their one query
+query rows whose key range meets its key block (``_key_tile_queries``), and target keys take their one query
 (the target itself) as a row-wise product.
 """
 
@@ -29,17 +29,15 @@ from lightning_gem.ops.attention.impl.triton._common import (
     LOG2E,
     _activation,
     _activation_grad,
-    _full_query_range,
     _history_mask,
     _key_tile,
+    _key_tile_queries,
     _kv_segment,
     _load_tile,
     _position,
-    _query_range,
     _query_rows,
     _query_tile_keys,
     _stage_range,
-    _stages,
     cdiv,
     dense_rows,
     fast_math,
@@ -216,14 +214,9 @@ def _dkdv_program(
             delta_base = DELTA + head * stride_lse_h + q_start
             dq_base = DQ + q_start * stride_dqt + head * stride_dqh
 
-            n_end = tl.minimum(n_start + BLOCK_N, num_history)
-            i_lo, i_hi = _query_range(
-                n_start, n_end, len_q, shift, num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
+            i_lo, a, b, i_hi = _key_tile_queries(
+                n_start, len_q, shift, num_history, window, block_size, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_BLOCK
             )
-            full_lo, full_hi = _full_query_range(
-                n_start, n_start + BLOCK_N, len_q, shift, num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
-            )
-            a, b = _stages(i_lo, i_hi, full_lo, full_hi, BLOCK_M)
             for stage in tl.static_range(3):  # masked edge, unmasked inside, masked edge
                 m_lo, m_hi = _stage_range(stage, i_lo, a, b, i_hi)
                 dk_ND, dv_NDV = _dkdv_query_blocks(
