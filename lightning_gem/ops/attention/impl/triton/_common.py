@@ -285,12 +285,16 @@ def _key_tile(
 
 
 @triton.jit
-def _query_rows(Q, DO, LSE, q_start, head, offs_m, len_q, shift, num_history, stride_qt, stride_qh, stride_dot,
-                stride_doh, stride_lse_h, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, ACTIVATION: tl.constexpr):  # fmt: skip
+def _query_rows(Q, DO, LSE, DELTA, q_start, head, offs_m, len_q, shift, num_history, stride_qt, stride_qh,
+                stride_dot, stride_doh, stride_lse_h, stride_delta_t, stride_delta_h, HEAD_DIM: tl.constexpr,
+                HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                ACTIVATION: tl.constexpr, DELTA_FROM_OUT: tl.constexpr):  # fmt: skip
     """A query tile's rows ``offs_m`` of a segment of ``len_q`` for a backward: ``row_ok`` (rows in the segment),
-    their positions (:func:`_position`), ``q [M, D]``, ``dO [M, DV]`` (zeros past the rows) and softmax's
-    log-sum-exp ``[M]`` (``+inf`` past the rows; zeros for pointwise activations)."""
+    their positions (:func:`_position`), ``q [M, D]``, ``dO [M, DV]`` (zeros past the rows), and softmax's
+    log-sum-exp ``[M]`` (``+inf`` past the rows) and ``delta = rowsum(dO * O) [M]`` (zeros for pointwise
+    activations). ``delta`` is read from ``DELTA [H, Tq]`` (head stride ``stride_delta_h``), or with
+    ``DELTA_FROM_OUT`` computed from the forward's output, ``DELTA = O [Tq, H, DV]`` (strides ``stride_delta_t``,
+    ``stride_delta_h``)."""
     row_ok = offs_m < len_q
     pos_m = _position(offs_m, shift, num_history)
     offs_d = tl.arange(0, BLOCK_D)
@@ -302,9 +306,18 @@ def _query_rows(Q, DO, LSE, q_start, head, offs_m, len_q, shift, num_history, st
         DO + q_start * stride_dot + head * stride_doh, offs_m, stride_dot, offs_dv, row_ok, HEAD_DIM_V, BLOCK_DV, True
     )
     lse_M = tl.zeros([BLOCK_M], dtype=tl.float32)
+    delta_M = tl.zeros([BLOCK_M], dtype=tl.float32)
     if ACTIVATION == "softmax":
         lse_M = tl.load(LSE + head * stride_lse_h + q_start + offs_m, mask=row_ok, other=float("inf"))
-    return row_ok, pos_m, q_MD, do_MDV, lse_M
+        if DELTA_FROM_OUT:
+            o_MDV = _load_tile(
+                DELTA + q_start * stride_delta_t + head * stride_delta_h, offs_m, stride_delta_t, offs_dv, row_ok,
+                HEAD_DIM_V, BLOCK_DV, True,
+            )  # fmt: skip
+            delta_M = tl.sum(o_MDV.to(tl.float32) * do_MDV.to(tl.float32), axis=1)
+        else:
+            delta_M = tl.load(DELTA + head * stride_delta_h + q_start + offs_m, mask=row_ok, other=0.0)
+    return row_ok, pos_m, q_MD, do_MDV, lse_M, delta_M
 
 
 def fast_math(q: torch.Tensor) -> bool:

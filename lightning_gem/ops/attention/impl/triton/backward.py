@@ -377,13 +377,11 @@ def _dq_program(
         offs_m = m_start + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
-        row_ok, pos_m, q_MD, do_MDV, lse_M = _query_rows(
-            Q, DO, LSE, q_start, head, offs_m, len_q, shift, num_history, stride_qt, stride_qh, stride_dot, stride_doh,
-            stride_lse_h, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, ACTIVATION,
+        row_ok, pos_m, q_MD, do_MDV, lse_M, delta_M = _query_rows(
+            Q, DO, LSE, DELTA, q_start, head, offs_m, len_q, shift, num_history, stride_qt, stride_qh, stride_dot,
+            stride_doh, stride_lse_h, 1, stride_lse_h, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, ACTIVATION,
+            False,
         )  # fmt: skip
-        delta_M = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if ACTIVATION == "softmax":
-            delta_M = tl.load(DELTA + head * stride_lse_h + q_start + offs_m, mask=row_ok, other=0.0)
         k_base = K + k_start * stride_kt + head * stride_kh
         v_base = V + k_start * stride_vt + head * stride_vh
         dq_MD = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)

@@ -22,7 +22,6 @@ from lightning_gem.ops.attention.impl.triton._common import (
     _activation_grad,
     _history_mask,
     _key_tile,
-    _load_tile,
     _query_rows,
     _query_tile_keys,
     _stage_range,
@@ -129,17 +128,11 @@ def _gdpa_bwd_short_kernel(
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    row_ok, pos_m, q_MD, do_MDV, lse_M = _query_rows(
-        Q, DO, LSE, q_start, head, offs_m, len_q, shift, num_history, stride_qt, stride_qh, stride_dot, stride_doh,
-        stride_lse_h, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, ACTIVATION,
+    row_ok, pos_m, q_MD, do_MDV, lse_M, delta_M = _query_rows(
+        Q, DO, LSE, OUT, q_start, head, offs_m, len_q, shift, num_history, stride_qt, stride_qh, stride_dot,
+        stride_doh, stride_lse_h, stride_ot, stride_oh, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, ACTIVATION,
+        True,
     )  # fmt: skip
-    delta_M = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if ACTIVATION == "softmax":
-        o_MDV = _load_tile(
-            OUT + q_start * stride_ot + head * stride_oh, offs_m, stride_ot, offs_dv, row_ok, HEAD_DIM_V, BLOCK_DV, True
-        )
-        delta_M = tl.sum(o_MDV.to(tl.float32) * do_MDV.to(tl.float32), axis=1)
     k_base = K + k_start * stride_kt + head * stride_kh
     v_base = V + k_start * stride_vt + head * stride_vh
     dk_base = DK + k_start * stride_dkt + head * stride_dkh
