@@ -292,9 +292,9 @@ def _query_rows(Q, DO, LSE, DELTA, q_start, head, offs_m, len_q, shift, num_hist
     """A query tile's rows ``offs_m`` of a segment of ``len_q`` for a backward: ``row_ok`` (rows in the segment),
     their positions (:func:`_position`), ``q [M, D]``, ``dO [M, DV]`` (zeros past the rows), and softmax's
     log-sum-exp ``[M]`` (``+inf`` past the rows) and ``delta = rowsum(dO * O) [M]`` (zeros for pointwise
-    activations). ``delta`` is read from ``DELTA [H, Tq]`` (head stride ``stride_delta_h``), or with
-    ``DELTA_FROM_OUT`` computed from the forward's output, ``DELTA = O [Tq, H, DV]`` (strides ``stride_delta_t``,
-    ``stride_delta_h``)."""
+    activations). ``delta`` is read from ``DELTA [H, Tq]``, or with ``DELTA_FROM_OUT`` computed from the
+    forward's output, ``DELTA = O [Tq, H, DV]``; either way ``stride_delta_t`` and ``stride_delta_h`` are its token
+    and head strides."""
     row_ok = offs_m < len_q
     pos_m = _position(offs_m, shift, num_history)
     offs_d = tl.arange(0, BLOCK_D)
@@ -316,7 +316,8 @@ def _query_rows(Q, DO, LSE, DELTA, q_start, head, offs_m, len_q, shift, num_hist
             )  # fmt: skip
             delta_M = tl.sum(o_MDV.to(tl.float32) * do_MDV.to(tl.float32), axis=1)
         else:
-            delta_M = tl.load(DELTA + head * stride_delta_h + q_start + offs_m, mask=row_ok, other=0.0)
+            delta_ptrs = DELTA + head * stride_delta_h + (q_start + offs_m) * stride_delta_t
+            delta_M = tl.load(delta_ptrs, mask=row_ok, other=0.0)
     return row_ok, pos_m, q_MD, do_MDV, lse_M, delta_M
 
 
