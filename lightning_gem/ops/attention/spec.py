@@ -8,13 +8,14 @@ same order, so ``op(q, k, v, *spec)`` calls one and ``Spec(*args)`` rebuilds the
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import inspect
+from typing import NamedTuple, get_type_hints
 
 from torch import Tensor
 
 from lightning_gem.jagged import max_length_hint
 
-__all__ = ["HINTS_SCHEMA", "MODE_SCHEMA", "Spec", "with_length_hints"]
+__all__ = ["HINTS_SCHEMA", "MODE_SCHEMA", "Spec", "op_signature", "with_length_hints"]
 
 
 class Spec(NamedTuple):
@@ -49,6 +50,23 @@ MODE_SCHEMA = (
     "SymInt? window, SymInt? block_size, float scale"
 )
 HINTS_SCHEMA = "SymInt max_seq_len_q, SymInt max_seq_len_kv, bool deterministic"
+
+
+def op_signature(before: dict[str, object], after: dict[str, bool], returns: object) -> inspect.Signature:
+    """The signature a ``torch.library.triton_op`` infers its schema from, for a body ``fn(*before, *spec, *after)``:
+    the arguments ``before`` (name to annotation), every :class:`Spec` field as :class:`Spec` annotates it (and
+    with its default) but the length hints, which the ops take filled in (:func:`with_length_hints`), then the flags
+    ``after`` (name to default), returning ``returns``. Set as the body's ``__signature__`` it declares the fields
+    once, here, instead of in every op's parameter list."""
+    hints = {"max_seq_len_q": int, "max_seq_len_kv": int}
+    annotations = before | get_type_hints(Spec) | hints | dict.fromkeys(after, bool)
+    defaults = {name: value for name, value in Spec._field_defaults.items() if name not in hints} | after
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    parameters = [
+        inspect.Parameter(name, kind, annotation=annotation, default=defaults.get(name, inspect.Parameter.empty))
+        for name, annotation in annotations.items()
+    ]
+    return inspect.Signature(parameters, return_annotation=returns)
 
 
 def with_length_hints(spec: Spec, q: Tensor, k: Tensor) -> Spec:

@@ -321,6 +321,59 @@ def _query_rows(Q, DO, LSE, DELTA, q_start, head, offs_m, len_q, shift, num_hist
     return row_ok, pos_m, q_MD, do_MDV, lse_M, delta_M
 
 
+@triton.jit
+def _dq_key_blocks(
+    dq_MD, q_MD, do_MDV, lse_M, delta_M, k_base, v_base, dk_base, dv_base,
+    stride_kt, stride_vt, stride_dkt, stride_dvt, n_lo, n_hi, hi, pos_m, row_ok,
+    qk_scale, scale, inv_len_k, num_history, window, block_size,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DKDV: tl.constexpr,
+    ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    """Key tiles ``[n_lo, n_hi)`` against one query tile (rows from :func:`_query_rows`): each tile's part of dQ
+    (unscaled) added to ``dq_MD``, and with ``DKDV`` (the tile is the only one that sees these keys) the tile's dK
+    and dV stored at ``dk_base`` / ``dv_base`` (rows below ``hi``; else those arguments are not read). ``MASKED``
+    applies ``allowed``. Rows past the segment hold zeros (q, dO) and an infinite log-sum-exp, so they add
+    nothing unmasked."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for n_start in tl.range(n_lo, n_hi, BLOCK_N):
+        offs_n, col_ok, k_ND, v_NDV = _key_tile(
+            k_base, v_base, n_start, hi, stride_kt, stride_vt, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, MASKED
+        )
+        qk_MN = tl.dot(q_MD, tl.trans(k_ND), input_precision=DOT_PRECISION)
+        dp_MN = tl.dot(do_MDV, tl.trans(v_NDV), input_precision=DOT_PRECISION)
+        if MASKED:
+            allowed_MN = row_ok[:, None] & _history_mask(
+                pos_m[:, None], offs_n[None, :], num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
+            )
+        if ACTIVATION == "softmax":
+            p_MN = tl.exp2(qk_MN * qk_scale - lse_M[:, None])
+            if MASKED:
+                p_MN = tl.where(allowed_MN, p_MN, 0.0)
+            ds_MN = p_MN * (dp_MN - delta_M[:, None])
+        else:
+            s_MN = qk_MN * scale
+            ds_MN = _activation_grad(s_MN, ACTIVATION, FAST) * dp_MN * inv_len_k
+            if MASKED:
+                ds_MN = tl.where(allowed_MN, ds_MN, 0.0)
+            if DKDV:
+                p_MN = _activation(s_MN, ACTIVATION, FAST) * inv_len_k
+                if MASKED:
+                    p_MN = tl.where(allowed_MN, p_MN, 0.0)
+        ds_MN = ds_MN.to(q_MD.dtype)
+        if DKDV:
+            dv_NDV = tl.dot(tl.trans(p_MN.to(do_MDV.dtype)), do_MDV, input_precision=DOT_PRECISION)
+            dk_ND = tl.dot(tl.trans(ds_MN), q_MD, input_precision=DOT_PRECISION) * scale
+            tl.store(dk_base + offs_n[:, None] * stride_dkt + offs_d[None, :], dk_ND.to(dk_base.dtype.element_ty),
+                     mask=col_ok[:, None] & (offs_d[None, :] < HEAD_DIM))  # fmt: skip
+            tl.store(dv_base + offs_n[:, None] * stride_dvt + offs_dv[None, :], dv_NDV.to(dv_base.dtype.element_ty),
+                     mask=col_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))  # fmt: skip
+        dq_MD = tl.dot(ds_MN, k_ND, dq_MD, input_precision=DOT_PRECISION)
+    return dq_MD
+
+
 def fast_math(q: torch.Tensor) -> bool:
     """Whether pointwise activations may use one-instruction approximations: compiled CUDA kernels on bf16
     inputs, whose rounding (2^-8) dwarfs the approximation's (2^-11)."""

@@ -29,8 +29,8 @@ from lightning_gem.ops.attention.impl.triton._common import (
     LOG2E,
     _activation,
     _activation_grad,
+    _dq_key_blocks,
     _history_mask,
-    _key_tile,
     _key_tile_queries,
     _kv_segment,
     _load_tile,
@@ -323,36 +323,6 @@ def _gdpa_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_key_blocks(
-    dq_MD, q_MD, do_MDV, lse_M, delta_M, k_base, v_base, stride_kt, stride_vt, n_lo, n_hi, hi, pos_m, row_ok,
-    qk_scale, scale, inv_len_k, num_history, window, block_size,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
-):  # fmt: skip
-    """Key blocks ``[n_lo, n_hi)`` of one query tile's dQ (unscaled); ``MASKED`` applies ``allowed``."""
-    for n_start in tl.range(n_lo, n_hi, BLOCK_N):
-        offs_n, col_ok, k_ND, v_NDV = _key_tile(
-            k_base, v_base, n_start, hi, stride_kt, stride_vt, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, MASKED
-        )
-        qk_MN = tl.dot(q_MD, tl.trans(k_ND), input_precision=DOT_PRECISION)
-        dp_MN = tl.dot(do_MDV, tl.trans(v_NDV), input_precision=DOT_PRECISION)
-        if ACTIVATION == "softmax":
-            p_MN = tl.exp2(qk_MN * qk_scale - lse_M[:, None])
-            ds_MN = p_MN * (dp_MN - delta_M[:, None])
-        else:
-            ds_MN = _activation_grad(qk_MN * scale, ACTIVATION, FAST) * dp_MN * inv_len_k
-        if MASKED:
-            allowed_MN = row_ok[:, None] & _history_mask(
-                pos_m[:, None], offs_n[None, :], num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
-            )
-            ds_MN = tl.where(allowed_MN, ds_MN, 0.0)
-        dq_MD = tl.dot(ds_MN.to(k_ND.dtype), k_ND, dq_MD, input_precision=DOT_PRECISION)
-    return dq_MD
-
-
-@triton.jit
 def _dq_program(
     Q, K, V, DO, LSE, DELTA, DQ, Q_OFFSETS, KV_OFFSETS, KV_INDEX, NUM_TARGETS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
@@ -391,10 +361,11 @@ def _dq_program(
         )
         for stage in tl.static_range(3):  # masked edge, unmasked inside, masked edge
             n_lo, n_hi = _stage_range(stage, lo, full_lo, full_hi, hi)
-            dq_MD = _dq_key_blocks(
-                dq_MD, q_MD, do_MDV, lse_M, delta_M, k_base, v_base, stride_kt, stride_vt, n_lo, n_hi, hi, pos_m,
-                row_ok, qk_scale, scale, inv_len_k, num_history, window, block_size,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1,
+            dq_MD = _dq_key_blocks(  # dK and dV come from the dK/dV program: the dk/dv arguments are not read
+                dq_MD, q_MD, do_MDV, lse_M, delta_M, k_base, v_base, k_base, v_base,
+                stride_kt, stride_vt, stride_kt, stride_vt, n_lo, n_hi, hi, pos_m, row_ok,
+                qk_scale, scale, inv_len_k, num_history, window, block_size,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1, False,
                 ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
             )  # fmt: skip
 

@@ -18,10 +18,7 @@ import triton.language as tl
 
 from lightning_gem.ops.attention.impl.triton._common import (
     LOG2E,
-    _activation,
-    _activation_grad,
-    _history_mask,
-    _key_tile,
+    _dq_key_blocks,
     _query_rows,
     _query_tile_keys,
     _stage_range,
@@ -50,54 +47,6 @@ def _zero_key_rows(dk_base, dv_base, stride_dkt, stride_dvt, n_lo, n_hi,
             tl.zeros([BLOCK_N, BLOCK_DV], dtype=dv_base.dtype.element_ty),
             mask=rows[:, None] & (offs_dv[None, :] < HEAD_DIM_V),
         )
-
-
-@triton.jit
-def _short_key_blocks(
-    dq_MD, q_MD, do_MDV, lse_M, delta_M, k_base, v_base, dk_base, dv_base,
-    stride_kt, stride_vt, stride_dkt, stride_dvt, n_lo, n_hi, hi, pos_m, row_ok,
-    qk_scale, scale, inv_len_k, num_history, window, block_size,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
-):  # fmt: skip
-    """Key tiles ``[n_lo, n_hi)`` against the segment's one query tile: each tile's dK and dV stored (rows below
-    ``hi``), its part of dQ (unscaled) added to ``dq_MD``; ``MASKED`` applies ``allowed``."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    for n_start in tl.range(n_lo, n_hi, BLOCK_N):
-        offs_n, col_ok, k_ND, v_NDV = _key_tile(
-            k_base, v_base, n_start, hi, stride_kt, stride_vt, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, MASKED
-        )
-        qk_MN = tl.dot(q_MD, tl.trans(k_ND), input_precision=DOT_PRECISION)
-        dp_MN = tl.dot(do_MDV, tl.trans(v_NDV), input_precision=DOT_PRECISION)
-        if MASKED:
-            allowed_MN = row_ok[:, None] & _history_mask(
-                pos_m[:, None], offs_n[None, :], num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
-            )
-        # Rows past the segment hold zeros (q, dO) and an infinite log-sum-exp, so they add nothing unmasked.
-        if ACTIVATION == "softmax":
-            p_MN = tl.exp2(qk_MN * qk_scale - lse_M[:, None])
-            if MASKED:
-                p_MN = tl.where(allowed_MN, p_MN, 0.0)
-            ds_MN = p_MN * (dp_MN - delta_M[:, None])
-        else:
-            s_MN = qk_MN * scale
-            p_MN = _activation(s_MN, ACTIVATION, FAST) * inv_len_k
-            ds_MN = _activation_grad(s_MN, ACTIVATION, FAST) * dp_MN * inv_len_k
-            if MASKED:
-                p_MN = tl.where(allowed_MN, p_MN, 0.0)
-                ds_MN = tl.where(allowed_MN, ds_MN, 0.0)
-        dv_NDV = tl.dot(tl.trans(p_MN.to(do_MDV.dtype)), do_MDV, input_precision=DOT_PRECISION)
-        ds_MN = ds_MN.to(q_MD.dtype)
-        dk_ND = tl.dot(tl.trans(ds_MN), q_MD, input_precision=DOT_PRECISION) * scale
-        dq_MD = tl.dot(ds_MN, k_ND, dq_MD, input_precision=DOT_PRECISION)
-        tl.store(dk_base + offs_n[:, None] * stride_dkt + offs_d[None, :], dk_ND.to(dk_base.dtype.element_ty),
-                 mask=col_ok[:, None] & (offs_d[None, :] < HEAD_DIM))  # fmt: skip
-        tl.store(dv_base + offs_n[:, None] * stride_dvt + offs_dv[None, :], dv_NDV.to(dv_base.dtype.element_ty),
-                 mask=col_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))  # fmt: skip
-    return dq_MD
 
 
 @triton.jit
@@ -150,11 +99,11 @@ def _gdpa_bwd_short_kernel(
     dq_MD = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for stage in tl.static_range(3):  # masked edge, unmasked inside, masked edge
         n_lo, n_hi = _stage_range(stage, lo, full_lo, full_hi, hi)
-        dq_MD = _short_key_blocks(
+        dq_MD = _dq_key_blocks(
             dq_MD, q_MD, do_MDV, lse_M, delta_M, k_base, v_base, dk_base, dv_base,
             stride_kt, stride_vt, stride_dkt, stride_dvt, n_lo, n_hi, hi, pos_m, row_ok,
             qk_scale, scale, inv_len_k, num_history, window, block_size,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1, True,
             ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
         )  # fmt: skip
     # Keys before lo and from hi on: no query sees them (the walk stored rows of [lo, hi) only).

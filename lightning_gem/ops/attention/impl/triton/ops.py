@@ -9,6 +9,8 @@ calls skip the ops' dispatch (host time only) through a private ``autograd.Funct
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor
 from torch._subclasses.functional_tensor import FunctionalTensorMode
@@ -19,70 +21,49 @@ from lightning_gem.ops.attention.impl.triton._common import is_interpreted
 from lightning_gem.ops.attention.impl.triton.backward import gdpa_backward
 from lightning_gem.ops.attention.impl.triton.forward import _gdpa_fwd_kernel, gdpa_forward
 from lightning_gem.ops.attention.ops import register_flop_formulas
-from lightning_gem.ops.attention.spec import Spec, with_length_hints
+from lightning_gem.ops.attention.spec import Spec, op_signature, with_length_hints
 
 __all__ = ["SUPPORTED_DTYPES", "gdpa_triton"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _forward(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_offsets: Tensor,
-    kv_offsets: Tensor,
-    kv_index: Tensor | None,
-    num_targets: Tensor | None,
-    activation: str,
-    causal: bool,
-    window: int | None,
-    block_size: int | None,
-    scale: float,
-    max_seq_len_q: int,
-    max_seq_len_kv: int,
-    deterministic: bool = False,
-    flash: bool = False,
-) -> tuple[Tensor, Tensor]:
+def _forward(*arguments: object) -> tuple[Tensor, Tensor]:
     """Forward: ``(out [Tq, H, Dv], lse [H, Tq] fp32 base-2 log-sum-exp; empty unless softmax)``.
 
-    The arguments after ``q, k, v`` are a :class:`Spec`'s fields (``triton_op`` reads the schema from these
-    annotations), then ``flash`` (``impl="auto"``): FlashAttention-4 is one more candidate of the tuner, forward and
-    backward, in plain eager calls of the modes it computes exactly. ``deterministic`` is for the backward (saved
-    with the inputs); the forward is deterministic anyway.
+    The arguments (:data:`_FORWARD`) are ``q, k, v``, a :class:`Spec`'s fields, then ``flash`` (``impl="auto"``):
+    FlashAttention-4 is one more candidate of the tuner, forward and backward, in plain eager calls of the modes it
+    computes exactly. ``deterministic`` is for the backward (saved with the inputs); the forward is deterministic
+    anyway.
     """
-    spec = Spec(q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size, scale,
-                max_seq_len_q, max_seq_len_kv, deterministic)  # fmt: skip
-    return gdpa_forward(q, k, v, spec, flash=flash)
+    q, k, v, *spec, flash = _all_arguments(_FORWARD, arguments)
+    return gdpa_forward(q, k, v, Spec(*spec), flash=flash)
 
 
-def _backward_kernels(
-    grad_out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor | None,
-    lse: Tensor | None,
-    q_offsets: Tensor,
-    kv_offsets: Tensor,
-    kv_index: Tensor | None,
-    num_targets: Tensor | None,
-    activation: str,
-    causal: bool,
-    window: int | None,
-    block_size: int | None,
-    scale: float,
-    max_seq_len_q: int,
-    max_seq_len_kv: int,
-    deterministic: bool = False,
-    flash: bool = False,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Backward: ``(dq, dk, dv)``; ``out`` and ``lse`` are read for softmax only; ``deterministic``: dQ without
-    atomics (bitwise reproducible); ``flash``: FlashAttention-4's backward is one more candidate (``impl="auto"``)."""
-    spec = Spec(q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size, scale,
-                max_seq_len_q, max_seq_len_kv, deterministic)  # fmt: skip
-    return gdpa_backward(grad_out, q, k, v, out, lse, spec, flash=flash)
+def _backward_kernels(*arguments: object) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward: ``(dq, dk, dv)`` from ``grad_out, q, k, v, out, lse``, a :class:`Spec`'s fields and ``flash``
+    (:data:`_BACKWARD`). ``out`` and ``lse`` are read for softmax only; ``deterministic``: dQ without atomics (bitwise
+    reproducible); ``flash``: FlashAttention-4's backward is one more candidate (``impl="auto"``)."""
+    arguments = _all_arguments(_BACKWARD, arguments)
+    *spec, flash = arguments[6:]
+    return gdpa_backward(*arguments[:6], Spec(*spec), flash=flash)
 
+
+def _all_arguments(signature: inspect.Signature, arguments: tuple) -> tuple:
+    """``arguments`` with the defaults of ``signature`` after them (the dispatcher leaves out trailing defaults)."""
+    bound = signature.bind(*arguments)
+    bound.apply_defaults()
+    return bound.args
+
+
+# triton_op infers the ops' schemas from these signatures: the Spec fields come from Spec itself.
+_TENSORS = {"q": Tensor, "k": Tensor, "v": Tensor}
+_FORWARD = _forward.__signature__ = op_signature(_TENSORS, {"flash": False}, tuple[Tensor, Tensor])
+_BACKWARD = _backward_kernels.__signature__ = op_signature(
+    {"grad_out": Tensor, **_TENSORS, "out": Tensor | None, "lse": Tensor | None},
+    {"flash": False},
+    tuple[Tensor, Tensor, Tensor],
+)
 
 _gdpa_triton_op = triton_op("lightning_gem::gdpa_triton", mutates_args=())(_forward)
 _gdpa_triton_backward_op = triton_op("lightning_gem::gdpa_triton_backward", mutates_args=())(_backward_kernels)
