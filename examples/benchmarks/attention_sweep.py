@@ -75,7 +75,20 @@ def _unique(items: list) -> list:
     return list(dict.fromkeys(items))
 
 
-def sweep_case(case, quick: bool, parts: tuple[str, ...] = ("fwd", "bwd")) -> dict:
+def parse_plan(text: str) -> BackwardTiles:
+    """``"32,64,8,2"`` (block_m, block_n, warps, stages of the dK/dV kernel with atomic dQ), with ``,tma`` (dQ
+    through bulk tensor reductions) and ``,split`` (dK and dV in programs of their own) after it as wanted."""
+    numbers = text.split(",")
+    flags = {item for item in numbers if not item.isdigit()}
+    tiles = Tiles(*(int(item) for item in numbers if item.isdigit()))
+    if flags - {"tma", "split"}:
+        raise ValueError(f"unknown plan flags {sorted(flags - {'tma', 'split'})} in {text!r}")
+    return BackwardTiles(tiles, tma="tma" in flags, split="split" in flags)
+
+
+def sweep_case(
+    case, quick: bool, parts: tuple[str, ...] = ("fwd", "bwd"), extra_plans: tuple[BackwardTiles, ...] = ()
+) -> dict:
     q, k, v = case.q, case.k, case.v
     head_dim = q.shape[2]
     jagged = (case.q_offsets, case.kv_offsets, None, None)
@@ -117,7 +130,7 @@ def sweep_case(case, quick: bool, parts: tuple[str, ...] = ("fwd", "bwd")) -> di
     if not quick:
         extra = [Tiles(*s) for s in BACKWARD_SHAPES.get(head_dim, [])]
         plans += [BackwardTiles(t) for t in extra] + ([BackwardTiles(t, tma=True) for t in extra] if tma else [])
-    plans = _unique(plans)
+    plans = _unique(plans + [plan for plan in extra_plans if tma or not plan.tma])
 
     def backward(plan: BackwardTiles) -> tuple:
         if plan.short:
@@ -162,6 +175,13 @@ def main() -> None:
     parser.add_argument("--parts", default="fwd,bwd", help="fwd, bwd or both")
     parser.add_argument("--heads", type=int, help="heads of every workload (default: each workload's own)")
     parser.add_argument("--dim", type=int, help="head dim of every workload (default: each workload's own)")
+    parser.add_argument(
+        "--plans",
+        nargs="*",
+        default=[],
+        type=parse_plan,
+        help="more backward plans to time, e.g. 32,64,8,2,tma,split (see parse_plan)",
+    )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -176,7 +196,7 @@ def main() -> None:
             case = make_case(workload, label, options, torch.device("cuda"))
             print(f"\n== {name}: {label} (H={workload.heads}, D={workload.dim}) ==", flush=True)
             key = f"{name}: {label} H={workload.heads} D={workload.dim}"
-            results[key] = sweep_case(case, args.quick, tuple(args.parts.split(",")))
+            results[key] = sweep_case(case, args.quick, tuple(args.parts.split(",")), tuple(args.plans))
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
 

@@ -231,7 +231,7 @@ def test_split_dkdv_programs(device: str, layout: str, activation: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dim", [64, 128, 256])
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
 def test_split_dkdv_programs_bf16_gpu(activation: str, dim: int) -> None:
     """The split dK/dV programs in bf16 on every shape ``split_candidates`` lists (tall tiles, bulk-reduced dQ

@@ -198,7 +198,8 @@ def backward_candidates(
     that kernel's tiles (head dims up to 128: at 256 its one query tile and two key-tile accumulators exceed the
     registers), first on CUDA (its one pass over the keys is the best guess there), last elsewhere. ``tma``
     (the launcher can reduce dQ tiles through the copy engine) adds the atomic kernel with bulk reductions, first of
-    the non-short launches on CUDA."""
+    the non-short launches on CUDA. Over head dim 128 the split dK and dV programs of :func:`split_candidates`
+    come first of those: one accumulator a program is what lets a key tile be 128 rows tall there."""
     dkdv = candidate_tiles("dkdv", dtype, device, head_dim, block_size=block_size, max_len_q=max_len_q)
     dq = candidate_tiles("dq", dtype, device, head_dim, block_size=block_size, max_len_q=max_len_q)
     merged = [BackwardTiles(dkdv[0], dq[0])]
@@ -209,7 +210,12 @@ def backward_candidates(
         return short + merged if device.type == "cuda" else merged + short
     atomic = [BackwardTiles(t) for t in dkdv[:4]]
     bulk = [BackwardTiles(t, tma=True) for t in dkdv[:2]] if tma else []
-    return atomic + merged + short + bulk if device.type != "cuda" else short + bulk + merged + atomic
+    if device.type != "cuda":
+        return atomic + merged + short + bulk
+    split = []
+    if head_dim > 128:
+        split = split_candidates(dtype, device, head_dim, block_size=block_size, max_len_q=max_len_q, tma=tma)
+    return short + split + bulk + merged + atomic
 
 
 def split_candidates(
@@ -222,10 +228,12 @@ def split_candidates(
     tma: bool = False,
 ) -> list[BackwardTiles]:
     """Launches of the dK/dV kernel with split dK and dV programs (atomic dQ; bulk reductions where ``tma``): one
-    fp32 accumulator a program, each computing ``Q K^T`` itself. Not among :func:`backward_candidates`: on an H200
-    they ran slower than the unsplit launch on every shape timed (docs/benchmarks.md), and over head dim 128 no
-    two-stage tile fits in shared memory (each program still stages Q, dO, K and V tiles). The shapes listed are
-    those that fit; none where a BlockAttention block or short query segments fix the tiles."""
+    fp32 accumulator a program, each computing ``Q K^T`` itself. Over head dim 128 these are the fastest backward
+    measured (docs/benchmarks.md): two accumulators of a 64-row key tile do not fit the registers of 8 warps, and
+    a 64-row tile over 8 warps computes ``Q K^T`` in both of its warp groups, where one accumulator of a 128-row
+    tile does neither; one stage, so its K, V, Q and dO tiles fit in shared memory. At head dims up to 128 they
+    ran slower than the unsplit launch on every shape timed, so :func:`backward_candidates` takes them only over
+    128. None where a BlockAttention block or short query segments fix the tiles."""
     if device.type != "cuda":
         return [BackwardTiles(Tiles(16, 16, 1, 1), split=True)]
     if dtype == torch.float32 or _block_tiles(block_size) is not None or length_bucket(max_len_q) <= 64:
@@ -235,7 +243,7 @@ def split_candidates(
     elif head_dim <= 128:
         shapes = [Tiles(64, 128, 8, 2)]
     else:
-        shapes = []
+        shapes = [Tiles(64, 128, 8, 1)]
     return [BackwardTiles(t, tma=tma, split=True) for t in shapes]
 
 
