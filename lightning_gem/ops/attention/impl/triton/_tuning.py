@@ -171,7 +171,8 @@ def candidate_tiles(
             return [Tiles(64, 128, 8, 3), Tiles(64, 64, 8, 2), Tiles(128, 128, 8, 2), Tiles(64, 128, 4, 3)]
         if head_dim <= 128:
             return [Tiles(64, 128, 8, 3), Tiles(64, 64, 8, 2), Tiles(32, 64, 8, 2)]
-        return [Tiles(32, 64, 8, 2), Tiles(16, 64, 8, 2), Tiles(64, 64, 8, 2), Tiles(32, 32, 4, 2)]
+        # Over 128 (tiles of 256 columns) 64 x 64 at two stages needs more shared memory than an sm_90 block has.
+        return [Tiles(32, 64, 8, 2), Tiles(16, 64, 8, 2), Tiles(32, 32, 4, 2)]
     if short <= 64:
         return [Tiles(short, 64, 8, 2), Tiles(short, 128, 8, 2)]
     if head_dim <= 128:
