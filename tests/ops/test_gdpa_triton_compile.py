@@ -20,32 +20,12 @@ import pytest
 # int64 offsets, the atomic-dQ dK/dV kernel (dQ through bulk tensor reductions; dK and dV in one program, and in
 # programs of their own), the one-launch dK/dV + dQ kernel and the short-query kernel.
 _COMPILE = r"""
-import inspect, json
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json
 from lightning_gem.ops.attention.impl.triton import backward, backward_short, forward
+from lightning_gem.testing.sm90 import compile_kernel
 
 def compile_one(kernel, constexprs, offsets, num_warps, num_stages):
-    signature = {}
-    for name in inspect.signature(kernel.fn).parameters:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in ("LSE", "DELTA", "DQ"):
-            signature[name] = "*fp32"
-        elif name == "DQ_DESC":  # bulk reductions of [BLOCK_M, HEAD_DIM] fp32 tiles, or the offsets as a placeholder
-            tile = (constexprs["BLOCK_M"], constexprs["HEAD_DIM"])
-            signature[name] = "tensordesc<fp32[%d,%d]>" % tile if constexprs["DQ_TMA"] else offsets
-        elif name in ("Q_OFFSETS", "KV_OFFSETS", "KV_INDEX", "NUM_TARGETS", "SEG_OFFSETS", "SEG_ORDER"):
-            signature[name] = offsets
-        elif name.isupper():
-            signature[name] = "*bf16"
-        else:
-            signature[name] = "fp32" if name == "scale" else "i32"
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
-    return len(compiled.asm["cubin"])
+    return len(compile_kernel(kernel, constexprs, num_warps, num_stages, offsets=offsets).asm["cubin"])
 
 modes = [
     (dict(ACTIVATION="softmax", CAUSAL=True, HAS_WINDOW=True, HAS_BLOCK=False, HAS_KV_INDEX=True,
@@ -91,3 +71,48 @@ def test_kernels_compile_for_sm90() -> None:
     sizes = json.loads(result.stdout.strip().splitlines()[-1])
     assert len(sizes) == 11
     assert all(size > 0 for size in sizes.values()), sizes
+
+
+# Every launch the tuner can pick on long bf16 sequences, at the head dims whose tiles are largest, compiled: a
+# candidate whose shared memory exceeds a block's fails at launch on every call (the tuner skips it, after paying
+# its compilation).
+_FITS = r"""
+import json, sys
+import torch
+sys.path.insert(0, "examples/benchmarks")
+from kernel_resources import SHARED_LIMIT, _flags, compile_plan
+from lightning_gem.ops.attention.impl.triton import forward
+from lightning_gem.ops.attention.impl.triton._tuning import backward_candidates, candidate_tiles
+from lightning_gem.testing.sm90 import compile_kernel
+
+cuda, shared = torch.device("cuda"), {}
+for dim in (128, 256):
+    flags = _flags("softmax", dim)
+    for tiles in candidate_tiles("fwd", torch.bfloat16, cuda, dim):
+        meta = dict(flags, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n)
+        compiled = compile_kernel(forward._gdpa_fwd_kernel, meta, tiles.num_warps, tiles.num_stages)
+        shared[f"fwd {dim} {tuple(tiles)}"] = compiled.metadata.shared
+    for plan in backward_candidates(torch.bfloat16, cuda, dim, deterministic=False, tma=True):
+        shared[f"bwd {dim} {plan}"] = compile_plan(plan, flags).metadata.shared
+print(json.dumps({"limit": SHARED_LIMIT, "shared": shared}))
+"""
+
+
+@pytest.mark.slow
+def test_tuner_candidates_fit_shared_memory_sm90() -> None:
+    pytest.importorskip("triton")
+    importlib.import_module("triton.backends.nvidia.compiler")
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "0",
+        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run([sys.executable, "-c", _FITS], env=env, cwd=root, capture_output=True, text=True,
+                            timeout=900)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(report["shared"]) >= 20  # forward and backward candidates at both head dims
+    too_big = {name: size for name, size in report["shared"].items() if size > report["limit"]}
+    assert not too_big, too_big

@@ -1,0 +1,105 @@
+"""Registers, spills, tensor-core instructions and shared memory of GDPA's kernels compiled for sm_90, on any machine.
+
+No GPU needed (Triton's compiler and its backend's ``ptxas`` / ``cuobjdump``)::
+
+    python examples/benchmarks/kernel_resources.py --dim 256
+    python examples/benchmarks/kernel_resources.py --dim 128 --activation softmax --plans 64,128,8,3 64,128,8,2,tma
+
+prints one row per launch: the forward's tile candidates, then each backward plan's dK/dV kernel (a plan as in
+``attention_sweep.py --plans``: ``block_m,block_n,warps,stages`` with ``tma`` and ``split`` flags; default every
+plan the tuner times on long sequences: the one-launch dK/dV + dQ kernel, atomic and bulk-reduced dQ, and the split
+dK/dV programs). Per row: registers a thread, stack
+bytes a thread (spills), shared memory (over the 232,448 bytes of an H100 / H200 block: the launch fails), spill
+stores / loads in all of the SASS, and for each loop (the masked and unmasked key or query walks, in code order)
+its instructions, tensor-core instructions and spills. Spills inside the unmasked (middle) loop are the ones that
+cost every iteration. A kernel spec fits when it compiles and its shared memory fits; timing decides among those
+(``attention_sweep.py`` on a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from attention_sweep import parse_plan
+
+SHARED_LIMIT = 232448  # bytes of shared memory one block may have on sm_90
+
+
+def _flags(activation: str, dim: int) -> dict:
+    block = max(16, 1 << (dim - 1).bit_length())
+    return dict(ACTIVATION=activation, CAUSAL=True, HAS_WINDOW=False, HAS_BLOCK=False, HAS_KV_INDEX=False,
+                HAS_TARGETS=False, HEAD_DIM=dim, HEAD_DIM_V=dim, BLOCK_D=block, BLOCK_DV=block,
+                DOT_PRECISION="tf32", FAST=True)  # fmt: skip
+
+
+def _row(label: str, compiled) -> str:
+    from lightning_gem.testing.sm90 import resources
+
+    use = resources(compiled)
+    fits = "" if use.shared <= SHARED_LIMIT else " (too much shared memory)"
+    loops = "; ".join(f"{loop.instructions} instr, {loop.mma} mma, {loop.spill_stores}/{loop.spill_loads} spills"
+                      for loop in use.loops)  # fmt: skip
+    return (f"{label:34s} regs {use.registers:3d}  stack {use.stack:5d}  smem {use.shared:6d}{fits}  "
+            f"spills {use.spill_stores}/{use.spill_loads}  loops: {loops}")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dim", type=int, default=128, help="head dim of q, k and v")
+    parser.add_argument("--activation", default="silu", help="softmax or a pointwise activation (causal either way)")
+    parser.add_argument("--parts", default="fwd,bwd", help="fwd, bwd or both")
+    parser.add_argument("--plans", nargs="*", type=parse_plan, default=None, help="backward plans (default: tuner's)")
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("kernel_resources.py compiles the kernels: unset TRITON_INTERPRET")
+    import torch
+
+    from lightning_gem.ops.attention.impl.triton import forward
+    from lightning_gem.ops.attention.impl.triton._tuning import backward_candidates, candidate_tiles, split_candidates
+    from lightning_gem.testing.sm90 import compile_kernel
+
+    cuda, flags = torch.device("cuda"), _flags(args.activation, args.dim)
+    print(f"sm_90, {args.activation} causal, head dim {args.dim}, bf16")
+    if "fwd" in args.parts:
+        for tiles in candidate_tiles("fwd", torch.bfloat16, cuda, args.dim):
+            meta = dict(flags, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n)
+            compiled = compile_kernel(forward._gdpa_fwd_kernel, meta, tiles.num_warps, tiles.num_stages)
+            print(_row(f"fwd {tuple(tiles)}", compiled), flush=True)
+    if "bwd" not in args.parts:
+        return
+    plans = args.plans
+    if plans is None:  # every plan the tuner times on long sequences, split dK/dV programs included
+        plans = backward_candidates(torch.bfloat16, cuda, args.dim, deterministic=False, tma=True)
+        plans += split_candidates(torch.bfloat16, cuda, args.dim, tma=True)
+        plans = list(dict.fromkeys(plans))
+    for plan in plans:
+        print(_row(_label(plan), compile_plan(plan, flags)), flush=True)
+
+
+def _label(plan) -> str:
+    if plan.dq is not None:
+        return f"one-launch {tuple(plan.dkdv)} dq {tuple(plan.dq)}"
+    return f"dkdv {tuple(plan.dkdv)}" + (" bulk dQ" if plan.tma else " atomic dQ") + (" split" if plan.split else "")
+
+
+def compile_plan(plan, flags: dict):
+    """The kernel a backward plan launches (its dK/dV kernel, or the one-launch dK/dV + dQ kernel), compiled."""
+    from lightning_gem.ops.attention.impl.triton import backward
+    from lightning_gem.testing.sm90 import compile_kernel
+
+    tiles = plan.dkdv
+    meta = dict(flags, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n)
+    if plan.dq is not None:
+        meta.update(DQ_BLOCK_M=plan.dq.block_m, DQ_BLOCK_N=plan.dq.block_n)
+        return compile_kernel(backward._gdpa_bwd_kernel, meta, tiles.num_warps, tiles.num_stages)
+    meta.update(FUSED_DQ=True, DQ_TMA=plan.tma, SPLIT=plan.split)
+    return compile_kernel(backward._gdpa_bwd_dkdv_kernel, meta, tiles.num_warps, tiles.num_stages)
+
+
+if __name__ == "__main__":
+    main()
