@@ -77,13 +77,22 @@ def _unique(items: list) -> list:
 
 def parse_plan(text: str) -> BackwardTiles:
     """``"32,64,8,2"`` (block_m, block_n, warps, stages of the dK/dV kernel with atomic dQ), with ``,tma`` (dQ
-    through bulk tensor reductions) and ``,split`` (dK and dV in programs of their own) after it as wanted."""
-    numbers = text.split(",")
-    flags = {item for item in numbers if not item.isdigit()}
-    tiles = Tiles(*(int(item) for item in numbers if item.isdigit()))
-    if flags - {"tma", "split"}:
-        raise ValueError(f"unknown plan flags {sorted(flags - {'tma', 'split'})} in {text!r}")
-    return BackwardTiles(tiles, tma="tma" in flags, split="split" in flags)
+    through bulk tensor reductions), ``,split`` (dK and dV in programs of their own) and ``,dq128x64`` (dQ programs
+    of 128 query rows x 64 key rows in the same launch instead of atomic dQ) after it as wanted."""
+    numbers, flags, dq = [], set(), None
+    for item in text.split(","):
+        if item.isdigit():
+            numbers.append(int(item))
+        elif item.startswith("dq") and "x" in item:
+            rows, keys = item[2:].split("x")
+            dq = (int(rows), int(keys))
+        else:
+            flags.add(item)
+    if flags - {"tma", "split"} or len(numbers) != 4 or (dq is not None and "tma" in flags):
+        raise ValueError(f"not a backward plan: {text!r} (block_m,block_n,warps,stages[,tma][,split][,dqMxN])")
+    tiles = Tiles(*numbers)
+    dq_tiles = None if dq is None else Tiles(*dq, tiles.num_warps, tiles.num_stages)
+    return BackwardTiles(tiles, dq_tiles, tma="tma" in flags, split="split" in flags)
 
 
 def sweep_case(

@@ -83,7 +83,7 @@ def main() -> None:
 
 def _label(plan) -> str:
     if plan.dq is not None:
-        return f"one-launch {tuple(plan.dkdv)} dq {tuple(plan.dq)}"
+        return f"one-launch {tuple(plan.dkdv)} dq {tuple(plan.dq)}" + (" split" if plan.split else "")
     return f"dkdv {tuple(plan.dkdv)}" + (" bulk dQ" if plan.tma else " atomic dQ") + (" split" if plan.split else "")
 
 
@@ -95,7 +95,7 @@ def compile_plan(plan, flags: dict):
     tiles = plan.dkdv
     meta = dict(flags, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n)
     if plan.dq is not None:
-        meta.update(DQ_BLOCK_M=plan.dq.block_m, DQ_BLOCK_N=plan.dq.block_n)
+        meta.update(DQ_BLOCK_M=plan.dq.block_m, DQ_BLOCK_N=plan.dq.block_n, SPLIT=plan.split)
         return compile_kernel(backward._gdpa_bwd_kernel, meta, tiles.num_warps, tiles.num_stages)
     meta.update(FUSED_DQ=True, DQ_TMA=plan.tma, SPLIT=plan.split)
     return compile_kernel(backward._gdpa_bwd_dkdv_kernel, meta, tiles.num_warps, tiles.num_stages)

@@ -205,11 +205,13 @@ def test_other_tile_shapes(device: str, block_m: int, block_n: int, mask: tuple,
         torch.testing.assert_close(got.cpu().double(), want, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("one_launch", [False, True])
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
 @pytest.mark.parametrize("layout", _slow_beyond(list(LAYOUTS), 2))
-def test_split_dkdv_programs(device: str, layout: str, activation: str) -> None:
-    """dK and dV in programs of their own (the dK one adding dQ): every layout (targets, shared and cross kv
-    segments) and both activation families, under a causal window, against the float64 reference."""
+def test_split_dkdv_programs(device: str, layout: str, activation: str, one_launch: bool) -> None:
+    """dK and dV in programs of their own, the dK one adding dQ or (``one_launch``) beside dQ programs of the same
+    launch: every layout (targets, shared and cross kv segments) and both activation families, under a causal
+    window, against the float64 reference."""
     from lightning_gem.ops.attention.impl.triton._tuning import Tiles
     from lightning_gem.ops.attention.impl.triton.backward import gdpa_backward
     from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
@@ -224,10 +226,11 @@ def test_split_dkdv_programs(device: str, layout: str, activation: str) -> None:
     def run(grad_out: torch.Tensor) -> tuple:
         spec = Spec(*jagged, **options, **lens)
         out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, spec)
+        dq_tiles = tiles if one_launch else None
         return out, gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, spec, dkdv_tiles=tiles,
-                                  split_dkdv=True)  # fmt: skip
+                                  dq_tiles=dq_tiles, split_dkdv=True)  # fmt: skip
 
-    _check_against_reference(inputs, options, f"{layout}/{activation}/split", run=run)
+    _check_against_reference(inputs, options, f"{layout}/{activation}/split/{one_launch}", run=run)
 
 
 @pytest.mark.gpu

@@ -17,8 +17,8 @@ import sys
 import pytest
 
 # Two specializations that between them turn on every mode flag, a head dim below its block (96 of 128), int32 and
-# int64 offsets, the atomic-dQ dK/dV kernel (dQ through bulk tensor reductions; dK and dV in one program, and in
-# programs of their own), the one-launch dK/dV + dQ kernel and the short-query kernel.
+# int64 offsets, the atomic-dQ dK/dV kernel (dQ through bulk tensor reductions), the one-launch dK/dV + dQ kernel
+# (both with dK and dV in one program, and in programs of their own) and the short-query kernel.
 _COMPILE = r"""
 import json
 from lightning_gem.ops.attention.impl.triton import backward, backward_short, forward
@@ -47,8 +47,9 @@ for flags, offsets, (bm, bn, warps, stages), fused in modes:
                                         stages)
     sizes[f"dkdv split {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(dkdv, SPLIT=True), offsets, warps,
                                               stages)
-    sizes[f"bwd {name}"] = compile_one(backward._gdpa_bwd_kernel, dict(common, DQ_BLOCK_M=bn, DQ_BLOCK_N=bm),
-                                       offsets, warps, stages)
+    for split in (False, True):
+        one_launch = dict(common, DQ_BLOCK_M=bn, DQ_BLOCK_N=bm, SPLIT=split)
+        sizes[f"bwd {name} split {split}"] = compile_one(backward._gdpa_bwd_kernel, one_launch, offsets, warps, stages)
 sizes["delta"] = compile_one(backward._bwd_delta_kernel, dict(HEAD_DIM_V=96, BLOCK_DV=128, BLOCK_T=64),
                              "*i64", 4, 1)
 print(json.dumps(sizes))
@@ -69,7 +70,7 @@ def test_kernels_compile_for_sm90() -> None:
     result = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     sizes = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(sizes) == 11
+    assert len(sizes) == 13
     assert all(size > 0 for size in sizes.values()), sizes
 
 

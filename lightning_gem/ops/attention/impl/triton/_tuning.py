@@ -68,9 +68,10 @@ class BackwardTiles(NamedTuple):
     the launch); ``dq`` the dQ programs' query rows x key rows in the same launch, or None for dQ added through
     fp32 atomics by the dK/dV programs (not bitwise reproducible); ``tma`` (with ``dq`` None): those additions as
     one bulk tensor reduction per tile (the copy engine's ``cp.reduce.async.bulk``, sm_90+) instead of one atomic
-    per element, in plain eager calls (traced ones add element by element). ``split`` (with ``dq`` None): dK and dV
-    in programs of their own, one fp32 accumulator each (``Q K^T`` computed by both). ``short``: the short-query
-    kernel instead (:mod:`.backward_short`; ``dkdv`` then tiles its one query tile per segment and its key tiles)."""
+    per element, in plain eager calls (traced ones add element by element). ``split``: dK and dV in programs of their
+    own, one fp32 accumulator each (``Q K^T`` computed by both), beside the dQ programs or, with ``dq`` None, the dK
+    one adding dQ. ``short``: the short-query kernel instead (:mod:`.backward_short`; ``dkdv`` then tiles its one
+    query tile per segment and its key tiles)."""
 
     dkdv: Tiles
     dq: Tiles | None = None

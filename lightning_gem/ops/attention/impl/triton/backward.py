@@ -401,11 +401,13 @@ def _gdpa_bwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
     HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):  # fmt: skip
     """The deterministic backward in one launch: dK/dV programs (key tiles of ``BLOCK_N`` over query tiles of
     ``BLOCK_M``) and dQ programs (query tiles of ``DQ_BLOCK_M`` over key tiles of ``DQ_BLOCK_N``) share the grid,
     so neither waits for the other's tail. Along axis 2 they alternate, dK/dV from the first key tile and dQ from the
-    last query tile: under a causal mask both orders start with the costliest tiles."""
+    last query tile: under a causal mask both orders start with the costliest tiles. ``SPLIT``: two dK/dV programs
+    per key tile, dK then dV (one accumulator each; ``num_key_tiles`` counts programs, twice the tiles)."""
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
     seg = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
@@ -423,8 +425,8 @@ def _gdpa_bwd_kernel(
                 HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, DQ_BLOCK_M, DQ_BLOCK_N,
                 ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST,
             )  # fmt: skip
-    else:
-        if seg < num_kv_segments:
+    elif seg < num_kv_segments:
+        if not SPLIT:
             _dkdv_program(
                 Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
@@ -432,6 +434,24 @@ def _gdpa_bwd_kernel(
                 scale, window, block_size, seg, head, index * BLOCK_N,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, False,
                 ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, BOTH,
+            )  # fmt: skip
+        elif index % 2 == 0:
+            _dkdv_program(
+                Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
+                stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
+                scale, window, block_size, seg, head, (index // 2) * BLOCK_N,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, False,
+                ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, DK_ONLY,
+            )  # fmt: skip
+        else:
+            _dkdv_program(
+                Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
+                stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
+                scale, window, block_size, seg, head, (index // 2) * BLOCK_N,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, False,
+                ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, DV_ONLY,
             )  # fmt: skip
 
 
@@ -505,7 +525,7 @@ def gdpa_backward(
     deterministic). ``dkdv_tiles`` (alone: the atomic kernel), both tiles (the one-launch kernel) or ``short_tiles``
     (the short-query kernel, whose ``block_m`` must hold the longest query segment) override the tuned choice;
     ``bulk_dq`` with ``dkdv_tiles`` alone adds dQ through bulk tensor reductions (:func:`bulk_reduction_ok`);
-    ``split_dkdv`` with ``dkdv_tiles`` alone gives dK and dV programs of their own (one accumulator each).
+    ``split_dkdv`` gives dK and dV programs of their own (one accumulator each), with atomic dQ or ``dq_tiles``.
     Returns ``(dq, dk, dv)`` in the inputs' dtypes. ``flash`` (``impl="auto"``, softmax modes FlashAttention-4
     computes exactly) lets the tuner pick FlashAttention-4's backward instead, from the same ``out`` and ``lse``.
     """
@@ -563,7 +583,7 @@ def gdpa_backward(
             meta["DQ_TMA"] = plan.tma
             meta["SPLIT"] = plan.split
         else:
-            meta.update(DQ_BLOCK_M=plan.dq.block_m, DQ_BLOCK_N=plan.dq.block_n)
+            meta.update(DQ_BLOCK_M=plan.dq.block_m, DQ_BLOCK_N=plan.dq.block_n, SPLIT=plan.split)
         meta.update(tile_meta(plan.dkdv))
         return meta
 
@@ -597,12 +617,13 @@ def gdpa_backward(
             return
         dq = dq_buffer(q.dtype)
         num_query_tiles = cdiv(max_seq_len_q, plan.dq.block_m) if num_q > 0 else 0
-        if num_key_tiles + num_query_tiles == 0:
+        num_dkdv = num_key_tiles * (2 if plan.split else 1)  # dK/dV programs along axis 2
+        if num_dkdv + num_query_tiles == 0:
             return
         args = (q, k, v, grad_out, lse, delta, dk, dv, dq, q_offsets, kv_offsets, kv_map, targets, seg_offsets,
                 seg_order, *strides, *dq.stride()[:2], scale, window or 0, block_size or 1, num_segments,
-                num_kv_segments, num_key_tiles, num_query_tiles)  # fmt: skip
-        grid = (max(num_segments, num_kv_segments), heads, num_key_tiles + num_query_tiles)
+                num_kv_segments, num_dkdv, num_query_tiles)  # fmt: skip
+        grid = (max(num_segments, num_kv_segments), heads, num_dkdv + num_query_tiles)
         launch(_gdpa_bwd_kernel, grid, args, meta)
 
     short_query = kv_index is None and num_targets is None and max_seq_len_q <= SHORT_QUERY_ROWS
@@ -618,8 +639,6 @@ def gdpa_backward(
         plan = BackwardTiles(dkdv_tiles, dq_tiles, tma=bulk_dq, split=split_dkdv)
         if dq_tiles is None and deterministic:
             raise ValueError("deterministic=True needs dq_tiles with dkdv_tiles")
-        if split_dkdv and dq_tiles is not None:
-            raise ValueError("split_dkdv needs dkdv_tiles alone (the dK/dV kernel with atomic dQ)")
         if bulk_dq and (dq_tiles is not None or not bulk_reduction_ok(q)):
             raise ValueError("bulk_dq needs dkdv_tiles alone, on an sm_90+ GPU with a power-of-two head dim")
         meta = options(plan)
