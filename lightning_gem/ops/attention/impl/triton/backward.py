@@ -271,29 +271,23 @@ def _dkdv_program(
 
 
 @triton.jit
-def _gdpa_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ,  # [Tq, H, D], [Tk, H, D], [Tk, H, DV], [Tq, H, DV], [H, Tq] x2, like k v q
-    DQ_DESC,  # DQ as [Tq, H * D] in tiles of [BLOCK_M, D] (DQ_TMA), else unused
-    Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,  # [B + 1], [Bkv + 1], [B], [Bkv + 1], [B]
+def _dkdv_programs(
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_DESC,
+    Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
-    scale, window, block_size,
+    scale, window, block_size, kv_seg, head, index,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
     HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
     SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """One program per (kv segment, head, key tile): dK/dV, plus dQ through fp32 atomics with ``FUSED_DQ`` (bulk
-    tensor reductions with ``DQ_TMA``). ``SPLIT``: two programs per key tile along axis 2, one for dK (and dQ), then
-    one for dV: one fp32 accumulator each instead of two, so taller key tiles fit in registers, at the price of
-    computing ``Q K^T`` twice."""
-    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
-    kv_seg = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
+    """dK/dV program ``index`` of a kv segment and head: key tile ``index`` (dK and dV), or with ``SPLIT`` key tile
+    ``index // 2``'s dK (even ``index``; it adds dQ with ``FUSED_DQ``) or dV (odd)."""
     if SPLIT:
-        n_start = (tl.program_id(2) // 2) * BLOCK_N
-        if tl.program_id(2) % 2 == 0:
+        n_start = (index // 2) * BLOCK_N
+        if index % 2 == 0:
             _dkdv_program(
                 Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_DESC, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS,
                 SEG_ORDER, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
@@ -316,10 +310,39 @@ def _gdpa_bwd_dkdv_kernel(
             Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_DESC, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
             stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
-            scale, window, block_size, kv_seg, head, tl.program_id(2) * BLOCK_N,
+            scale, window, block_size, kv_seg, head, index * BLOCK_N,
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, FUSED_DQ, DQ_TMA,
             ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, BOTH,
         )  # fmt: skip
+
+
+@triton.jit
+def _gdpa_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ,  # [Tq, H, D], [Tk, H, D], [Tk, H, DV], [Tq, H, DV], [H, Tq] x2, like k v q
+    DQ_DESC,  # DQ as [Tq, H * D] in tiles of [BLOCK_M, D] (DQ_TMA), else unused
+    Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,  # [B + 1], [Bkv + 1], [B], [Bkv + 1], [B]
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
+    scale, window, block_size,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
+    ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
+    HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
+    SPLIT: tl.constexpr,
+):  # fmt: skip
+    """One program per (kv segment, head, key tile): dK/dV, plus dQ through fp32 atomics with ``FUSED_DQ`` (bulk
+    tensor reductions with ``DQ_TMA``). ``SPLIT``: two programs per key tile along axis 2, one for dK (and dQ), then
+    one for dV: one fp32 accumulator each instead of two, so taller key tiles fit in registers, at the price of
+    computing ``Q K^T`` twice."""
+    scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
+    _dkdv_programs(
+        Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_DESC, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
+        stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
+        scale, window, block_size, tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2),
+        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, FUSED_DQ, DQ_TMA,
+        ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, SPLIT,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -426,33 +449,14 @@ def _gdpa_bwd_kernel(
                 ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST,
             )  # fmt: skip
     elif seg < num_kv_segments:
-        if not SPLIT:
-            _dkdv_program(
-                Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
-                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
-                stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
-                scale, window, block_size, seg, head, index * BLOCK_N,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, False,
-                ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, BOTH,
-            )  # fmt: skip
-        elif index % 2 == 0:
-            _dkdv_program(
-                Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
-                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
-                stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
-                scale, window, block_size, seg, head, (index // 2) * BLOCK_N,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, False,
-                ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, DK_ONLY,
-            )  # fmt: skip
-        else:
-            _dkdv_program(
-                Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
-                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
-                stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
-                scale, window, block_size, seg, head, (index // 2) * BLOCK_N,
-                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, False,
-                ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, DV_ONLY,
-            )  # fmt: skip
+        _dkdv_programs(
+            Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
+            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
+            stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
+            scale, window, block_size, seg, head, index,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, False,
+            ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, SPLIT,
+        )  # fmt: skip
 
 
 def _segments_by_kv(kv_index: Tensor, num_kv_segments: int) -> tuple[Tensor, Tensor]:
