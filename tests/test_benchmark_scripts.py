@@ -259,3 +259,17 @@ def test_e2e_preset_runs_the_kit_stack_with_uniform_histories(tmp_path: Path) ->
     results = json.loads(out.read_text())
     assert results["args"]["num_layers"] == "2" and results["args"]["min_history"] == "64"
     assert results["kit"]["step_ms"] > 0 and "plain" not in results
+
+
+def test_sweep_plans_parse_tiles_and_flags() -> None:
+    """``attention_sweep.py --plans`` (and ``kernel_resources.py --plans``) names the backward plans it times."""
+    parse_plan = _benchmark("attention_sweep").parse_plan
+    from lightning_gem.ops.attention.impl.triton._tuning import BackwardTiles, Tiles
+
+    assert parse_plan("32,64,8,2") == BackwardTiles(Tiles(32, 64, 8, 2))
+    assert parse_plan("64,128,8,1,tma,split") == BackwardTiles(Tiles(64, 128, 8, 1), tma=True, split=True)
+    one_launch = BackwardTiles(Tiles(64, 128, 8, 1), Tiles(128, 64, 8, 1), split=True)
+    assert parse_plan("64,128,8,1,split,dq128x64") == one_launch
+    for bad in ("64,128,8", "64,128,8,1,fast", "64,128,8,1,tma,dq128x64"):
+        with pytest.raises(ValueError, match="not a backward plan"):
+            parse_plan(bad)
