@@ -30,11 +30,15 @@ from attention_sweep import parse_plan
 SHARED_LIMIT = 232448  # bytes of shared memory one block may have on sm_90
 
 
-def _flags(activation: str, dim: int) -> dict:
-    block = max(16, 1 << (dim - 1).bit_length())
-    return dict(ACTIVATION=activation, CAUSAL=True, HAS_WINDOW=False, HAS_BLOCK=False, HAS_KV_INDEX=False,
-                HAS_TARGETS=False, HEAD_DIM=dim, HEAD_DIM_V=dim, BLOCK_D=block, BLOCK_DV=block,
-                DOT_PRECISION="tf32", FAST=True)  # fmt: skip
+def call_options(activation: str, dim: int) -> dict:
+    """The constexprs of a bf16 causal call of ``activation`` at head dim ``dim`` on a GPU (no window, blocks, kv
+    index or targets), as the launchers make them."""
+    import torch
+
+    from lightning_gem.ops.attention.impl.triton._common import kernel_options, mode_flags
+
+    flags = mode_flags(activation, True, None, None, None, None)
+    return kernel_options(dim, dim, flags, torch.bfloat16, True)
 
 
 def _row(label: str, compiled) -> str:
@@ -60,15 +64,20 @@ def main() -> None:
     import torch
 
     from lightning_gem.ops.attention.impl.triton import forward
-    from lightning_gem.ops.attention.impl.triton._tuning import backward_candidates, candidate_tiles, split_candidates
+    from lightning_gem.ops.attention.impl.triton._tuning import (
+        backward_candidates,
+        candidate_tiles,
+        split_candidates,
+        tile_meta,
+    )
+    from lightning_gem.ops.attention.impl.triton.backward import plan_kernel, plan_meta
     from lightning_gem.testing.sm90 import compile_kernel
 
-    cuda, flags = torch.device("cuda"), _flags(args.activation, args.dim)
+    cuda, options = torch.device("cuda"), call_options(args.activation, args.dim)
     print(f"sm_90, {args.activation} causal, head dim {args.dim}, bf16")
     if "fwd" in args.parts:
         for tiles in candidate_tiles("fwd", torch.bfloat16, cuda, args.dim):
-            meta = dict(flags, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n)
-            compiled = compile_kernel(forward._gdpa_fwd_kernel, meta, tiles.num_warps, tiles.num_stages)
+            compiled = compile_kernel(forward._gdpa_fwd_kernel, {**options, **tile_meta(tiles)})
             print(_row(f"fwd {tuple(tiles)}", compiled), flush=True)
     if "bwd" not in args.parts:
         return
@@ -78,27 +87,13 @@ def main() -> None:
         plans += split_candidates(torch.bfloat16, cuda, args.dim, tma=True)
         plans = list(dict.fromkeys(plans))
     for plan in plans:
-        print(_row(_label(plan), compile_plan(plan, flags)), flush=True)
+        print(_row(_label(plan), compile_kernel(plan_kernel(plan), plan_meta(plan, options))), flush=True)
 
 
 def _label(plan) -> str:
     if plan.dq is not None:
         return f"one-launch {tuple(plan.dkdv)} dq {tuple(plan.dq)}" + (" split" if plan.split else "")
     return f"dkdv {tuple(plan.dkdv)}" + (" bulk dQ" if plan.tma else " atomic dQ") + (" split" if plan.split else "")
-
-
-def compile_plan(plan, flags: dict):
-    """The kernel a backward plan launches (its dK/dV kernel, or the one-launch dK/dV + dQ kernel), compiled."""
-    from lightning_gem.ops.attention.impl.triton import backward
-    from lightning_gem.testing.sm90 import compile_kernel
-
-    tiles = plan.dkdv
-    meta = dict(flags, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n)
-    if plan.dq is not None:
-        meta.update(DQ_BLOCK_M=plan.dq.block_m, DQ_BLOCK_N=plan.dq.block_n, SPLIT=plan.split)
-        return compile_kernel(backward._gdpa_bwd_kernel, meta, tiles.num_warps, tiles.num_stages)
-    meta.update(FUSED_DQ=True, DQ_TMA=plan.tma, SPLIT=plan.split)
-    return compile_kernel(backward._gdpa_bwd_dkdv_kernel, meta, tiles.num_warps, tiles.num_stages)
 
 
 if __name__ == "__main__":

@@ -23,16 +23,17 @@ _FP32 = ("LSE", "DELTA", "DQ")
 _OFFSETS = ("Q_OFFSETS", "KV_OFFSETS", "KV_INDEX", "NUM_TARGETS", "SEG_OFFSETS", "SEG_ORDER")
 
 
-def compile_kernel(kernel, constexprs: dict, num_warps: int, num_stages: int, offsets: str = "*i32"):
-    """``kernel`` (a ``@triton.jit`` function of the GDPA kernels) compiled for sm_90 with ``constexprs``:
-    upper-case arguments are bf16 tensors but ``LSE``, ``DELTA`` and ``DQ`` (fp32) and the offsets (``offsets``,
-    ``"*i32"`` or ``"*i64"``); ``DQ_DESC`` a tensor descriptor of ``[BLOCK_M, HEAD_DIM]`` fp32 tiles when
-    ``DQ_TMA``; lower-case ones ``i32`` but ``scale`` (fp32); pointers and strides divisible by 16. Returns
-    Triton's compiled kernel."""
+def compile_kernel(kernel, meta: dict, offsets: str = "*i32"):
+    """``kernel`` (a ``@triton.jit`` function of the GDPA kernels) compiled for sm_90 with the launch options
+    ``meta`` (its constexprs and ``num_warps`` / ``num_stages``, as the launchers pass them): upper-case arguments
+    are bf16 tensors but ``LSE``, ``DELTA`` and ``DQ`` (fp32) and the offsets (``offsets``, ``"*i32"`` or
+    ``"*i64"``); ``DQ_DESC`` a tensor descriptor of ``[BLOCK_M, HEAD_DIM]`` fp32 tiles when ``DQ_TMA``; lower-case
+    ones ``i32`` but ``scale`` (fp32); pointers and strides divisible by 16. Returns Triton's compiled kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    constexprs = {name: value for name, value in meta.items() if name not in ("num_warps", "num_stages")}
     signature = {}
     for name in inspect.signature(kernel.fn).parameters:
         if name in constexprs:
@@ -53,7 +54,7 @@ def compile_kernel(kernel, constexprs: dict, num_warps: int, num_stages: int, of
     aligned = [name for name, kind in signature.items() if kind.startswith("*") or name.startswith("stride_")]
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": num_warps, "num_stages": num_stages}
+    options = {"num_warps": meta["num_warps"], "num_stages": meta["num_stages"]}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 

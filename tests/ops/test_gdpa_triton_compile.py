@@ -25,7 +25,8 @@ from lightning_gem.ops.attention.impl.triton import backward, backward_short, fo
 from lightning_gem.testing.sm90 import compile_kernel
 
 def compile_one(kernel, constexprs, offsets, num_warps, num_stages):
-    return len(compile_kernel(kernel, constexprs, num_warps, num_stages, offsets=offsets).asm["cubin"])
+    meta = dict(constexprs, num_warps=num_warps, num_stages=num_stages)
+    return len(compile_kernel(kernel, meta, offsets=offsets).asm["cubin"])
 
 modes = [
     (dict(ACTIVATION="softmax", CAUSAL=True, HAS_WINDOW=True, HAS_BLOCK=False, HAS_KV_INDEX=True,
@@ -81,20 +82,20 @@ _FITS = r"""
 import json, sys
 import torch
 sys.path.insert(0, "examples/benchmarks")
-from kernel_resources import SHARED_LIMIT, _flags, compile_plan
+from kernel_resources import SHARED_LIMIT, call_options
 from lightning_gem.ops.attention.impl.triton import forward
-from lightning_gem.ops.attention.impl.triton._tuning import backward_candidates, candidate_tiles
+from lightning_gem.ops.attention.impl.triton._tuning import backward_candidates, candidate_tiles, tile_meta
+from lightning_gem.ops.attention.impl.triton.backward import plan_kernel, plan_meta
 from lightning_gem.testing.sm90 import compile_kernel
 
 cuda, shared = torch.device("cuda"), {}
 for dim in (128, 256):
-    flags = _flags("softmax", dim)
+    options = call_options("softmax", dim)
     for tiles in candidate_tiles("fwd", torch.bfloat16, cuda, dim):
-        meta = dict(flags, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n)
-        compiled = compile_kernel(forward._gdpa_fwd_kernel, meta, tiles.num_warps, tiles.num_stages)
+        compiled = compile_kernel(forward._gdpa_fwd_kernel, {**options, **tile_meta(tiles)})
         shared[f"fwd {dim} {tuple(tiles)}"] = compiled.metadata.shared
     for plan in backward_candidates(torch.bfloat16, cuda, dim, deterministic=False, tma=True):
-        shared[f"bwd {dim} {plan}"] = compile_plan(plan, flags).metadata.shared
+        shared[f"bwd {dim} {plan}"] = compile_kernel(plan_kernel(plan), plan_meta(plan, options)).metadata.shared
 print(json.dumps({"limit": SHARED_LIMIT, "shared": shared}))
 """
 

@@ -505,6 +505,27 @@ def _delta(out: Tensor, grad_out: Tensor) -> Tensor:
     return delta
 
 
+def plan_kernel(plan: BackwardTiles):
+    """The kernel ``plan`` launches: the short-query kernel, the dK/dV kernel (atomic dQ) or the one-launch one."""
+    if plan.short:
+        return _gdpa_bwd_short_kernel
+    return _gdpa_bwd_dkdv_kernel if plan.dq is None else _gdpa_bwd_kernel
+
+
+def plan_meta(plan: BackwardTiles, options: dict[str, object]) -> dict[str, object]:
+    """The launch options of :func:`plan_kernel` for ``plan``: a call's ``options`` (:func:`kernel_options`) with
+    the plan's constexprs, tiles, warps and stages."""
+    meta = dict(options)
+    if plan.short:  # no kv index and no targets on that path
+        del meta["HAS_KV_INDEX"], meta["HAS_TARGETS"]
+    elif plan.dq is None:
+        meta.update(FUSED_DQ=True, DQ_TMA=plan.tma, SPLIT=plan.split)
+    else:
+        meta.update(DQ_BLOCK_M=plan.dq.block_m, DQ_BLOCK_N=plan.dq.block_n, SPLIT=plan.split)
+    meta.update(tile_meta(plan.dkdv))
+    return meta
+
+
 def gdpa_backward(
     grad_out: Tensor,
     q: Tensor,
@@ -577,19 +598,7 @@ def gdpa_backward(
         return dq_buffers[dtype]
 
     def options(plan: BackwardTiles | str) -> dict[str, object]:
-        if plan == FLASH:
-            return {}
-        meta = kernel_options(head_dim, head_dim_v, flags, q.dtype, fast)
-        if plan.short:  # no kv index and no targets on that path
-            del meta["HAS_KV_INDEX"], meta["HAS_TARGETS"]
-        elif plan.dq is None:
-            meta["FUSED_DQ"] = True
-            meta["DQ_TMA"] = plan.tma
-            meta["SPLIT"] = plan.split
-        else:
-            meta.update(DQ_BLOCK_M=plan.dq.block_m, DQ_BLOCK_N=plan.dq.block_n, SPLIT=plan.split)
-        meta.update(tile_meta(plan.dkdv))
-        return meta
+        return {} if plan == FLASH else plan_meta(plan, kernel_options(head_dim, head_dim_v, flags, q.dtype, fast))
 
     def run(plan: BackwardTiles | str, meta: dict[str, object]) -> None:
         if plan == FLASH:
