@@ -14,7 +14,7 @@ prints and saves:
   relative to their largest value.
 
 ``--heads`` and ``--dim`` run a workload's lengths at other head counts and head dims (shapes around the named
-ones).
+ones), ``--uniform 16x4096`` segments of one length instead of the workload's.
 
 The tuner picks among a subset of these at run time; this script shows what each variant costs, so candidate
 lists are chosen on measurements.
@@ -43,7 +43,7 @@ from lightning_gem.ops.attention.impl.triton._tuning import (
     split_candidates,
 )
 from lightning_gem.ops.attention.impl.triton.backward import bulk_reduction_ok, gdpa_backward
-from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
+from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward, kv_descriptors_ok
 from lightning_gem.ops.attention.ops import gdpa_flops
 from lightning_gem.ops.attention.spec import Spec
 
@@ -112,25 +112,33 @@ def sweep_case(
     if not quick:
         shapes = _unique(shapes + [Tiles(*s) for s in FORWARD_SHAPES.get(head_dim, [])])
 
-    def forward(tiles: Tiles) -> tuple:
-        return gdpa_forward(q, k, v, spec, tiles=tiles)
+    # Each shape with pointer loads of the key and value tiles and, where the GPU has them, tensor-descriptor loads.
+    variants = [(tiles, False) for tiles in shapes]
+    if kv_descriptors_ok(q, k, v):
+        variants += [(tiles, True) for tiles in shapes]
 
-    _compile_all(shapes, forward)
+    def forward(variant: tuple[Tiles, bool]) -> tuple:
+        return gdpa_forward(q, k, v, spec, tiles=variant[0], tma=variant[1])
+
+    _compile_all(variants, forward)
     print("  forward:")
-    for tiles in shapes:
+    for variant in variants:
+        tiles, tma = variant
+        label = f"{tuple(tiles)}{' tma' if tma else ''}"
         try:
-            ms = _bench(lambda t=tiles: forward(t))
+            ms = _bench(lambda t=variant: forward(t))
         except Exception as error:
-            print(f"    failed     {tuple(tiles)}: {type(error).__name__}")
+            print(f"    failed     {label}: {type(error).__name__}")
             continue
-        result["forward"].append({"tiles": list(tiles), "ms": ms, "tflops": fwd_flops / ms / 1e9})
-        print(f"    {ms * 1e3:8.1f} us {fwd_flops / ms / 1e9:7.1f} TF/s  {tuple(tiles)}")
-    best_tiles = Tiles(*min(result["forward"], key=lambda r: r["ms"])["tiles"])
+        result["forward"].append({"tiles": list(tiles), "tma": tma, "ms": ms, "tflops": fwd_flops / ms / 1e9})
+        print(f"    {ms * 1e3:8.1f} us {fwd_flops / ms / 1e9:7.1f} TF/s  {label}")
+    best = min(result["forward"], key=lambda r: r["ms"])
+    best_variant = (Tiles(*best["tiles"]), best["tma"])
     if "bwd" not in parts:
         return result
 
     # Backward: plans against the one-launch plan's gradients.
-    out, lse = forward(best_tiles)
+    out, lse = forward(best_variant)
     tma = bulk_reduction_ok(q)
     plans = backward_candidates(
         q.dtype, q.device, head_dim, deterministic=False, block_size=case.block_size, max_len_q=max_q, tma=tma
@@ -191,6 +199,7 @@ def main() -> None:
         type=parse_plan,
         help="more backward plans to time, e.g. 32,64,8,2,tma,split (see parse_plan)",
     )
+    parser.add_argument("--uniform", help="COUNTxLENGTH: that many segments of one length instead of the workload's")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -199,6 +208,10 @@ def main() -> None:
     for name in args.workloads.split(","):
         workload = make_workload(name.strip(), tiny=False, seed=0)
         workload = dataclasses.replace(workload, heads=args.heads or workload.heads, dim=args.dim or workload.dim)
+        if args.uniform:
+            count, length = (int(n) for n in args.uniform.split("x"))
+            workload = dataclasses.replace(workload, q_lengths=torch.full((count,), length), kv_lengths=None)
+            name = f"{name} {args.uniform}"
         for label, options in workload.modes:
             if args.modes not in label:
                 continue

@@ -27,7 +27,8 @@ def compile_kernel(kernel, meta: dict, offsets: str = "*i32"):
     """``kernel`` (a ``@triton.jit`` function of the GDPA kernels) compiled for sm_90 with the launch options
     ``meta`` (its constexprs and ``num_warps`` / ``num_stages``, as the launchers pass them): upper-case arguments
     are bf16 tensors but ``LSE``, ``DELTA`` and ``DQ`` (fp32) and the offsets (``offsets``, ``"*i32"`` or
-    ``"*i64"``); ``DQ_DESC`` a tensor descriptor of ``[BLOCK_M, HEAD_DIM]`` fp32 tiles when ``DQ_TMA``; lower-case
+    ``"*i64"``); ``DQ_DESC`` a tensor descriptor of ``[BLOCK_M, HEAD_DIM]`` fp32 tiles when ``DQ_TMA``, ``K_DESC`` /
+    ``V_DESC`` ones of ``[BLOCK_N, HEAD_DIM(_V)]`` bf16 tiles when ``TMA``; lower-case
     ones ``i32`` but ``scale`` (fp32); pointers and strides divisible by 16. Returns Triton's compiled kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -43,6 +44,9 @@ def compile_kernel(kernel, meta: dict, offsets: str = "*i32"):
         elif name == "DQ_DESC":
             tile = (constexprs["BLOCK_M"], constexprs["HEAD_DIM"])
             signature[name] = f"tensordesc<fp32[{tile[0]},{tile[1]}]>" if constexprs["DQ_TMA"] else offsets
+        elif name in ("K_DESC", "V_DESC"):
+            tile = (constexprs["BLOCK_N"], constexprs["HEAD_DIM" if name == "K_DESC" else "HEAD_DIM_V"])
+            signature[name] = f"tensordesc<bf16[{tile[0]},{tile[1]}]>" if constexprs["TMA"] else "*bf16"
         elif name in _OFFSETS:
             signature[name] = offsets
         elif name.isupper():

@@ -530,3 +530,63 @@ def test_bulk_reduced_dq_falls_back_when_traced(device: str, monkeypatch: pytest
     expected = gdpa_reference_backward(grad_out.cpu().double(), *cpu64, cpu_spec)
     for got, want in zip(grads, expected, strict=True):
         torch.testing.assert_close(got.cpu().double(), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("mask", _slow_beyond(MASKS, 3), ids=lambda m: f"causal{int(m[0])}-w{m[1]}-bs{m[2]}")
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_forward_descriptor_loads(device: str, layout: str, activation: str, mask: tuple) -> None:
+    """The forward reading key and value tiles through tensor descriptors: whole tiles, so an edge tile reads the
+    next segment's rows (or zeros past the last), which the mask must drop. Segments end inside tiles; every layout
+    and mask rule, against the float64 reference."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lightning_gem.ops.attention.impl.triton._tuning import Tiles
+    from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward, kv_descriptors_ok
+
+    inputs = _inputs(layout, 29, torch.float32, device, q_lengths=[45, 1, 0, 33, 20])
+    if device == "cuda" and not kv_descriptors_ok(inputs.q, inputs.k, inputs.v):
+        pytest.skip("descriptor loads need an sm_90+ GPU")
+    assert kv_descriptors_ok(inputs.q, inputs.k, inputs.v)
+    with FlopCounterMode(display=False):  # a traced launch cannot take descriptors made inside the op
+        assert not kv_descriptors_ok(inputs.q, inputs.k, inputs.v)
+    options = _options(activation, *mask)
+    kv_offsets = inputs.q_offsets if inputs.kv_offsets is None else inputs.kv_offsets
+    jagged = (inputs.q_offsets, kv_offsets, inputs.kv_index, inputs.num_targets)
+    spec = Spec(*jagged, **options, max_seq_len_q=max(inputs.q_lengths), max_seq_len_kv=max(inputs.kv_lengths))
+    tiles = Tiles(16, 16, 1, 1) if device == "cpu" else Tiles(64, 64, 4, 2)
+    out, _ = gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=tiles, tma=True)
+    cpu64 = [t.cpu().double() for t in (inputs.q, inputs.k, inputs.v)]
+    cpu_spec = Spec(*(None if t is None else t.cpu() for t in jagged), **options)
+    torch.testing.assert_close(out.cpu().double(), gdpa_reference(*cpu64, cpu_spec), rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize("layout", ["self_targets", "cross"])
+def test_forward_descriptor_loads_bf16_gpu(layout: str, activation: str, dim: int) -> None:
+    """Every forward tile candidate with key and value tiles through tensor descriptors, bf16 with the fast pointwise
+    activations, within the bf16 budget of the float64 reference (the compiled kernels, where every candidate the
+    tuner may time must run)."""
+    if not torch.cuda.is_available() or _triton_device() != "cuda":
+        pytest.skip("needs a CUDA GPU with compiled (not interpreted) Triton kernels")
+    from lightning_gem.ops.attention.impl.triton._tuning import candidate_tiles
+    from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward, kv_descriptors_ok
+
+    inputs = _inputs(layout, 19, torch.bfloat16, "cuda", q_lengths=[300, 0, 1, 64, 517, 3], max_len=520, dim=dim,
+                     dim_v=dim)  # fmt: skip
+    if not kv_descriptors_ok(inputs.q, inputs.k, inputs.v):
+        pytest.skip("descriptor loads need an sm_90+ GPU")
+    options = {**_options(activation, True, None, None), "scale": 1 / math.sqrt(dim)}
+    kv_offsets = inputs.q_offsets if inputs.kv_offsets is None else inputs.kv_offsets
+    jagged = (inputs.q_offsets, kv_offsets, inputs.kv_index, inputs.num_targets)
+    lens = {"max_seq_len_q": max(inputs.q_lengths), "max_seq_len_kv": max(inputs.kv_lengths)}
+    for tiles in candidate_tiles("fwd", torch.bfloat16, inputs.q.device, dim, max_len_q=lens["max_seq_len_q"]):
+
+        def run(grad_out: torch.Tensor, tiles=tiles) -> tuple:
+            spec = Spec(*jagged, **options, **lens)
+            out, _ = gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=tiles, tma=True)
+            return out, _run_triton(inputs, grad_out, **options, **lens)[1]
+
+        _check_against_reference(inputs, options, f"{layout} {activation} D={dim} tma {tiles}", run=run)

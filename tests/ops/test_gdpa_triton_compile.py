@@ -17,8 +17,9 @@ import sys
 import pytest
 
 # Two specializations that between them turn on every mode flag, a head dim below its block (96 of 128), int32 and
-# int64 offsets, the atomic-dQ dK/dV kernel (dQ through bulk tensor reductions), the one-launch dK/dV + dQ kernel
-# (both with dK and dV in one program, and in programs of their own) and the short-query kernel.
+# int64 offsets, the forward with key and value tiles through tensor descriptors, the atomic-dQ dK/dV kernel (dQ
+# through bulk tensor reductions), the one-launch dK/dV + dQ kernel (both with dK and dV in one program, and in
+# programs of their own) and the short-query kernel.
 _COMPILE = r"""
 import json
 from lightning_gem.ops.attention.impl.triton import backward, backward_short, forward
@@ -38,7 +39,10 @@ sizes = {}
 for flags, offsets, (bm, bn, warps, stages), fused in modes:
     common = dict(flags, BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION="tf32", FAST=True)
     name = flags["ACTIVATION"]
-    sizes[f"fwd {name}"] = compile_one(forward._gdpa_fwd_kernel, common, offsets, warps, stages)
+    sizes[f"fwd {name}"] = compile_one(forward._gdpa_fwd_kernel, dict(common, TMA=False), offsets, warps, stages)
+    if fused:  # key and value tiles through tensor descriptors (power-of-two head dims), as the launcher compiles them
+        sizes[f"fwd tma {name}"] = compile_one(forward._gdpa_fwd_kernel, dict(common, TMA=True, FAST=False), offsets,
+                                               warps, stages)
     short = {k: v for k, v in common.items() if k not in ("HAS_KV_INDEX", "HAS_TARGETS")}
     sizes[f"short {name}"] = compile_one(backward_short._gdpa_bwd_short_kernel, dict(short, BLOCK_M=32), offsets, 4,
                                          stages)
@@ -71,7 +75,7 @@ def test_kernels_compile_for_sm90() -> None:
     result = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     sizes = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(sizes) == 13
+    assert len(sizes) == 14
     assert all(size > 0 for size in sizes.values()), sizes
 
 
@@ -92,7 +96,7 @@ cuda, shared = torch.device("cuda"), {}
 for dim in (128, 256):
     options = call_options("softmax", dim)
     for tiles in candidate_tiles("fwd", torch.bfloat16, cuda, dim):
-        compiled = compile_kernel(forward._gdpa_fwd_kernel, {**options, **tile_meta(tiles)})
+        compiled = compile_kernel(forward._gdpa_fwd_kernel, {**options, **tile_meta(tiles), "TMA": False})
         shared[f"fwd {dim} {tuple(tiles)}"] = compiled.metadata.shared
     for plan in backward_candidates(torch.bfloat16, cuda, dim, deterministic=False, tma=True):
         shared[f"bwd {dim} {plan}"] = compile_kernel(plan_kernel(plan), plan_meta(plan, options)).metadata.shared

@@ -289,9 +289,10 @@ def pick_tiles(
 
 
 def _compiled_part(key: tuple) -> tuple:
-    """What of a key fixes the compiled kernels (kernel, head dims, dtype, mode flags, block size): the keys of
-    :mod:`.forward` and :mod:`.backward` end in their length buckets, heads, work bucket and FlashAttention-4 flag."""
-    return key[:6] if key[0] == "fwd" else key[:7]
+    """What of a key fixes the compiled kernels (kernel, head dims, dtype, mode flags, block size, and the forward's
+    descriptor loads or the backward's determinism): the keys of :mod:`.forward` and :mod:`.backward` end in their
+    length buckets, heads, work bucket and FlashAttention-4 flag."""
+    return key[:7]
 
 
 def _remember_auto(key: tuple, chosen: object, timings: dict) -> None:

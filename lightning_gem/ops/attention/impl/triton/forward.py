@@ -12,6 +12,10 @@ seeds its row. Softmax keeps an fp32 running max and sum in base 2 (the scale fo
 and saves the log-sum-exp (base 2, ``+inf`` for rows that see no key) for the backward; pointwise
 activations accumulate ``act(s) v`` and divide by the kv segment's length.
 
+Key and value tiles are read through pointers, or (``TMA``, plain eager calls on sm_90+) through tensor descriptors
+by the copy engine: whole tiles, so an edge tile also reads rows past its segment's end (the next segment's, or
+zeros past the tensor), which the mask of the edge stages drops like any other disallowed key.
+
 Schedule: query blocks are launched last block first (grid axis 2, the slowest, counts down), so the
 costliest tiles of causal attention, the late blocks of the longest sequences, start in the first wave
 instead of trailing behind the short sequences; programs past a segment's end return at once.
@@ -38,9 +42,11 @@ from lightning_gem.ops.attention.impl.triton._common import (
     cdiv,
     dense_rows,
     fast_math,
+    is_interpreted,
     kernel_options,
     launch,
     mode_flags,
+    next_power_of_2,
 )
 from lightning_gem.ops.attention.impl.triton._tuning import (
     FLASH,
@@ -58,18 +64,27 @@ __all__ = ["gdpa_forward"]
 
 @triton.jit
 def _fwd_key_blocks(
-    acc_MDV, m_M, l_M, q_MD, k_base, v_base, stride_kt, stride_vt, n_lo, n_hi, hi, pos_m, row_ok,
+    acc_MDV, m_M, l_M, q_MD, k_base, v_base, kv_row, head, stride_kt, stride_vt, n_lo, n_hi, hi, pos_m, row_ok,
     qk_scale, scale, num_history, window, block_size,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
-    """Key blocks ``[n_lo, n_hi)`` of one query tile; ``MASKED`` applies ``allowed`` (else all are allowed)."""
+    """Key blocks ``[n_lo, n_hi)`` of one query tile; ``MASKED`` applies ``allowed`` (else all are allowed).
+
+    ``k_base`` / ``v_base`` point at the segment's first key row of the head, or with ``TMA`` are the tensor
+    descriptors of :func:`_kv_descriptors`, read at rows ``kv_row + n`` and the head's columns."""
     for n_start in tl.range(n_lo, n_hi, BLOCK_N):
-        offs_n, col_ok, k_ND, v_NDV = _key_tile(
-            k_base, v_base, n_start, hi, stride_kt, stride_vt, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, MASKED
-        )
+        if TMA:  # whole tiles through the copy engine: rows past ``hi`` are read, and masked below
+            offs_n = n_start + tl.arange(0, BLOCK_N)
+            k_ND = k_base.load([kv_row + n_start, head * HEAD_DIM])
+            v_NDV = v_base.load([kv_row + n_start, head * HEAD_DIM_V])
+        else:
+            offs_n, col_ok, k_ND, v_NDV = _key_tile(
+                k_base, v_base, n_start, hi, stride_kt, stride_vt, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+                MASKED,
+            )  # fmt: skip
         qk_MN = tl.dot(q_MD, tl.trans(k_ND), input_precision=DOT_PRECISION)
         if MASKED:
             allowed_MN = row_ok[:, None] & _history_mask(
@@ -101,6 +116,7 @@ def _fwd_key_blocks(
 @triton.jit
 def _gdpa_fwd_kernel(
     Q, K, V, OUT, LSE,  # [Tq, H, D], [Tk, H, D], [Tk, H, DV], [Tq, H, DV], [H, Tq] fp32
+    K_DESC, V_DESC,  # with TMA: K and V as tensor descriptors (:func:`_kv_descriptors`); else never read
     Q_OFFSETS, KV_OFFSETS, KV_INDEX, NUM_TARGETS,  # [B + 1], [Bkv + 1], [B], [B]
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lse_h,
     scale, window, block_size,
@@ -108,6 +124,7 @@ def _gdpa_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
     HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
+    TMA: tl.constexpr,
 ):  # fmt: skip
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
     qk_scale = scale * LOG2E  # softmax scores in base 2
@@ -129,8 +146,15 @@ def _gdpa_fwd_kernel(
     pos_m = _position(offs_m, shift, num_history)
     q_base = Q + q_start * stride_qt + head * stride_qh
     q_MD = _load_tile(q_base, offs_m, stride_qt, offs_d, row_ok, HEAD_DIM, BLOCK_D, True)
-    k_base = K + k_start * stride_kt + head * stride_kh
-    v_base = V + k_start * stride_vt + head * stride_vh
+    if TMA:
+        k_base, v_base = K_DESC, V_DESC
+        kv_row = k_start.to(tl.int32)
+        kv_head = head.to(tl.int32)
+    else:
+        k_base = K + k_start * stride_kt + head * stride_kh
+        v_base = V + k_start * stride_vt + head * stride_vh
+        kv_row = 0
+        kv_head = 0
 
     # Own targets first: they seed the running max and sum of softmax rows that are targets.
     acc_MDV = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -139,8 +163,10 @@ def _gdpa_fwd_kernel(
     # A run-time branch: only tiles that hold targets pay for the row-wise tiles (registers) of this term.
     if HAS_TARGETS and (shift == 0) & (m_start + BLOCK_M > num_history):
         own = row_ok & (offs_m >= num_history)
-        k_own_MD = _load_tile(k_base, offs_m, stride_kt, offs_d, own, HEAD_DIM, BLOCK_D, True)
-        v_own_MDV = _load_tile(v_base, offs_m, stride_vt, offs_dv, own, HEAD_DIM_V, BLOCK_DV, True).to(tl.float32)
+        k_own = K + k_start * stride_kt + head * stride_kh
+        v_own = V + k_start * stride_vt + head * stride_vh
+        k_own_MD = _load_tile(k_own, offs_m, stride_kt, offs_d, own, HEAD_DIM, BLOCK_D, True)
+        v_own_MDV = _load_tile(v_own, offs_m, stride_vt, offs_dv, own, HEAD_DIM_V, BLOCK_DV, True).to(tl.float32)
         qk_own_M = tl.sum(q_MD.to(tl.float32) * k_own_MD.to(tl.float32), axis=1)
         if ACTIVATION == "softmax":
             m_M = tl.where(own, qk_own_M * qk_scale, float("-inf"))
@@ -156,10 +182,10 @@ def _gdpa_fwd_kernel(
     for stage in tl.static_range(3):  # masked edge, unmasked inside, masked edge
         n_lo, n_hi = _stage_range(stage, lo, full_lo, full_hi, hi)
         acc_MDV, m_M, l_M = _fwd_key_blocks(
-            acc_MDV, m_M, l_M, q_MD, k_base, v_base, stride_kt, stride_vt, n_lo, n_hi, hi, pos_m, row_ok,
-            qk_scale, scale, num_history, window, block_size,
+            acc_MDV, m_M, l_M, q_MD, k_base, v_base, kv_row, kv_head, stride_kt, stride_vt, n_lo, n_hi, hi, pos_m,
+            row_ok, qk_scale, scale, num_history, window, block_size,
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1,
-            ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
+            ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST, TMA,
         )  # fmt: skip
 
     if ACTIVATION == "softmax":
@@ -185,12 +211,16 @@ def gdpa_forward(
     flash: bool = False,
     tiles: Tiles | None = None,
     need_lse: bool = True,
+    tma: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Launch the forward kernel. Returns ``out [Tq, H, DV]`` (q's dtype) and ``lse [H, Tq]`` (fp32, base 2;
     empty for pointwise activations). The spec's ``max_seq_len_q`` sizes the grid and must bound every ``Lq``;
     ``tiles`` overrides the tuned choice (:mod:`._tuning`). ``flash`` (``impl="auto"``) lets the tuner pick
     FlashAttention-4 instead (:func:`flash_candidate`), which needs ``max_seq_len_kv`` too; ``need_lse=False``
     (nothing differentiates the call) lets FlashAttention-4 skip the log-sum-exp (the returned one is then empty).
+    ``tma`` reads key and value tiles through tensor descriptors where :func:`kv_descriptors_ok` (else it is
+    ignored): a variant ``examples/benchmarks/attention_sweep.py`` times beside each tile shape, not yet a tuner
+    candidate.
     """
     q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size, scale = spec[:9]
     max_seq_len_q = spec.max_seq_len_q
@@ -214,14 +244,17 @@ def gdpa_forward(
         scale, window or 0, block_size or 1,
     )  # fmt: skip
     flags = mode_flags(activation, causal, window, block_size, kv_index, num_targets)
-    fast = fast_math(q)
+    tma = tma and kv_descriptors_ok(q, k, v)
+    # Triton 3.6 miscompiles the one-instruction tanh of the pointwise activations in a loop fed by descriptor loads
+    # at some tile shapes (64 x 64 over 4 warps, 2-3 stages: the launch fails on an H200), so those take the exact form.
+    fast = fast_math(q) and not tma
 
     use_flash = flash and flash_candidate(q, k, v, spec)
 
     def options(tiles: Tiles | str) -> dict[str, object]:
         if tiles == FLASH:
             return {}
-        return {**kernel_options(head_dim, head_dim_v, flags, q.dtype, fast), **tile_meta(tiles)}
+        return {**kernel_options(head_dim, head_dim_v, flags, q.dtype, fast), **tile_meta(tiles), "TMA": tma}
 
     def run(tiles: Tiles | str, meta: dict[str, object]) -> None:
         if tiles == FLASH:
@@ -230,10 +263,11 @@ def gdpa_forward(
             flash_forward(q, k, v, spec)
             return
         grid = (num_segments, heads, max(1, cdiv(max_seq_len_q, tiles.block_m)))
-        launch(_gdpa_fwd_kernel, grid, args, meta)
+        descriptors = _kv_descriptors(k, v, tiles.block_n) if meta["TMA"] else (k, v)
+        launch(_gdpa_fwd_kernel, grid, (*args[:5], *descriptors, *args[5:]), meta)
 
     if tiles is None:
-        key = ("fwd", head_dim, head_dim_v, q.dtype, flags, block_size, length_bucket(max_seq_len_q), heads,
+        key = ("fwd", head_dim, head_dim_v, q.dtype, flags, block_size, tma, length_bucket(max_seq_len_q), heads,
                work_bucket(num_q, heads, k.shape[0], kv_offsets.shape[0] - 1), use_flash)  # fmt: skip
 
         def candidates() -> list[Tiles | str]:
@@ -264,3 +298,32 @@ def flash_candidate(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> bool:
     reason = unsupported(q, v, activation=spec.activation, block_size=spec.block_size, kv_index=spec.kv_index,
                          num_targets=spec.num_targets, self_attention=spec.kv_offsets is spec.q_offsets)  # fmt: skip
     return reason is None and bool(FA4_AVAILABLE)
+
+
+def kv_descriptors_ok(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether the forward may read key and value tiles through tensor descriptors (the copy engine's bulk tensor
+    loads): a plain eager call on an sm_90+ GPU (or in Triton's interpreter, which emulates them), power-of-two head
+    dims (a tile spans a head's whole row) and each head's row of ``k`` and ``v`` one dense run of a ``[T, H * D]``
+    matrix whose rows are 16-byte aligned."""
+    if k.shape[0] == 0 or not plain_eager((q, k, v)):
+        return False
+    for t in (k, v):
+        head_dim = t.shape[2]
+        if head_dim != max(16, next_power_of_2(head_dim)) or t.stride(2) != 1 or t.stride(1) != head_dim:
+            return False
+        if (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return False
+    if not k.is_cuda:
+        return is_interpreted(_gdpa_fwd_kernel)
+    return torch.cuda.get_device_capability(k.device)[0] >= 9
+
+
+def _kv_descriptors(k: Tensor, v: Tensor, block_n: int) -> tuple[object, object]:
+    """Tensor descriptors over ``k [Tk, H, D]`` and ``v [Tk, H, DV]`` seen as ``[Tk, H * D]``, in tiles of one head's
+    ``[block_n, D]``; reads past ``Tk`` give zeros."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return tuple(
+        TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [block_n, t.shape[2]])
+        for t in (k, v)
+    )
