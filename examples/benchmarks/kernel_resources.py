@@ -77,11 +77,12 @@ def main() -> None:
     print(f"sm_90, {args.activation} causal, head dim {args.dim}, bf16")
     if "fwd" in args.parts:
         for tiles in candidate_tiles("fwd", torch.bfloat16, cuda, args.dim):
-            for tma in (False, True):  # key and value tiles through pointers, then through tensor descriptors
-                meta = {**options, **tile_meta(tiles), "TMA": tma}
-                meta["FAST"] = options["FAST"] and not tma  # as the launcher compiles them
+            # Key and value tiles through pointers, through tensor descriptors, then the products on FP8 codes.
+            for variant in ("", "tma", "fp8"):
+                meta = {**options, **tile_meta(tiles), "TMA": variant == "tma", "FP8": variant == "fp8"}
+                meta["FAST"] = options["FAST"] and variant != "tma"  # as the launcher compiles them
                 compiled = compile_kernel(forward._gdpa_fwd_kernel, meta)
-                print(_row(f"fwd {tuple(tiles)}{' tma' if tma else ''}", compiled), flush=True)
+                print(_row(f"fwd {tuple(tiles)} {variant}".rstrip(), compiled), flush=True)
     if "bwd" not in args.parts:
         return
     plans = args.plans

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 __all__ = ["LoopUse", "Resources", "compile_kernel", "resources"]
 
 # Pointer arguments in fp32 (the rest of the upper-case arguments are bf16 tensors), and the offset-like ones.
-_FP32 = ("LSE", "DELTA", "DQ")
+_FP32 = ("LSE", "DELTA", "DQ", "Q_SCALE", "K_SCALE", "V_SCALE", "K_NORM")
 _OFFSETS = ("Q_OFFSETS", "KV_OFFSETS", "KV_INDEX", "NUM_TARGETS", "SEG_OFFSETS", "SEG_ORDER")
 
 
@@ -28,7 +28,8 @@ def compile_kernel(kernel, meta: dict, offsets: str = "*i32"):
     ``meta`` (its constexprs and ``num_warps`` / ``num_stages``, as the launchers pass them): upper-case arguments
     are bf16 tensors but ``LSE``, ``DELTA`` and ``DQ`` (fp32) and the offsets (``offsets``, ``"*i32"`` or
     ``"*i64"``); ``DQ_DESC`` a tensor descriptor of ``[BLOCK_M, HEAD_DIM]`` fp32 tiles when ``DQ_TMA``, ``K_DESC`` /
-    ``V_DESC`` ones of ``[BLOCK_N, HEAD_DIM(_V)]`` bf16 tiles when ``TMA``; lower-case
+    ``V_DESC`` ones of ``[BLOCK_N, HEAD_DIM(_V)]`` bf16 tiles when ``TMA``; ``Q``, ``K``, ``V`` E4M3 and their
+    scales fp32 when ``FP8``; lower-case
     ones ``i32`` but ``scale`` (fp32); pointers and strides divisible by 16. Returns Triton's compiled kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -49,6 +50,8 @@ def compile_kernel(kernel, meta: dict, offsets: str = "*i32"):
             signature[name] = f"tensordesc<bf16[{tile[0]},{tile[1]}]>" if constexprs["TMA"] else "*bf16"
         elif name in _OFFSETS:
             signature[name] = offsets
+        elif name in ("Q", "K", "V") and constexprs.get("FP8"):
+            signature[name] = "*fp8e4nv"
         elif name.isupper():
             signature[name] = "*bf16"
         else:

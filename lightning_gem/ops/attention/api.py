@@ -41,6 +41,7 @@ def gdpa(
     impl: str = "auto",
     check_offsets: bool = True,
     deterministic: bool = False,
+    precision: str | None = None,
 ) -> Tensor:
     r"""Generalized dot-product attention over jagged sequences.
 
@@ -116,6 +117,12 @@ def gdpa(
             Pass False only for offsets already validated upstream. Skipped under ``torch.compile``.
         deterministic: bitwise reproducible gradients. The Triton backward then computes dQ in a kernel of
             its own instead of adding it up with fp32 atomics (slower). The reference is deterministic anyway.
+        precision: None (products in the inputs' dtype) or ``"fp8"``: the forward's two products on FP8 E4M3 codes
+            with fp32 accumulation (:mod:`lightning_gem.ops.attention.fp8` says how q, k, v and the probabilities are
+            scaled, and why none can overflow); the output keeps q's dtype, and the gradients are the unquantized
+            function's, computed in the inputs' dtype. ``impl="triton"`` (CUDA sm_89+, or the interpreter) and
+            ``"reference"`` (an exact emulation of the codes, any device) take it, and ``"auto"`` where it resolves
+            to one of them; ``"flash"``, ``"padded"`` and ``score_bias`` do not.
 
     Returns:
         ``[Tq, H, Dv]`` attention output.
@@ -179,8 +186,12 @@ def gdpa(
         resolved = resolve_impl(impl, q)
     else:
         resolved = _resolve_biased(impl, score_bias, q, self_attention, kv_index, num_targets, num_segments)
+    if precision is not None:
+        if score_bias is not None:
+            raise ValueError("`precision='fp8'` cannot take `score_bias` (only the dense impl='padded' does)")
+        _check_precision(precision, resolved, q)
     spec = Spec(q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size, float(scale),
-                max_seq_len_q, max_seq_len_kv, deterministic)  # fmt: skip
+                max_seq_len_q, max_seq_len_kv, deterministic, precision)  # fmt: skip
     if resolved == "triton":  # the hot path first
         from lightning_gem.ops.attention.impl.triton import gdpa_triton
 
@@ -193,6 +204,10 @@ def gdpa(
         from lightning_gem.ops.attention.impl.flash import gdpa_flash
 
         out = gdpa_flash(q, k, v, spec, self_attention=self_attention)
+    elif precision == "fp8":
+        from lightning_gem.ops.attention.fp8 import gdpa_fp8
+
+        out = gdpa_fp8(q, k, v, spec)
     else:
         # Imported on first use: registering FLOP formulas imports torch.utils.flop_counter, which imports
         # Triton. FLOP counting that starts before the first call imports this module itself (lightning_gem.flops).
@@ -242,6 +257,23 @@ def _resolve_biased(
             f"{tuple(score_bias.shape)}"
         )
     return "padded"
+
+
+PRECISIONS = (None, "fp8")
+
+
+def _check_precision(precision: str, resolved: str, q: Tensor) -> None:
+    """``precision="fp8"`` where the resolved implementation computes it: the reference anywhere, the Triton kernels
+    on GPUs with FP8 tensor cores (sm_89+) or in the interpreter."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"`precision` must be one of {PRECISIONS}, got {precision!r}")
+    if resolved not in ("triton", "reference"):
+        raise ValueError(f"`precision='fp8'` needs impl='triton', 'reference' or 'auto', got impl={resolved!r}")
+    if resolved == "triton" and q.is_cuda and _capability(q.device) < (8, 9):
+        major, minor = _capability(q.device)
+        raise ValueError(
+            f"`precision='fp8'` needs FP8 tensor cores (compute capability 8.9+), got {major}.{minor} on {q.device}"
+        )
 
 
 def _check_normalization_length(normalization_length: int, activation: str) -> None:

@@ -26,7 +26,8 @@ class Spec(NamedTuple):
     own), ``num_targets [B]`` counts the targets ending each segment (None: none). ``activation``, ``causal``,
     ``window`` and ``block_size`` decide what is computed over which pairs (:mod:`.masks`), ``scale`` multiplies
     the scores. ``max_seq_len_q`` / ``max_seq_len_kv`` bound the segment lengths (None: unknown; the kernels need
-    them and their launchers fill them in), ``deterministic`` asks for bitwise reproducible gradients.
+    them and their launchers fill them in), ``deterministic`` asks for bitwise reproducible gradients, ``precision``
+    ``"fp8"`` for the forward's products on FP8 codes (:mod:`.fp8`; None: in the inputs' dtype).
     """
 
     q_offsets: Tensor
@@ -41,15 +42,17 @@ class Spec(NamedTuple):
     max_seq_len_q: int | None = None
     max_seq_len_kv: int | None = None
     deterministic: bool = False
+    precision: str | None = None
 
 
 # Spec's fields as a custom op's schema arguments: the offsets, index and targets and the mode (the first nine,
-# what the reference op takes after q, k, v), then the length hints and ``deterministic`` (the kernels' ops).
+# what the reference op takes after q, k, v), then the length hints, ``deterministic`` and ``precision`` (the kernels'
+# ops).
 MODE_SCHEMA = (
     "Tensor q_offsets, Tensor kv_offsets, Tensor? kv_index, Tensor? num_targets, str activation, bool causal, "
     "SymInt? window, SymInt? block_size, float scale"
 )
-HINTS_SCHEMA = "SymInt max_seq_len_q, SymInt max_seq_len_kv, bool deterministic"
+HINTS_SCHEMA = "SymInt max_seq_len_q, SymInt max_seq_len_kv, bool deterministic, str? precision"
 
 
 def op_signature(before: dict[str, object], after: dict[str, bool], returns: object) -> inspect.Signature:

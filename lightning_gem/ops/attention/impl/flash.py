@@ -212,7 +212,7 @@ def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     dq, dk, dv = _gdpa_flash_backward_op(grad_out, q, k, v, out, lse, *jagged, *ctx.options)
-    return dq, dk, dv, *(None,) * 12
+    return dq, dk, dv, *(None,) * len(Spec._fields)
 
 
 _gdpa_flash_op.register_autograd(_backward, setup_context=_setup_context)

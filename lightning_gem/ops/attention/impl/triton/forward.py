@@ -29,6 +29,8 @@ import triton.language as tl
 from torch import Tensor
 
 from lightning_gem.ops._launch import plain_eager
+from lightning_gem.ops.attention.fp8 import BOUND_SLACK as _BOUND_SLACK
+from lightning_gem.ops.attention.fp8 import P_SCALE, quantize_fp8
 from lightning_gem.ops.attention.impl.triton._common import (
     LOG2E,
     _activation,
@@ -62,21 +64,63 @@ from lightning_gem.ops.attention.spec import Spec
 __all__ = ["gdpa_forward"]
 
 
+P_CODE = tl.constexpr(P_SCALE)
+BOUND_SLACK = tl.constexpr(_BOUND_SLACK)
+# Triton 3.6's interpreter rounds fp32 to E4M3 wrongly where the rounding carries into the exponent (7.77 becomes
+# 4, not 8); under it P is put on the E4M3 grid first, so its conversion is exact. Compiled kernels convert in one
+# instruction (cvt.rn.satfinite), which rounds right.
+E4M3_GRID_FIRST = tl.constexpr(bool(triton.knobs.runtime.interpret))
+
+
+@triton.jit
+def _e4m3_grid(x):
+    """``x`` (fp32, below 448 in magnitude) rounded to the nearest E4M3 value (ties to even), in fp32."""
+    exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    step = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits; subnormals
+    magic = 12582912.0  # 1.5 * 2^23: adding it rounds |t| < 2^22 to an integer, ties to even
+    return ((x / step + magic) - magic) * step
+
+
+@triton.jit
+def _pow2_ceil(x):
+    """The smallest power of two at or above ``x`` (fp32, positive and normal), from its bits: exact."""
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) & 0xFF
+    exponent = tl.where((bits & 0x7FFFFF) != 0, exponent + 1, exponent)
+    return (exponent << 23).to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def _fwd_key_blocks(
     acc_MDV, m_M, l_M, q_MD, k_base, v_base, kv_row, head, stride_kt, stride_vt, n_lo, n_hi, hi, pos_m, row_ok,
-    qk_scale, scale, num_history, window, block_size,
+    qk_scale, scale, num_history, window, block_size, sq_M, ks_base, stride_vd, p_code_M,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """Key blocks ``[n_lo, n_hi)`` of one query tile; ``MASKED`` applies ``allowed`` (else all are allowed).
 
     ``k_base`` / ``v_base`` point at the segment's first key row of the head, or with ``TMA`` are the tensor
-    descriptors of :func:`_kv_descriptors`, read at rows ``kv_row + n`` and the head's columns."""
+    descriptors of :func:`_kv_descriptors`, read at rows ``kv_row + n`` and the head's columns. With ``FP8`` (the
+    recipe of :mod:`lightning_gem.ops.attention.fp8`) ``q``, ``k`` and ``v`` are E4M3 codes: ``sq_M`` the query rows'
+    scales, ``ks_base`` the keys' (contiguous), ``v_base`` the head's ``[Dv, Tk]`` transposed codes (channels
+    ``stride_vd`` apart) and ``P`` is stored as ``p * p_code_M`` (256 for softmax, ``256 / b_i`` pointwise)."""
     for n_start in tl.range(n_lo, n_hi, BLOCK_N):
-        if TMA:  # whole tiles through the copy engine: rows past ``hi`` are read, and masked below
+        if FP8:
+            offs_n = n_start + tl.arange(0, BLOCK_N)
+            col_ok = offs_n < hi
+            offs_dv = tl.arange(0, BLOCK_DV)
+            k_ND = _load_tile(k_base, offs_n, stride_kt, tl.arange(0, BLOCK_D), col_ok, HEAD_DIM, BLOCK_D, MASKED)
+            vt_ptrs = v_base + offs_dv[:, None] * stride_vd + offs_n[None, :]
+            if MASKED:
+                sk_N = tl.load(ks_base + offs_n, mask=col_ok, other=0.0)
+                vt_DVN = tl.load(vt_ptrs, mask=col_ok[None, :] & (offs_dv[:, None] < HEAD_DIM_V), other=0.0)
+            else:
+                sk_N = tl.load(ks_base + offs_n)
+                vt_DVN = tl.load(vt_ptrs, mask=offs_dv[:, None] < HEAD_DIM_V, other=0.0)
+            v_NDV = tl.trans(vt_DVN)
+        elif TMA:  # whole tiles through the copy engine: rows past ``hi`` are read, and masked below
             offs_n = n_start + tl.arange(0, BLOCK_N)
             k_ND = k_base.load([kv_row + n_start, head * HEAD_DIM])
             v_NDV = v_base.load([kv_row + n_start, head * HEAD_DIM_V])
@@ -86,6 +130,8 @@ def _fwd_key_blocks(
                 MASKED,
             )  # fmt: skip
         qk_MN = tl.dot(q_MD, tl.trans(k_ND), input_precision=DOT_PRECISION)
+        if FP8:  # the codes' product times both rows' scales (powers of two: exact)
+            qk_MN = qk_MN * (sq_M[:, None] * sk_N[None, :])
         if MASKED:
             allowed_MN = row_ok[:, None] & _history_mask(
                 pos_m[:, None], offs_n[None, :], num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
@@ -109,6 +155,10 @@ def _fwd_key_blocks(
             p_MN = _activation(qk_MN * scale, ACTIVATION, FAST)
             if MASKED:
                 p_MN = tl.where(allowed_MN, p_MN, 0.0)
+        if FP8:
+            p_MN = p_MN * p_code_M[:, None]
+            if E4M3_GRID_FIRST:
+                p_MN = _e4m3_grid(p_MN)
         acc_MDV = tl.dot(p_MN.to(v_NDV.dtype), v_NDV, acc_MDV, input_precision=DOT_PRECISION)
     return acc_MDV, m_M, l_M
 
@@ -117,15 +167,19 @@ def _fwd_key_blocks(
 def _gdpa_fwd_kernel(
     Q, K, V, OUT, LSE,  # [Tq, H, D], [Tk, H, D], [Tk, H, DV], [Tq, H, DV], [H, Tq] fp32
     K_DESC, V_DESC,  # with TMA: K and V as tensor descriptors (:func:`_kv_descriptors`); else never read
+    Q_SCALE, K_SCALE, V_SCALE, K_NORM,  # with FP8: [H, Tq], [H, Tk], [Bkv, H, DV], [Bkv, H] fp32; else never read
     Q_OFFSETS, KV_OFFSETS, KV_INDEX, NUM_TARGETS,  # [B + 1], [Bkv + 1], [B], [B]
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lse_h,
-    scale, window, block_size,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_lse_h,
+    stride_qs_h, stride_ks_h, scale, window, block_size,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
     HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
+    """One query tile of one segment and head. With ``FP8`` (:mod:`lightning_gem.ops.attention.fp8`) Q and K hold
+    E4M3 codes, V the transposed codes ``[H, DV, Tk]`` (``stride_vt`` 1, channels ``stride_vd`` apart) and the scales
+    are read from ``*_SCALE`` and ``K_NORM``; the output is in OUT's dtype either way."""
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
     qk_scale = scale * LOG2E  # softmax scores in base 2
     seg = tl.program_id(0)
@@ -156,6 +210,23 @@ def _gdpa_fwd_kernel(
         kv_row = 0
         kv_head = 0
 
+    heads = tl.num_programs(1)
+    sq_M = tl.zeros([BLOCK_M], dtype=tl.float32)  # FP8: the query rows' scales, and P's code multiplier per row
+    p_code_M = tl.zeros([BLOCK_M], dtype=tl.float32)
+    ks_base = K_SCALE
+    if FP8:
+        kv_seg = seg
+        if HAS_KV_INDEX:
+            kv_seg = tl.load(KV_INDEX + seg)
+        sq_M = tl.load(Q_SCALE + head * stride_qs_h + q_start + offs_m, mask=row_ok, other=0.0)
+        ks_base = K_SCALE + head * stride_ks_h + k_start
+        if ACTIVATION == "softmax":
+            p_code_M = tl.full([BLOCK_M], P_CODE, dtype=tl.float32)
+        else:  # |act(s)| <= max(|s|, 1) <= the row's bound b_i: codes of 256 act(s) / b_i never overflow
+            q_norm_M = tl.sqrt(tl.sum(q_MD.to(tl.float32) * q_MD.to(tl.float32), axis=1)) * sq_M
+            k_norm = tl.load(K_NORM + kv_seg * heads + head)
+            p_code_M = P_CODE / _pow2_ceil(tl.maximum(q_norm_M * k_norm * tl.abs(scale) * BOUND_SLACK, 1.0))
+
     # Own targets first: they seed the running max and sum of softmax rows that are targets.
     acc_MDV = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     m_M = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -166,8 +237,15 @@ def _gdpa_fwd_kernel(
         k_own = K + k_start * stride_kt + head * stride_kh
         v_own = V + k_start * stride_vt + head * stride_vh
         k_own_MD = _load_tile(k_own, offs_m, stride_kt, offs_d, own, HEAD_DIM, BLOCK_D, True)
-        v_own_MDV = _load_tile(v_own, offs_m, stride_vt, offs_dv, own, HEAD_DIM_V, BLOCK_DV, True).to(tl.float32)
+        if FP8:  # the transposed codes, read row by row
+            own_ptrs = v_own + offs_m[:, None] * stride_vt + offs_dv[None, :] * stride_vd
+            v_own_MDV = tl.load(own_ptrs, mask=own[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+            v_own_MDV = v_own_MDV.to(tl.float32)
+        else:
+            v_own_MDV = _load_tile(v_own, offs_m, stride_vt, offs_dv, own, HEAD_DIM_V, BLOCK_DV, True).to(tl.float32)
         qk_own_M = tl.sum(q_MD.to(tl.float32) * k_own_MD.to(tl.float32), axis=1)
+        if FP8:
+            qk_own_M = qk_own_M * sq_M * tl.load(ks_base + offs_m, mask=own, other=0.0)
         if ACTIVATION == "softmax":
             m_M = tl.where(own, qk_own_M * qk_scale, float("-inf"))
             l_M = tl.where(own, 1.0, 0.0)
@@ -175,6 +253,8 @@ def _gdpa_fwd_kernel(
         else:
             p_own_M = tl.where(own, _activation(qk_own_M * scale, ACTIVATION, FAST), 0.0)
             acc_MDV = p_own_M[:, None] * v_own_MDV
+        if FP8:  # in the units of the codes' products
+            acc_MDV = acc_MDV * p_code_M[:, None]
 
     lo, full_lo, full_hi, hi = _query_tile_keys(
         m_start, len_q, shift, num_history, window, block_size, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_BLOCK
@@ -183,11 +263,15 @@ def _gdpa_fwd_kernel(
         n_lo, n_hi = _stage_range(stage, lo, full_lo, full_hi, hi)
         acc_MDV, m_M, l_M = _fwd_key_blocks(
             acc_MDV, m_M, l_M, q_MD, k_base, v_base, kv_row, kv_head, stride_kt, stride_vt, n_lo, n_hi, hi, pos_m,
-            row_ok, qk_scale, scale, num_history, window, block_size,
+            row_ok, qk_scale, scale, num_history, window, block_size, sq_M, ks_base, stride_vd, p_code_M,
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1,
-            ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST, TMA,
+            ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST, TMA, FP8,
         )  # fmt: skip
 
+    if FP8:  # back from the codes' units: P's multiplier per row, V's scale per channel
+        v_scale_DV = tl.load(V_SCALE + (kv_seg * heads + head) * HEAD_DIM_V + offs_dv, mask=offs_dv < HEAD_DIM_V,
+                             other=0.0)  # fmt: skip
+        acc_MDV = acc_MDV * (v_scale_DV[None, :] / p_code_M[:, None])
     if ACTIVATION == "softmax":
         has_key = l_M > 0.0
         out_MDV = acc_MDV / tl.where(has_key, l_M, 1.0)[:, None]
@@ -220,7 +304,8 @@ def gdpa_forward(
     (nothing differentiates the call) lets FlashAttention-4 skip the log-sum-exp (the returned one is then empty).
     ``tma`` reads key and value tiles through tensor descriptors where :func:`kv_descriptors_ok` (else it is
     ignored): a variant ``examples/benchmarks/attention_sweep.py`` times beside each tile shape, not yet a tuner
-    candidate.
+    candidate. ``spec.precision == "fp8"`` quantizes q, k and v (:func:`lightning_gem.ops.attention.fp8.quantize_fp8`)
+    and runs the kernel's products on the codes; the output is in q's dtype either way.
     """
     q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size, scale = spec[:9]
     max_seq_len_q = spec.max_seq_len_q
@@ -233,28 +318,39 @@ def gdpa_forward(
     lse = torch.empty(heads if softmax else 0, num_q, dtype=torch.float32, device=q.device)
     if num_segments == 0 or num_q == 0 or heads == 0:
         return out, lse
+    fp8 = spec.precision == "fp8"
+    if fp8:  # the kernel reads the codes; v's transposed: keys contiguous (stride 1), channels a padded row apart
+        codes = quantize_fp8(q, k, v, kv_offsets)
+        operands = (codes.q, codes.k, codes.v_t)
+        # Head-major row scales: a tile's keys' scales are one contiguous run.
+        scales = (codes.q_scale.t().contiguous(), codes.k_scale.t().contiguous(), codes.v_scale, codes.k_norm)
+        q_strides, k_strides = codes.q.stride(), codes.k.stride()
+        v_strides = (1, codes.v_t.stride(0), codes.v_t.stride(1))
+    else:
+        operands, scales, v_strides = (q, k, v), (q,) * 4, (*v_strides[:2], 1)  # placeholders are never read
     out_strides = out.stride()
     args = (
-        q, k, v, out, lse,
+        *operands, out, lse, *scales,
         q_offsets, kv_offsets,
         q_offsets if kv_index is None else kv_index,  # placeholders are never read (HAS_* is False)
         q_offsets if num_targets is None else num_targets,
-        q_strides[0], q_strides[1], k_strides[0], k_strides[1], v_strides[0], v_strides[1], out_strides[0],
-        out_strides[1], lse.stride(0) if softmax else 0,
+        q_strides[0], q_strides[1], k_strides[0], k_strides[1], *v_strides, out_strides[0],
+        out_strides[1], lse.stride(0) if softmax else 0, scales[0].stride(0), scales[1].stride(0),
         scale, window or 0, block_size or 1,
     )  # fmt: skip
     flags = mode_flags(activation, causal, window, block_size, kv_index, num_targets)
-    tma = tma and kv_descriptors_ok(q, k, v)
+    tma = tma and not fp8 and kv_descriptors_ok(q, k, v)
     # Triton 3.6 miscompiles the one-instruction tanh of the pointwise activations in a loop fed by descriptor loads
     # at some tile shapes (64 x 64 over 4 warps, 2-3 stages: the launch fails on an H200), so those take the exact form.
     fast = fast_math(q) and not tma
 
-    use_flash = flash and flash_candidate(q, k, v, spec)
+    use_flash = flash and not fp8 and flash_candidate(q, k, v, spec)
+    dtype = operands[0].dtype  # of the kernel's products: the inputs', or E4M3
 
     def options(tiles: Tiles | str) -> dict[str, object]:
         if tiles == FLASH:
             return {}
-        return {**kernel_options(head_dim, head_dim_v, flags, q.dtype, fast), **tile_meta(tiles), "TMA": tma}
+        return {**kernel_options(head_dim, head_dim_v, flags, dtype, fast), **tile_meta(tiles), "TMA": tma, "FP8": fp8}
 
     def run(tiles: Tiles | str, meta: dict[str, object]) -> None:
         if tiles == FLASH:
@@ -267,7 +363,7 @@ def gdpa_forward(
         launch(_gdpa_fwd_kernel, grid, (*args[:5], *descriptors, *args[5:]), meta)
 
     if tiles is None:
-        key = ("fwd", head_dim, head_dim_v, q.dtype, flags, block_size, tma, length_bucket(max_seq_len_q), heads,
+        key = ("fwd", head_dim, head_dim_v, dtype, flags, block_size, tma, length_bucket(max_seq_len_q), heads,
                work_bucket(num_q, heads, k.shape[0], kv_offsets.shape[0] - 1), use_flash)  # fmt: skip
 
         def candidates() -> list[Tiles | str]:

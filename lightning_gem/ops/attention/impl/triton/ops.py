@@ -97,7 +97,7 @@ def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
     saved = ctx.saved_tensors
     grad_out = _grad_or_zeros(grad_out, saved[0], saved[2])
     dq, dk, dv = _gdpa_triton_backward_op(grad_out, *saved, *ctx.options, ctx.flash)
-    return dq, dk, dv, *(None,) * 13
+    return dq, dk, dv, *(None,) * (len(Spec._fields) + 1)  # the spec's fields and ``flash``
 
 
 _gdpa_triton_op.register_autograd(_backward, setup_context=_setup_context)
@@ -167,7 +167,7 @@ def gdpa_triton(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, flash: bool = Fa
             "TRITON_INTERPRET=1, set before Triton is imported)"
         )
     spec = with_length_hints(spec, q, k)
-    flash = flash and not spec.deterministic
+    flash = flash and not spec.deterministic and spec.precision is None
     if not plain_eager((q, k, v, *spec[:4])):
         return _gdpa_triton_op(q, k, v, *spec, flash)[0]
     if records_graph(q, k, v):

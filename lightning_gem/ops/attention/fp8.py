@@ -1,0 +1,175 @@
+"""FP8 attention: how GDPA's FP8 path quantizes its operands, and the reference that computes with those codes.
+
+Every code is FP8 E4M3 (largest value 448) with an fp32 scale that is a power of two, so scaling is exact and every
+implementation (PyTorch here, the Triton kernels) turns the same input into the same codes:
+
+- ``q`` and ``k``: one scale per (token, head), the row's absolute maximum over 448 rounded up to a power of two.
+  A kernel pays one multiply per score for it (``s_ij = scale * sq_i * sk_j * <q8_i, k8_j>``), and each token keeps
+  its own range: one large token does not push the others into the subnormals.
+- ``v``: one scale per (kv segment, head, channel). ``P V`` sums over keys, so a scale may vary over the channels
+  only (it then scales the output's columns); per segment, so a sample's codes do not depend on the rest of its
+  batch. Stored transposed, ``[H, Dv, Tk]`` with keys contiguous (padded to 16 keys): sm_90's FP8 tensor cores read
+  the second operand of a product K-major, and the keys are that product's K.
+- ``P``: softmax probabilities (``exp(s - running max)``) are at most 1 and are stored as ``256 p``. A pointwise
+  activation's ``|act(s)|`` is at most ``max(|s|, 1)`` (SiLU, GELU, ReLU, sigmoid), and ``|s_ij| <= scale |q_i|
+  max_j |k_j|`` (Cauchy-Schwarz, with the dequantized rows), so row ``i`` is stored as ``256 act(s) / b_i`` with
+  ``b_i`` that bound (and at least 1) rounded up to a power of two: no code can overflow, whatever the inputs.
+- Products accumulate in fp32; softmax's running max and sum are taken over the fp32 scores and probabilities.
+
+:func:`gdpa_fp8_reference` computes exactly these codes' products in fp32 (the oracle of the kernels' FP8 path).
+The kernels quantize ``P`` tile by tile against the running maximum, this reference against the row's final one, so
+the two round different ``p`` and agree to FP8's rounding of ``P`` (about ``2^-4`` of each weight), not bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from lightning_gem.ops.attention.spec import Spec
+
+__all__ = [
+    "E4M3_MAX",
+    "P_SCALE",
+    "FP8Operands",
+    "gdpa_fp8",
+    "gdpa_fp8_reference",
+    "pointwise_bound",
+    "pow2_scale",
+    "quantize_fp8",
+]
+
+E4M3_MAX = 448.0
+P_SCALE = 256.0  # P's codes: 256 p for softmax (p <= 1), 256 act(s) / b_i for pointwise rows
+E4M3 = torch.float8_e4m3fn
+# Slack on the pointwise bound for the fp32 rounding of the norms it is made of (a few ulp; this is 2^-10).
+BOUND_SLACK = 1.0 + 2.0**-10
+
+
+class FP8Operands(NamedTuple):
+    """Quantized ``q``, ``k``, ``v`` of one GDPA call (see the module docstring)."""
+
+    q: Tensor  # [Tq, H, D] e4m3
+    q_scale: Tensor  # [Tq, H] fp32
+    k: Tensor  # [Tk, H, D] e4m3
+    k_scale: Tensor  # [Tk, H] fp32
+    v_t: Tensor  # [H, Dv, Tk rounded up to 16] e4m3, keys contiguous
+    v_scale: Tensor  # [Bkv, H, Dv] fp32
+    k_norm: Tensor  # [Bkv, H] fp32: the largest |k_j| (dequantized) of each kv segment and head
+
+
+def pow2_scale(amax: Tensor, limit: float = E4M3_MAX) -> Tensor:
+    """The smallest power of two ``s`` with ``amax / s <= limit`` (1 where ``amax`` is 0 or not finite), fp32."""
+    amax = amax.float()
+    ratio = amax / limit
+    mantissa, exponent = torch.frexp(ratio)  # ratio = mantissa * 2^exponent, mantissa in [0.5, 1)
+    exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)
+    scale = torch.ldexp(torch.ones_like(ratio), exponent)
+    return torch.where((amax > 0) & torch.isfinite(amax), scale, torch.ones_like(scale))
+
+
+def _segment_ids(offsets: Tensor, num_tokens: int) -> Tensor:
+    """``[T]`` index of each token's segment; tokens past the last segment get the segment count. No sync."""
+    tokens = torch.arange(num_tokens, device=offsets.device)
+    return torch.searchsorted(offsets[1:].to(torch.int64), tokens, right=True)
+
+
+def quantize_fp8(q: Tensor, k: Tensor, v: Tensor, kv_offsets: Tensor) -> FP8Operands:
+    """``q``, ``k``, ``v`` in the FP8 recipe of this module."""
+    with torch.no_grad():
+        q_scale = pow2_scale(q.abs().amax(dim=2))
+        k_scale = pow2_scale(k.abs().amax(dim=2))
+        q8 = (q.float() / q_scale[:, :, None]).to(E4M3)
+        k8 = (k.float() / k_scale[:, :, None]).to(E4M3)
+        num_kv, heads, dim_v = v.shape
+        num_segments = kv_offsets.shape[0] - 1
+        # Tokens past the last segment (no query reads them) go to a segment of their own, dropped after.
+        seg = _segment_ids(kv_offsets, num_kv)
+        index = seg[:, None, None].expand(num_kv, heads, dim_v)
+        v_amax = v.new_zeros(num_segments + 1, heads, dim_v, dtype=torch.float32)
+        v_amax.scatter_reduce_(0, index, v.abs().float(), "amax")
+        v_scale = pow2_scale(v_amax)
+        v8 = (v.float() / v_scale[seg]).to(E4M3)
+        padded = -(-num_kv // 16) * 16
+        v_t = torch.zeros(heads, dim_v, padded, dtype=E4M3, device=v.device)
+        v_t[:, :, :num_kv] = v8.permute(1, 2, 0)
+        norms = torch.linalg.vector_norm(k8.float(), dim=2) * k_scale
+        k_norm = norms.new_zeros(num_segments + 1, heads)
+        k_norm.scatter_reduce_(0, seg[:, None].expand(num_kv, heads), norms, "amax")
+        v_scale, k_norm = v_scale[:num_segments].contiguous(), k_norm[:num_segments].contiguous()
+    return FP8Operands(q8, q_scale, k8, k_scale, v_t, v_scale, k_norm)
+
+
+def pointwise_bound(q_norm: Tensor, k_norm: Tensor, scale: float) -> Tensor:
+    """``b_i`` of a pointwise row: ``scale |q_i| max_j |k_j|`` (with slack for rounding), at least 1, rounded up to a
+    power of two; ``256 act(s_ij) / b_i`` then lies in ``[-256, 256]``."""
+    return pow2_scale(torch.clamp_min(q_norm * k_norm * abs(scale) * BOUND_SLACK, 1.0), limit=1.0)
+
+
+class _FP8Reference(torch.autograd.Function):
+    """:func:`gdpa_fp8_reference` forward; the backward of the unquantized function (the reference's, in fp32), as
+    the kernels' FP8 path computes its gradients in the inputs' dtype."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
+        ctx.save_for_backward(q, k, v)
+        ctx.spec = spec
+        return gdpa_fp8_reference(q, k, v, spec)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        from lightning_gem.ops.attention.impl.reference import gdpa_reference_backward
+
+        q, k, v = ctx.saved_tensors
+        return (*gdpa_reference_backward(grad_out, q, k, v, ctx.spec), None)
+
+
+def gdpa_fp8(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
+    """``impl="reference"`` with ``precision="fp8"``: :func:`gdpa_fp8_reference`, differentiable (the gradients of
+    the unquantized function, as the Triton path computes them)."""
+    return _FP8Reference.apply(q, k, v, spec)
+
+
+def gdpa_fp8_reference(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
+    """GDPA on the FP8 codes of ``q``, ``k``, ``v`` (:func:`quantize_fp8`), with ``P`` quantized as the recipe says,
+    every product exact and summed in fp32. Returns ``[Tq, H, Dv]`` in q's dtype. Not differentiable."""
+    from lightning_gem.ops.attention.impl.reference import _buckets, _gather, _head_major, _probabilities
+
+    ops = quantize_fp8(q, k, v, spec.kv_offsets)
+    num_q, num_k = q.shape[0], k.shape[0]
+    seg = _segment_ids(spec.kv_offsets, num_k)
+    q_deq = ops.q.float() * ops.q_scale[:, :, None]
+    k_deq = ops.k.float() * ops.k_scale[:, :, None]
+    v_deq = ops.v_t[:, :, :num_k].permute(2, 0, 1).float() * ops.v_scale[seg.clamp_max(ops.v_scale.shape[0] - 1)]
+    q_norm = torch.linalg.vector_norm(ops.q.float(), dim=2) * ops.q_scale  # [Tq, H]
+    kv_seg = torch.arange(spec.q_offsets.shape[0] - 1, device=q.device) if spec.kv_index is None else spec.kv_index
+    q_kv_seg = kv_seg.to(torch.int64)[_segment_ids(spec.q_offsets, num_q).clamp_max(kv_seg.numel() - 1)]
+    bound = pointwise_bound(q_norm, ops.k_norm[q_kv_seg], spec.scale)  # [Tq, H]
+
+    out = q.new_zeros(num_q, q.shape[1], v.shape[2], dtype=torch.float32)
+    q_h, k_h, v_h, bound_h = _head_major(q_deq), _head_major(k_deq), _head_major(v_deq), bound.t().contiguous()
+    rows, values = [], []
+    for b in _buckets(num_q, num_k, spec):
+        qb = _gather(q_h, b.q_idx, torch.float32)
+        kb, vb = _gather(k_h, b.k_idx, torch.float32), _gather(v_h, b.k_idx, torch.float32)
+        scores = torch.matmul(qb, kb.transpose(-1, -2)) * spec.scale  # [H, N, Lq, Lk]
+        if spec.activation == "softmax":
+            masked = scores.masked_fill(~b.mask, float("-inf"))
+            row_max = masked.amax(dim=-1, keepdim=True)
+            row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+            weights = torch.exp(masked - row_max)
+            denom = weights.sum(dim=-1, keepdim=True)
+            codes = (weights * P_SCALE).to(E4M3).float() / P_SCALE
+            ob = torch.matmul(codes, vb) / torch.where(denom > 0, denom, torch.ones_like(denom))
+        else:
+            row_bound = bound_h.index_select(1, b.q_idx.reshape(-1)).view(bound_h.shape[0], *b.q_idx.shape, 1)
+            act = _probabilities(scores, b.mask, spec.activation)
+            codes = (act * (P_SCALE / row_bound)).to(E4M3).float()
+            ob = torch.matmul(codes, vb) * (row_bound / P_SCALE) / b.len_k
+        rows.append(b.q_idx[b.q_valid])
+        values.append(ob.permute(1, 2, 0, 3)[b.q_valid])
+    if rows:
+        out = out.index_put((torch.cat(rows),), torch.cat(values))
+    return out.to(q.dtype)

@@ -1,0 +1,188 @@
+"""GDPA's FP8 path: the quantization recipe, its reference emulation, the Triton forward on the codes, and the API.
+
+The emulation (:func:`gdpa_fp8_reference`) is judged against the float64 reference of the unquantized function
+within a budget derived from E4M3's rounding: each of the four factors of a term (q, k, v and P) is rounded to 3
+mantissa bits, a relative error uniform within 2^-4 (rms 2^-4 / sqrt(3)), so independent errors of four factors give
+a relative rms error of about 2 * 2^-4 / sqrt(3) = 0.072; the tests allow twice that in the relative Frobenius norm.
+The kernel is judged by FlashAttention's rule against that emulation: its error from the float64 reference at most
+twice the emulation's (it rounds P against the running maximum instead of the final one), plus a few ulp.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_gem.ops import gdpa
+from lightning_gem.ops.attention.fp8 import (
+    E4M3_MAX,
+    P_SCALE,
+    gdpa_fp8_reference,
+    pointwise_bound,
+    pow2_scale,
+    quantize_fp8,
+)
+from lightning_gem.ops.attention.impl.reference import gdpa_reference, gdpa_reference_backward
+from lightning_gem.ops.attention.spec import Spec
+from lightning_gem.testing.jagged_inputs import make_gdpa_inputs
+
+FP8_BUDGET = 2 * 2 * 2.0**-4 / math.sqrt(3)  # twice the rms relative error of four E4M3-rounded factors
+LAYOUTS = ("self", "self_targets", "cross", "shared_kv")
+ACTIVATIONS = ("softmax", "silu", "gelu", "sigmoid", "relu")
+
+
+def _inputs(layout: str, seed: int, dtype: torch.dtype, dim: int = 16, **kwargs):
+    generator = torch.Generator().manual_seed(seed)
+    kwargs = {"q_lengths": [37, 0, 1, 16, 70], "max_len": 80, "heads": 2, "dim": dim, "dim_v": dim, **kwargs}
+    inputs = make_gdpa_inputs(layout, generator, dtype=dtype, **kwargs)
+    kv_offsets = inputs.q_offsets if inputs.kv_offsets is None else inputs.kv_offsets
+    return inputs, (inputs.q_offsets, kv_offsets, inputs.kv_index, inputs.num_targets)
+
+
+def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def test_pow2_scale() -> None:
+    amax = torch.tensor([0.0, 448.0, 449.0, 1.0, 224.0001, 3e38, 1e-30, float("inf"), float("nan")])
+    scale = pow2_scale(amax)
+    mantissa, _ = torch.frexp(scale)
+    assert torch.all(mantissa == 0.5)  # powers of two: scaling by them is exact
+    finite = torch.isfinite(amax) & (amax > 0)
+    ratio = amax[finite] / scale[finite]
+    assert torch.all(ratio <= E4M3_MAX) and torch.all(ratio > E4M3_MAX / 2)  # the smallest such power
+    assert torch.all(scale[~finite] == 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_rounds_to_nearest_codes(dtype: torch.dtype) -> None:
+    inputs, jagged = _inputs("shared_kv", 1, dtype, dim=32)
+    q = inputs.q.clone()
+    q[3] = 0.0  # a zero row: scale 1, codes 0
+    q[5, 0, 0] = 1e30 if dtype == torch.float32 else 3e38  # one huge value: its row's scale follows it, no overflow
+    codes = quantize_fp8(q, inputs.k, inputs.v, jagged[1])
+    for x, x8, scale in ((q, codes.q, codes.q_scale), (inputs.k, codes.k, codes.k_scale)):
+        deq = x8.float() * scale[:, :, None]
+        assert torch.isfinite(deq).all()
+        # Round to nearest: within half a step of 2^-3 relative (normals), or of the subnormal step 2^-9 * scale.
+        tolerance = torch.maximum(x.float().abs() * 2.0**-4, scale[:, :, None] * 2.0**-10)
+        assert torch.all((deq - x.float()).abs() <= tolerance)
+    assert torch.all(codes.q[3].float() == 0) and torch.all(codes.q_scale[3] == 1)
+    # v: one scale per (kv segment, head, channel), codes transposed with keys contiguous.
+    num_kv = inputs.k.shape[0]
+    assert codes.v_t.shape == (2, 32, -(-num_kv // 16) * 16)
+    seg = torch.searchsorted(jagged[1][1:], torch.arange(num_kv), right=True)
+    deq_v = codes.v_t[:, :, :num_kv].permute(2, 0, 1).float() * codes.v_scale[seg]
+    tolerance = torch.maximum(inputs.v.float().abs() * 2.0**-4, codes.v_scale[seg] * 2.0**-10)
+    assert torch.all((deq_v - inputs.v.float()).abs() <= tolerance)
+    # k_norm: the largest dequantized key norm of each kv segment and head.
+    norms = torch.linalg.vector_norm(codes.k.float(), dim=2) * codes.k_scale
+    for s in range(jagged[1].numel() - 1):
+        rows = norms[int(jagged[1][s]) : int(jagged[1][s + 1])]
+        expected = rows.amax(0) if rows.numel() else torch.zeros(2)
+        torch.testing.assert_close(codes.k_norm[s], expected, rtol=0, atol=0)
+
+
+def test_pointwise_codes_cannot_overflow() -> None:
+    """The worst case of the bound: a query and a key along one direction, so ``|s|`` is exactly ``scale |q| |k|``."""
+    direction = torch.randn(64)
+    q = (direction * 7.3)[None, None, :]
+    k = torch.stack([direction * 11.0, -direction * 5.0])[:, None, :]
+    codes = quantize_fp8(q, k, torch.randn(2, 1, 64), torch.tensor([0, 2]))
+    q_deq, k_deq = codes.q.float() * codes.q_scale[:, :, None], codes.k.float() * codes.k_scale[:, :, None]
+    scale = 0.125
+    s = (q_deq[:, 0] @ k_deq[:, 0].T) * scale
+    q_norm = torch.linalg.vector_norm(codes.q.float(), dim=2) * codes.q_scale
+    bound = pointwise_bound(q_norm, codes.k_norm[0], scale)
+    for act in (torch.nn.functional.silu, torch.nn.functional.gelu, torch.relu, torch.sigmoid):
+        assert float((act(s) * (P_SCALE / bound)).abs().max()) <= P_SCALE
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_emulation_within_fp8_budget(layout: str, activation: str) -> None:
+    inputs, jagged = _inputs(layout, 2, torch.bfloat16, dim=64)
+    spec = Spec(*jagged, activation, True, None, None, 0.125)
+    ref = gdpa_reference(inputs.q.double(), inputs.k.double(), inputs.v.double(), spec)
+    out = gdpa_fp8_reference(inputs.q, inputs.k, inputs.v, spec)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert _rel(out, ref) <= FP8_BUDGET
+    # FP8 is coarser than bf16: the emulation is not secretly computing in bf16.
+    same = gdpa_reference(inputs.q, inputs.k, inputs.v, spec, compute_dtype=torch.bfloat16)
+    assert _rel(out, ref) > _rel(same, ref)
+
+
+def _triton_forward():
+    pytest.importorskip("triton")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from lightning_gem.ops.attention.impl.triton import forward
+
+    if not isinstance(forward._gdpa_fwd_kernel, InterpretedFunction) and not torch.cuda.is_available():
+        pytest.skip("GDPA Triton kernels need a CUDA GPU or Triton's interpreter (TRITON_INTERPRET=1)")
+    return forward
+
+
+MASKS = [(True, None, None), (False, None, None), (True, 5, None), (False, None, 8)]
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: f"causal{int(m[0])}-w{m[1]}-bs{m[2]}")
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_triton_forward_on_codes(layout: str, activation: str, mask: tuple) -> None:
+    """The kernel's FP8 forward against the float64 reference, by FlashAttention's rule with the emulation as the
+    same-precision computation; pointwise rows round the same codes as the emulation."""
+    forward = _triton_forward()
+    from lightning_gem.ops.attention.impl.triton._tuning import Tiles
+
+    device = "cpu" if not torch.cuda.is_available() else "cuda"
+    inputs, jagged = _inputs(layout, 3, torch.float32)
+    lens = {"max_seq_len_q": max(inputs.q_lengths), "max_seq_len_kv": max(inputs.kv_lengths)}
+    spec = Spec(*jagged, activation, *mask, 0.25, **lens, precision="fp8")
+    moved = [None if t is None else t.to(device) for t in (inputs.q, inputs.k, inputs.v, *jagged)]
+    tiles = Tiles(16, 16, 1, 1) if device == "cpu" else Tiles(64, 64, 4, 2)
+    out, lse = forward.gdpa_forward(*moved[:3], Spec(*moved[3:], *spec[4:]), tiles=tiles)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    ref = gdpa_reference(inputs.q.double(), inputs.k.double(), inputs.v.double(), spec)
+    emulated = gdpa_fp8_reference(inputs.q, inputs.k, inputs.v, spec).double()
+    allowed = 2 * float((emulated - ref).abs().max()) + 1e-6
+    assert float((out.cpu().double() - ref).abs().max()) <= allowed
+    if activation != "softmax" and layout != "self_targets":
+        torch.testing.assert_close(out.cpu().double(), emulated, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_api_fp8_forward_and_gradients(impl: str) -> None:
+    """``gdpa(precision="fp8")``: the forward on the codes, the gradients of the unquantized function."""
+    if impl == "triton":
+        _triton_forward()
+        if torch.cuda.is_available():
+            pytest.skip("checked on the CPU interpreter here; GPU runs take the grid's checks")
+    inputs, jagged = _inputs("self_targets", 4, torch.float32)
+    leaves = [t.clone().requires_grad_() for t in (inputs.q, inputs.k, inputs.v)]
+    options = {"activation": "silu", "causal": True, "scale": 0.25}
+    out = gdpa(*leaves, inputs.q_offsets, num_targets=inputs.num_targets, impl=impl, precision="fp8", **options)
+    spec = Spec(*jagged, "silu", True, None, None, 0.25, precision="fp8")
+    emulated = gdpa_fp8_reference(inputs.q, inputs.k, inputs.v, spec)
+    ref = gdpa_reference(inputs.q.double(), inputs.k.double(), inputs.v.double(), spec)
+    assert float((out.detach().double() - ref).abs().max()) <= 2 * float((emulated.double() - ref).abs().max()) + 1e-6
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    expected = gdpa_reference_backward(grad_out.double(), *(t.double() for t in (inputs.q, inputs.k, inputs.v)), spec)
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_api_rejects_what_fp8_cannot_run() -> None:
+    inputs, _ = _inputs("self", 5, torch.float32)
+    q, k, v, offsets = inputs.q, inputs.k, inputs.v, inputs.q_offsets
+    with pytest.raises(ValueError, match="`precision` must be one of"):
+        gdpa(q, k, v, offsets, impl="reference", precision="fp4")
+    for impl in ("padded", "flash"):
+        with pytest.raises(ValueError, match="`precision='fp8'` needs impl="):
+            gdpa(q, k, v, offsets, impl=impl, precision="fp8")
+    bias = torch.zeros(len(inputs.q_lengths), 1, 80, 80)
+    with pytest.raises(ValueError, match="cannot take `score_bias`"):
+        gdpa(q, k, v, offsets, score_bias=bias, max_seq_len_q=80, precision="fp8")
