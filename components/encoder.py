@@ -20,7 +20,7 @@ from lightning_gem import jagged
 from lightning_gem.data.balancing import AttentionCostModel
 from lightning_gem.flops import attention_cost_coefficients, linear_flops
 from lightning_gem.ops import gdpa
-from lightning_gem.ops.attention import ACTIVATIONS, IMPLS
+from lightning_gem.ops.attention import ACTIVATIONS, IMPLS, PRECISIONS
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -60,17 +60,18 @@ class RMSNorm(nn.RMSNorm):
         return F.rms_norm(x, self.normalized_shape, weight, self.eps)
 
 
-def check_option(value: object, name: str, allowed: tuple[str, ...]) -> str:
+def check_option(value: object, name: str, allowed: tuple[str | None, ...]) -> str | None:
     """``value`` if it is one of ``allowed``, else a ``ValueError`` naming the option and every allowed value.
 
-    For the string options the components hand down (``activation``, ``attention_impl``, ``norm``): checked where
-    the user sets them, so a typo fails at construction under its own name, not at the first batch inside GDPA.
+    For the options the components hand down (``activation``, ``attention_impl``, ``norm``; None where ``allowed``
+    holds it): checked where the user sets them, so a typo fails at construction under its own name, not at the
+    first batch inside GDPA.
 
     Example:
         >>> check_option("silu", "attention_activation", ("softmax", "silu"))
         'silu'
     """
-    if not isinstance(value, str) or value not in allowed:
+    if (value is not None and not isinstance(value, str)) or value not in allowed:
         raise ValueError(f"`{name}` must be one of {', '.join(map(repr, allowed))}; got {value!r}")
     return value
 
@@ -128,6 +129,8 @@ class HSTULayer(nn.Module):
             score, one value per bucket of :func:`relative_time_buckets` (the time half of HSTU's relative
             attention bias); ``forward`` then needs ``time_buckets``. Dense path, as ``relative_bias_length``.
         attention_impl: GDPA ``impl`` (``"auto"``, ``"reference"``, ``"triton"``, or the ``"padded"`` baseline).
+        attention_precision: GDPA ``precision`` (None, or ``"fp8"``: the attention's products on FP8 codes; what
+            ``MXFP8Precision(attention=True)`` sets); not with a relative attention bias (the dense path).
 
     Shapes:
         x: ``[T, dim]`` (sequence parallel: ``[T / S, dim]``); offsets: ``[B + 1]``; num_targets: ``[B]`` or
@@ -159,6 +162,7 @@ class HSTULayer(nn.Module):
         relative_bias_length: int | None = None,
         relative_time_buckets: int | None = None,
         attention_impl: str = "auto",
+        attention_precision: str | None = None,
     ) -> None:
         super().__init__()
         if normalization_length is not None and normalization_length < 1:
@@ -195,6 +199,9 @@ class HSTULayer(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.relative_bias = None if relative_bias_length is None else RelativePositionBias(relative_bias_length)
         self.time_bias = None if relative_time_buckets is None else RelativeTimeBias(relative_time_buckets)
+        self.attention_precision = check_option(attention_precision, "attention_precision", PRECISIONS)
+        if attention_precision is not None and (self.relative_bias is not None or self.time_bias is not None):
+            raise ValueError("`attention_precision` needs GDPA's kernels; a relative bias takes the dense path")
         # The residual branch starts at zero: a fresh stack is the identity and learns as fast as a shallow one.
         nn.init.zeros_(self.output.weight)
         nn.init.zeros_(self.output.bias)
@@ -282,6 +289,7 @@ class HSTULayer(nn.Module):
                 max_seq_len_q=max_seq_len,
                 impl=self.attention_impl,
                 check_offsets=check_offsets,
+                precision=self.attention_precision,
             )
         if self.per_head_norm:
             gated = (self.attention_norm(attn_THD) * u_THD).reshape(num_tokens, h * dv)

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from lightning_gem import jagged
 from lightning_gem.ops import gdpa
-from lightning_gem.ops.attention import ACTIVATIONS, IMPLS
+from lightning_gem.ops.attention import ACTIVATIONS, IMPLS, PRECISIONS
 
 from .encoder import NormKind, check_option, make_norm
 
@@ -49,6 +49,7 @@ class GDPAInteraction(nn.Module):
         num_context_tokens: ``N``, user-level context tokens per user given to ``forward`` (only with
             ``self_interaction``).
         attention_impl: GDPA ``impl``.
+        attention_precision: GDPA ``precision`` (None, or ``"fp8"``; what ``MXFP8Precision(attention=True)`` sets).
 
     Shapes:
         candidates ``[C, dim]``, candidate_offsets ``[B + 1]``, history ``[T, dim]``, history_offsets
@@ -77,6 +78,7 @@ class GDPAInteraction(nn.Module):
         self_interaction: bool = False,
         num_context_tokens: int = 0,
         attention_impl: str = "auto",
+        attention_precision: str | None = None,
     ) -> None:
         super().__init__()
         if dim < 1 or num_heads < 1:
@@ -98,6 +100,7 @@ class GDPAInteraction(nn.Module):
         self.head_dim = head_dim if head_dim is not None else dim // num_heads
         self.activation = check_option(activation, "activation", ACTIVATIONS)
         self.attention_impl = check_option(attention_impl, "attention_impl", IMPLS)
+        self.attention_precision = check_option(attention_precision, "attention_precision", PRECISIONS)
         self.self_interaction = self_interaction
         self.num_context_tokens = num_context_tokens
         inner = num_heads * self.head_dim
@@ -184,6 +187,7 @@ class GDPAInteraction(nn.Module):
             max_seq_len_kv=max_history_len,
             impl=self.attention_impl,
             check_offsets=check_offsets,
+            precision=self.attention_precision,
         )
         a = self.dropout(self.attention_output(attended.reshape(num_candidates, h * d)))
         x = candidates + a

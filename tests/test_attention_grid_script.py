@@ -46,3 +46,17 @@ def test_attention_grid_quick(tmp_path: Path) -> None:
     rows = [line for line in (tmp_path / "both" / "grid.md").read_text().splitlines() if line.startswith("| ")]
     labels = [row.split(" | ")[0].removeprefix("| ") for row in rows[2:]]
     assert labels == ["silu causal targets, 1k, 2x16, 0.375K", block["label"]]
+
+
+@pytest.mark.slow
+def test_attention_grid_fp8(tmp_path: Path) -> None:
+    """``--precision fp8`` times the same auto call on FP8 codes beside its bf16 one (on CPU: the reference's
+    emulation of the codes) and tabulates the ratio."""
+    _grid(
+        "--quick", "--modes", "silu causal", "--precision", "fp8", "--baselines", "padded", "--out-dir", str(tmp_path)
+    )
+    (result,) = json.loads((tmp_path / "grid.json").read_text())["results"]
+    fp8 = result["impls"]["auto fp8"]
+    assert fp8["fwd_ms"] > 0 and fp8["both_ms"] > 0 and 0 < fp8["max_abs_diff"] < 1
+    assert result["fp8_x_fwd"] > 0 and result["fp8_x_both"] > 0
+    assert "auto FP8 fwd / f+b, x its bf16" in (tmp_path / "grid.md").read_text()

@@ -210,8 +210,8 @@ def case_flops(case: Case) -> tuple[int, int]:
 Built = tuple[Callable[[Tensor, Tensor, Tensor], Tensor], tuple[Tensor, Tensor, Tensor], Tensor]
 
 
-def build_gdpa(case: Case, impl: str) -> Built:
-    options = dict(case.options, impl=impl, num_targets=case.num_targets, check_offsets=False)
+def build_gdpa(case: Case, impl: str, precision: str | None = None) -> Built:
+    options = dict(case.options, impl=impl, num_targets=case.num_targets, check_offsets=False, precision=precision)
 
     def call(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return gdpa(q, k, v, case.q_offsets, case.kv_offsets, **options)
@@ -516,6 +516,14 @@ def run_cell(case: Case, args: argparse.Namespace) -> dict:
     fwd, both, ours = time_built(built, args.rep_runs)
     result["impls"]["auto"] = {"fwd_ms": fwd, "both_ms": both}
     del leaves
+    if args.precision == "fp8":  # the same auto call on FP8 codes, against the bf16 one above
+        built_fp8 = build_gdpa(case, impl, precision="fp8")
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        built_fp8[0](*leaves).backward(grad_out)  # tunes its keys
+        fwd, both, out = time_built(built_fp8, args.rep_runs)
+        result["impls"]["auto fp8"] = {"fwd_ms": fwd, "both_ms": both,
+                                       "max_abs_diff": float((out.float() - ours.float()).abs().max())}  # fmt: skip
+        del leaves
     if args.candidates and case.q.is_cuda:
         result["candidates"] = cands = time_candidates(case, args.rep_runs)
         fwd_c = [ms for ms in cands["fwd"].values() if isinstance(ms, float)]
@@ -563,6 +571,8 @@ def _ratios(result: dict) -> None:
             result[f"x_{phase}"] = timed[best] / auto[f"{phase}_ms"]
         if "triton best" in impls:
             result[f"vs_triton_best_{phase}"] = auto[f"{phase}_ms"] / impls["triton best"][f"{phase}_ms"]
+        if "auto fp8" in impls:  # above 1: FP8 is faster than the kit's own bf16 call
+            result[f"fp8_x_{phase}"] = auto[f"{phase}_ms"] / impls["auto fp8"][f"{phase}_ms"]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -574,6 +584,8 @@ def markdown(results: list[dict], meta: dict) -> str:
         "| cell | GFLOP fwd | auto fwd TF/s | best baseline fwd | x fwd | auto f+b TF/s | best baseline f+b "
         "| x f+b | auto / triton best fwd, f+b | chosen fwd / bwd |"
     )
+    if any("auto fp8" in r["impls"] for r in results):
+        head += " auto FP8 fwd / f+b, x its bf16 |"
     lines = [f"Grid: {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, FA4 {meta['fa4']}, "
              f"commit {meta['commit']}, {meta['date']}. Command: `{meta['command']}`", "", head,
              "|" + " --- |" * (head.count("|") - 1)]  # fmt: skip
@@ -590,9 +602,13 @@ def markdown(results: list[dict], meta: dict) -> str:
 
         vs = f"{ratio('vs_triton_best_fwd')}, {ratio('vs_triton_best_both')}"
         chosen = f"{r['chosen'].get('fwd', '-')} / {r['chosen'].get('bwd', '-')}"
+        fp8 = ""
+        if "auto fp8" in impls:
+            fp8 = (f" fp8 {impls['auto fp8']['fwd_tflops']:.0f} / {impls['auto fp8']['both_tflops']:.0f} TF/s, "
+                   f"{ratio('fp8_x_fwd')} / {ratio('fp8_x_both')}x bf16 |")  # fmt: skip
         lines.append(
             f"| {r['label']} | {r['fwd_gflop']:.0f} | {auto['fwd_tflops']:.0f} | {best('fwd')} | {ratio('x_fwd')} "
-            f"| {auto['both_tflops']:.0f} | {best('both')} | {ratio('x_both')} | {vs} | {chosen} |"
+            f"| {auto['both_tflops']:.0f} | {best('both')} | {ratio('x_both')} | {vs} | {chosen} |{fp8}"
         )
     return "\n".join(lines) + "\n"
 
@@ -696,6 +712,7 @@ def main() -> None:
     parser.add_argument("--first-cell", type=int, default=0, help="start at this cell (a slice of a longer run)")
     parser.add_argument("--render", nargs="+", type=Path, default=None, help="only tabulate these grid.json files")
     parser.add_argument("--quick", action="store_true", help="tiny cells, one of each mode (a CPU smoke test)")
+    parser.add_argument("--precision", choices=("fp8",), help="also time auto on FP8 codes, against its bf16 call")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", type=Path, default=Path("attention_grid"))
     args = parser.parse_args()

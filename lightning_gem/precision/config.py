@@ -62,6 +62,10 @@ class MXConfig:
     """Block exponent rule: ``"rceil"`` or ``"floor"`` (see :mod:`lightning_gem.ops.mx.formats`)."""
     min_features: int = 32
     """Layers with fewer input or output features stay in high precision."""
+    attention: bool = False
+    """FP8 attention: the GDPA layers of the kit's components (modules with an ``attention_precision``, such as
+    ``HSTULayer`` and ``GDPAInteraction``) whose names ``keep_bf16`` does not match run their attention products on
+    FP8 codes (``gdpa(precision="fp8")``); layers with a relative attention bias stay in high precision."""
     seed: int = 0
     """Seed of the Hadamard signs (each layer offsets it by its index)."""
 

@@ -31,7 +31,8 @@ def convert(model: nn.Module, config: MXConfig | None = None) -> nn.Module:
     """Convert ``model`` in place for ``config`` and return it.
 
     Args:
-        model: any module; its ``nn.Linear`` s become :class:`~lightning_gem.precision.MXLinear`.
+        model: any module; its ``nn.Linear`` s become :class:`~lightning_gem.precision.MXLinear`, and with
+            ``config.attention`` its GDPA layers run FP8 attention (:attr:`MXConfig.attention`).
         config: :class:`~lightning_gem.precision.MXConfig` (default: ``MXConfig()``, recipe ``"auto"``).
 
     Returns:
@@ -59,12 +60,30 @@ def convert(model: nn.Module, config: MXConfig | None = None) -> nn.Module:
         MXLinear.from_linear(module, config, seed=seed, hadamard=hadamard)
     if config.fuse_norm:
         _fuse_norms(model)
+    skipped += _set_attention_precision(model, config)
     if skipped:
         log.warning(
-            f"{len(skipped)} Linear layer(s) stay in high precision (fewer than {config.min_features} features or "
-            f"dims not multiples of {config.min_multiple}): {', '.join(skipped)}"
+            f"{len(skipped)} layer(s) stay in high precision (Linear layers with fewer than {config.min_features} "
+            f"features or dims not multiples of {config.min_multiple}, attention with a relative bias): "
+            f"{', '.join(skipped)}"
         )
     return model
+
+
+def _set_attention_precision(model: nn.Module, config: MXConfig) -> list[str]:
+    """``attention_precision`` of every module that has one: ``"fp8"`` with ``config.attention`` (unless
+    ``keep_bf16`` matches its name, or it has a relative attention bias, which the kernels do not take), else None.
+    Returns the layers left in high precision for a bias."""
+    skipped = []
+    for name, module in model.named_modules():
+        if not hasattr(module, "attention_precision"):
+            continue
+        biased = getattr(module, "relative_bias", None) is not None or getattr(module, "time_bias", None) is not None
+        wanted = config.attention and not _matches(name, config.keep_bf16)
+        if wanted and biased:
+            skipped.append(f"{name or '<root>'} (attention with a relative bias)")
+        module.attention_precision = "fp8" if wanted and not biased else None
+    return skipped
 
 
 def _fuse_norms(model: nn.Module) -> None:

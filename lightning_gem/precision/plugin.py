@@ -38,6 +38,8 @@ class MXFP8Precision(Precision):
         quantize_saved_activations: keep the weight gradient's input operand in FP8 between the passes.
         rounding: ``"rceil"`` or ``"floor"`` block exponents.
         min_features: layers narrower than this stay in high precision.
+        attention: FP8 attention in the kit's GDPA layers (``HSTULayer``, ``GDPAInteraction``) but those
+            ``keep_bf16`` matches (:attr:`MXConfig.attention`).
         autocast: run the step under bf16 autocast: ``True``, ``False`` (unconverted layers keep the model's
             dtype), or ``None`` (default: on CUDA only; CPU bf16 autocast gains no speed, and the converted
             layers' numerics are those of the recipe either way).
@@ -60,6 +62,7 @@ class MXFP8Precision(Precision):
         quantize_saved_activations: bool = True,
         rounding: str = "rceil",
         min_features: int = 32,
+        attention: bool = False,
         autocast: bool | None = None,
     ) -> None:
         self.config = MXConfig(
@@ -71,6 +74,7 @@ class MXFP8Precision(Precision):
             quantize_saved_activations=quantize_saved_activations,
             rounding=rounding,
             min_features=min_features,
+            attention=attention,
         )
         self.autocast = autocast
 

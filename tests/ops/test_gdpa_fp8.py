@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 from lightning_gem.ops import gdpa
 from lightning_gem.ops.attention.fp8 import (
@@ -186,3 +187,38 @@ def test_api_rejects_what_fp8_cannot_run() -> None:
     bias = torch.zeros(len(inputs.q_lengths), 1, 80, 80)
     with pytest.raises(ValueError, match="cannot take `score_bias`"):
         gdpa(q, k, v, offsets, score_bias=bias, max_seq_len_q=80, precision="fp8")
+
+
+def test_fp8_attention_through_the_precision_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MXConfig(attention=True)`` turns the kit's GDPA layers to ``precision="fp8"`` but those ``keep_bf16`` matches
+    and those with a relative bias; the layers hand it to ``gdpa``. Converting again without it turns them back."""
+    from lightning_gem.components.encoder import HSTULayer
+    from lightning_gem.components.interaction import GDPAInteraction
+
+    from lightning_gem.ops.attention import api
+    from lightning_gem.precision import MXConfig, convert
+
+    model = nn.ModuleDict({
+        "encoder": nn.ModuleList([HSTULayer(32, 2), HSTULayer(32, 2), HSTULayer(32, 2, relative_bias_length=8)]),
+        "interaction": GDPAInteraction(32, 2),
+    })  # fmt: skip
+    convert(model, MXConfig(recipe="fp8-rowwise", attention=True, keep_bf16=("encoder.1",)))
+    precisions = {name: m.attention_precision for name, m in model.named_modules() if hasattr(m, "attention_precision")}
+    assert precisions == {"encoder.0": "fp8", "encoder.1": None, "encoder.2": None, "interaction": "fp8"}
+
+    seen = []
+    real = api.gdpa
+    monkeypatch.setattr(
+        "lightning_gem.components.encoder.gdpa", lambda *a, **kw: seen.append(kw["precision"]) or real(*a, **kw)
+    )
+    x, offsets = torch.randn(7, 32), torch.tensor([0, 3, 7])
+    with torch.no_grad():
+        model["encoder"][0](x, offsets)
+        model["encoder"][1](x, offsets)
+    assert seen == ["fp8", None]
+    convert(model, MXConfig(recipe="fp8-rowwise"))
+    assert all(m.attention_precision is None for m in model.modules() if hasattr(m, "attention_precision"))
+    with pytest.raises(ValueError, match="attention_precision"):
+        HSTULayer(32, 2, relative_bias_length=8, attention_precision="fp8")
+    with pytest.raises(ValueError, match="attention_precision"):
+        GDPAInteraction(32, 2, attention_precision="fp16")

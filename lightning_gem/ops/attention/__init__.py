@@ -3,6 +3,7 @@
 from lightning_gem.ops.attention.api import (
     ACTIVATIONS,
     IMPLS,
+    PRECISIONS,
     block_attention,
     gdpa,
     hstu_attention,
@@ -13,6 +14,7 @@ from lightning_gem.ops.attention.api import (
 __all__ = [
     "ACTIVATIONS",
     "IMPLS",
+    "PRECISIONS",
     "block_attention",
     "gdpa",
     "hstu_attention",
