@@ -19,7 +19,8 @@ from dataclasses import dataclass
 __all__ = ["LoopUse", "Resources", "compile_kernel", "resources"]
 
 # Pointer arguments in fp32 (the rest of the upper-case arguments are bf16 tensors), and the offset-like ones.
-_FP32 = ("LSE", "DELTA", "DQ", "Q_SCALE", "K_SCALE", "V_SCALE", "K_NORM")
+_FP32 = ("LSE", "DELTA", "DQ", "Q_SCALE", "K_SCALE", "V_SCALE", "K_NORM", "SCALE", "NORM", "AMAX")
+_FP8 = ("CODES", "V_T")  # the FP8 quantizer's outputs
 _OFFSETS = ("Q_OFFSETS", "KV_OFFSETS", "KV_INDEX", "NUM_TARGETS", "SEG_OFFSETS", "SEG_ORDER")
 
 
@@ -29,7 +30,7 @@ def compile_kernel(kernel, meta: dict, offsets: str = "*i32"):
     are bf16 tensors but ``LSE``, ``DELTA`` and ``DQ`` (fp32) and the offsets (``offsets``, ``"*i32"`` or
     ``"*i64"``); ``DQ_DESC`` a tensor descriptor of ``[BLOCK_M, HEAD_DIM]`` fp32 tiles when ``DQ_TMA``, ``K_DESC`` /
     ``V_DESC`` ones of ``[BLOCK_N, HEAD_DIM(_V)]`` bf16 tiles when ``TMA``; ``Q``, ``K``, ``V`` E4M3 and their
-    scales fp32 when ``FP8``; lower-case
+    scales fp32 when ``FP8``, the FP8 quantizer's ``CODES`` / ``V_T`` E4M3 and its scales and maxima fp32; lower-case
     ones ``i32`` but ``scale`` (fp32); pointers and strides divisible by 16. Returns Triton's compiled kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -50,7 +51,7 @@ def compile_kernel(kernel, meta: dict, offsets: str = "*i32"):
             signature[name] = f"tensordesc<bf16[{tile[0]},{tile[1]}]>" if constexprs["TMA"] else "*bf16"
         elif name in _OFFSETS:
             signature[name] = offsets
-        elif name in ("Q", "K", "V") and constexprs.get("FP8"):
+        elif name in _FP8 or (name in ("Q", "K", "V") and constexprs.get("FP8")):
             signature[name] = "*fp8e4nv"
         elif name.isupper():
             signature[name] = "*bf16"

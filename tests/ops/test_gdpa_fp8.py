@@ -64,13 +64,13 @@ def test_quantize_rounds_to_nearest_codes(dtype: torch.dtype) -> None:
     q[3] = 0.0  # a zero row: scale 1, codes 0
     q[5, 0, 0] = 1e30 if dtype == torch.float32 else 3e38  # one huge value: its row's scale follows it, no overflow
     codes = quantize_fp8(q, inputs.k, inputs.v, jagged[1])
-    for x, x8, scale in ((q, codes.q, codes.q_scale), (inputs.k, codes.k, codes.k_scale)):
+    for x, x8, scale in ((q, codes.q, codes.q_scale.t()), (inputs.k, codes.k, codes.k_scale.t())):
         deq = x8.float() * scale[:, :, None]
         assert torch.isfinite(deq).all()
         # Round to nearest: within half a step of 2^-3 relative (normals), or of the subnormal step 2^-9 * scale.
         tolerance = torch.maximum(x.float().abs() * 2.0**-4, scale[:, :, None] * 2.0**-10)
         assert torch.all((deq - x.float()).abs() <= tolerance)
-    assert torch.all(codes.q[3].float() == 0) and torch.all(codes.q_scale[3] == 1)
+    assert torch.all(codes.q[3].float() == 0) and torch.all(codes.q_scale[:, 3] == 1)
     # v: one scale per (kv segment, head, channel), codes transposed with keys contiguous.
     num_kv = inputs.k.shape[0]
     assert codes.v_t.shape == (2, 32, -(-num_kv // 16) * 16)
@@ -79,7 +79,7 @@ def test_quantize_rounds_to_nearest_codes(dtype: torch.dtype) -> None:
     tolerance = torch.maximum(inputs.v.float().abs() * 2.0**-4, codes.v_scale[seg] * 2.0**-10)
     assert torch.all((deq_v - inputs.v.float()).abs() <= tolerance)
     # k_norm: the largest dequantized key norm of each kv segment and head.
-    norms = torch.linalg.vector_norm(codes.k.float(), dim=2) * codes.k_scale
+    norms = torch.linalg.vector_norm(codes.k.float(), dim=2) * codes.k_scale.t()
     for s in range(jagged[1].numel() - 1):
         rows = norms[int(jagged[1][s]) : int(jagged[1][s + 1])]
         expected = rows.amax(0) if rows.numel() else torch.zeros(2)
@@ -92,10 +92,10 @@ def test_pointwise_codes_cannot_overflow() -> None:
     q = (direction * 7.3)[None, None, :]
     k = torch.stack([direction * 11.0, -direction * 5.0])[:, None, :]
     codes = quantize_fp8(q, k, torch.randn(2, 1, 64), torch.tensor([0, 2]))
-    q_deq, k_deq = codes.q.float() * codes.q_scale[:, :, None], codes.k.float() * codes.k_scale[:, :, None]
+    q_deq, k_deq = codes.q.float() * codes.q_scale.t()[:, :, None], codes.k.float() * codes.k_scale.t()[:, :, None]
     scale = 0.125
     s = (q_deq[:, 0] @ k_deq[:, 0].T) * scale
-    q_norm = torch.linalg.vector_norm(codes.q.float(), dim=2) * codes.q_scale
+    q_norm = torch.linalg.vector_norm(codes.q.float(), dim=2) * codes.q_scale.t()
     bound = pointwise_bound(q_norm, codes.k_norm[0], scale)
     for act in (torch.nn.functional.silu, torch.nn.functional.gelu, torch.relu, torch.sigmoid):
         assert float((act(s) * (P_SCALE / bound)).abs().max()) <= P_SCALE
@@ -222,3 +222,48 @@ def test_fp8_attention_through_the_precision_config(monkeypatch: pytest.MonkeyPa
         HSTULayer(32, 2, relative_bias_length=8, attention_precision="fp8")
     with pytest.raises(ValueError, match="attention_precision"):
         GDPAInteraction(32, 2, attention_precision="fp16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize("layout", ["self_targets", "cross"])
+def test_triton_fp8_bf16_gpu(layout: str, activation: str, dim: int) -> None:
+    """Every forward tile candidate on FP8 codes from bf16 inputs, compiled (FP8 tensor cores), against the float64
+    reference by FlashAttention's rule with the emulation as the same-precision computation; no non-finite value."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a GPU with FP8 tensor cores (sm_89+)")
+    forward = _triton_forward()
+    from lightning_gem.ops.attention.impl.triton._tuning import candidate_tiles
+
+    inputs, jagged = _inputs(layout, 6, torch.bfloat16, dim=dim, q_lengths=[300, 0, 1, 64, 517, 3], max_len=520)
+    cuda = [None if t is None else t.cuda() for t in (inputs.q, inputs.k, inputs.v, *jagged)]
+    lens = {"max_seq_len_q": max(inputs.q_lengths), "max_seq_len_kv": max(inputs.kv_lengths)}
+    spec = Spec(*cuda[3:], activation, True, None, None, dim**-0.5, **lens, precision="fp8")
+    cpu_spec = Spec(*jagged, *spec[4:])
+    ref = gdpa_reference(inputs.q.double(), inputs.k.double(), inputs.v.double(), cpu_spec)
+    emulated = gdpa_fp8_reference(inputs.q, inputs.k, inputs.v, cpu_spec).double()
+    allowed = 2 * float((emulated - ref).abs().max()) + 2 * torch.finfo(torch.bfloat16).eps * float(ref.abs().max())
+    for tiles in candidate_tiles("fwd", torch.bfloat16, torch.device("cuda"), dim, max_len_q=lens["max_seq_len_q"]):
+        out, _ = forward.gdpa_forward(*cuda[:3], spec, tiles=tiles)
+        assert torch.isfinite(out).all(), tiles
+        err = float((out.cpu().double() - ref).abs().max())
+        assert err <= allowed, f"{tiles}: {err} > {allowed}"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_triton_quantizer_gives_the_reference_codes(layout: str) -> None:
+    """The quantizer the Triton forward launches produces :func:`quantize_fp8`'s codes and scales (zeros compare equal
+    whatever their sign: the interpreter's conversion drops the sign of a code that rounds to zero)."""
+    _triton_forward()
+    from lightning_gem.ops.attention.impl.triton.quantize import quantize_fp8_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    inputs, jagged = _inputs(layout, 7, torch.bfloat16, dim=32, q_lengths=[37, 0, 1, 16, 150], max_len=160)
+    q, k, v, q_offsets, kv_offsets = (t.to(device) for t in (inputs.q, inputs.k, inputs.v, *jagged[:2]))
+    v = v[..., :24].contiguous()  # a value head dim below its block
+    expected = quantize_fp8(q, k, v, kv_offsets)
+    got = quantize_fp8_triton(q, k, v, q_offsets, kv_offsets, max(inputs.q_lengths), max(inputs.kv_lengths))
+    for name, want, have in zip(expected._fields, expected, got, strict=True):
+        assert want.shape == have.shape and want.dtype == have.dtype, name
+        torch.testing.assert_close(have.float(), want.float(), rtol=0, atol=0, msg=name)

@@ -22,7 +22,7 @@ import pytest
 # programs of their own) and the short-query kernel.
 _COMPILE = r"""
 import json
-from lightning_gem.ops.attention.impl.triton import backward, backward_short, forward
+from lightning_gem.ops.attention.impl.triton import backward, backward_short, forward, quantize
 from lightning_gem.testing.sm90 import compile_kernel
 
 def compile_one(kernel, constexprs, offsets, num_warps, num_stages):
@@ -39,10 +39,11 @@ sizes = {}
 for flags, offsets, (bm, bn, warps, stages), fused in modes:
     common = dict(flags, BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION="tf32", FAST=True)
     name = flags["ACTIVATION"]
-    sizes[f"fwd {name}"] = compile_one(forward._gdpa_fwd_kernel, dict(common, TMA=False), offsets, warps, stages)
+    forward_meta = dict(common, TMA=False, FP8=False)
+    sizes[f"fwd {name}"] = compile_one(forward._gdpa_fwd_kernel, forward_meta, offsets, warps, stages)
     if fused:  # key and value tiles through tensor descriptors (power-of-two head dims), as the launcher compiles them
-        sizes[f"fwd tma {name}"] = compile_one(forward._gdpa_fwd_kernel, dict(common, TMA=True, FAST=False), offsets,
-                                               warps, stages)
+        sizes[f"fwd tma {name}"] = compile_one(forward._gdpa_fwd_kernel, dict(forward_meta, TMA=True, FAST=False),
+                                               offsets, warps, stages)
     short = {k: v for k, v in common.items() if k not in ("HAS_KV_INDEX", "HAS_TARGETS")}
     sizes[f"short {name}"] = compile_one(backward_short._gdpa_bwd_short_kernel, dict(short, BLOCK_M=32), offsets, 4,
                                          stages)
@@ -57,6 +58,13 @@ for flags, offsets, (bm, bn, warps, stages), fused in modes:
         sizes[f"bwd {name} split {split}"] = compile_one(backward._gdpa_bwd_kernel, one_launch, offsets, warps, stages)
 sizes["delta"] = compile_one(backward._bwd_delta_kernel, dict(HEAD_DIM_V=96, BLOCK_DV=128, BLOCK_T=64),
                              "*i64", 4, 1)
+# The FP8 path: the forward on E4M3 codes, and the three kernels of its quantizer.
+fp8 = dict(modes[0][0], BLOCK_M=128, BLOCK_N=64, DOT_PRECISION="tf32", FAST=True, TMA=False, FP8=True)
+sizes["fwd fp8"] = compile_one(forward._gdpa_fwd_kernel, fp8, "*i32", 8, 3)
+for kernel in (quantize._rows_kernel, quantize._value_amax_kernel, quantize._value_codes_kernel):
+    meta = dict(HEAD_DIM=96, BLOCK_D=128, BLOCK_T=64, WITH_NORM=True) if kernel is quantize._rows_kernel else \
+        dict(HEAD_DIM_V=96, BLOCK_DV=128, BLOCK_T=64)
+    sizes[f"quantize {kernel.fn.__name__}"] = compile_one(kernel, meta, "*i64", 4, 1)
 print(json.dumps(sizes))
 """
 
@@ -75,7 +83,7 @@ def test_kernels_compile_for_sm90() -> None:
     result = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     sizes = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(sizes) == 14
+    assert len(sizes) == 18
     assert all(size > 0 for size in sizes.values()), sizes
 
 
@@ -96,7 +104,7 @@ cuda, shared = torch.device("cuda"), {}
 for dim in (128, 256):
     options = call_options("softmax", dim)
     for tiles in candidate_tiles("fwd", torch.bfloat16, cuda, dim):
-        compiled = compile_kernel(forward._gdpa_fwd_kernel, {**options, **tile_meta(tiles), "TMA": False})
+        compiled = compile_kernel(forward._gdpa_fwd_kernel, {**options, **tile_meta(tiles), "TMA": False, "FP8": False})
         shared[f"fwd {dim} {tuple(tiles)}"] = compiled.metadata.shared
     for plan in backward_candidates(torch.bfloat16, cuda, dim, deterministic=False, tma=True):
         shared[f"bwd {dim} {plan}"] = compile_kernel(plan_kernel(plan), plan_meta(plan, options)).metadata.shared

@@ -37,6 +37,7 @@ __all__ = [
     "gdpa_fp8",
     "gdpa_fp8_reference",
     "pointwise_bound",
+    "pow2_ceil",
     "pow2_scale",
     "quantize_fp8",
 ]
@@ -52,22 +53,31 @@ class FP8Operands(NamedTuple):
     """Quantized ``q``, ``k``, ``v`` of one GDPA call (see the module docstring)."""
 
     q: Tensor  # [Tq, H, D] e4m3
-    q_scale: Tensor  # [Tq, H] fp32
+    q_scale: Tensor  # [H, Tq] fp32, head-major: a tile's rows' scales are one contiguous run
     k: Tensor  # [Tk, H, D] e4m3
-    k_scale: Tensor  # [Tk, H] fp32
+    k_scale: Tensor  # [H, Tk] fp32
     v_t: Tensor  # [H, Dv, Tk rounded up to 16] e4m3, keys contiguous
     v_scale: Tensor  # [Bkv, H, Dv] fp32
     k_norm: Tensor  # [Bkv, H] fp32: the largest |k_j| (dequantized) of each kv segment and head
 
 
-def pow2_scale(amax: Tensor, limit: float = E4M3_MAX) -> Tensor:
-    """The smallest power of two ``s`` with ``amax / s <= limit`` (1 where ``amax`` is 0 or not finite), fp32."""
-    amax = amax.float()
-    ratio = amax / limit
-    mantissa, exponent = torch.frexp(ratio)  # ratio = mantissa * 2^exponent, mantissa in [0.5, 1)
-    exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)
-    scale = torch.ldexp(torch.ones_like(ratio), exponent)
-    return torch.where((amax > 0) & torch.isfinite(amax), scale, torch.ones_like(scale))
+def pow2_scale(amax: Tensor) -> Tensor:
+    """The smallest power of two ``s`` with ``amax / s <= 448`` (fp32), from ``amax``'s bits: with ``amax = m 2^e``
+    (``1 <= m < 2``) it is ``2^(e - 8)`` where ``m <= 1.75`` (``448 = 1.75 2^8``), else ``2^(e - 7)``. 1 where ``amax``
+    is zero, subnormal or not finite. The Triton quantizer computes the same bits."""
+    bits = amax.float().view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    exponent = torch.where((bits & 0x7FFFFF) > 0x600000, exponent - 7, exponent - 8)
+    ok = ((bits >> 23) & 0xFF > 0) & ((bits >> 23) & 0xFF < 0xFF)
+    exponent = torch.where(ok & (exponent > 0), exponent, torch.full_like(exponent, 127))
+    return (exponent << 23).view(torch.float32)
+
+
+def pow2_ceil(x: Tensor) -> Tensor:
+    """The smallest power of two at or above ``x`` (fp32, positive and normal), from its bits."""
+    bits = x.float().view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (exponent << 23).view(torch.float32)
 
 
 def _segment_ids(offsets: Tensor, num_tokens: int) -> Tensor:
@@ -79,7 +89,7 @@ def _segment_ids(offsets: Tensor, num_tokens: int) -> Tensor:
 def quantize_fp8(q: Tensor, k: Tensor, v: Tensor, kv_offsets: Tensor) -> FP8Operands:
     """``q``, ``k``, ``v`` in the FP8 recipe of this module."""
     with torch.no_grad():
-        q_scale = pow2_scale(q.abs().amax(dim=2))
+        q_scale = pow2_scale(q.abs().amax(dim=2))  # [T, H] here, head-major when returned
         k_scale = pow2_scale(k.abs().amax(dim=2))
         q8 = (q.float() / q_scale[:, :, None]).to(E4M3)
         k8 = (k.float() / k_scale[:, :, None]).to(E4M3)
@@ -99,13 +109,13 @@ def quantize_fp8(q: Tensor, k: Tensor, v: Tensor, kv_offsets: Tensor) -> FP8Oper
         k_norm = norms.new_zeros(num_segments + 1, heads)
         k_norm.scatter_reduce_(0, seg[:, None].expand(num_kv, heads), norms, "amax")
         v_scale, k_norm = v_scale[:num_segments].contiguous(), k_norm[:num_segments].contiguous()
-    return FP8Operands(q8, q_scale, k8, k_scale, v_t, v_scale, k_norm)
+    return FP8Operands(q8, q_scale.t().contiguous(), k8, k_scale.t().contiguous(), v_t, v_scale, k_norm)
 
 
 def pointwise_bound(q_norm: Tensor, k_norm: Tensor, scale: float) -> Tensor:
     """``b_i`` of a pointwise row: ``scale |q_i| max_j |k_j|`` (with slack for rounding), at least 1, rounded up to a
     power of two; ``256 act(s_ij) / b_i`` then lies in ``[-256, 256]``."""
-    return pow2_scale(torch.clamp_min(q_norm * k_norm * abs(scale) * BOUND_SLACK, 1.0), limit=1.0)
+    return pow2_ceil(torch.clamp_min(q_norm * k_norm * abs(scale) * BOUND_SLACK, 1.0))
 
 
 class _FP8Reference(torch.autograd.Function):
@@ -140,10 +150,10 @@ def gdpa_fp8_reference(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
     ops = quantize_fp8(q, k, v, spec.kv_offsets)
     num_q, num_k = q.shape[0], k.shape[0]
     seg = _segment_ids(spec.kv_offsets, num_k)
-    q_deq = ops.q.float() * ops.q_scale[:, :, None]
-    k_deq = ops.k.float() * ops.k_scale[:, :, None]
+    q_deq = ops.q.float() * ops.q_scale.t()[:, :, None]
+    k_deq = ops.k.float() * ops.k_scale.t()[:, :, None]
     v_deq = ops.v_t[:, :, :num_k].permute(2, 0, 1).float() * ops.v_scale[seg.clamp_max(ops.v_scale.shape[0] - 1)]
-    q_norm = torch.linalg.vector_norm(ops.q.float(), dim=2) * ops.q_scale  # [Tq, H]
+    q_norm = torch.linalg.vector_norm(ops.q.float(), dim=2) * ops.q_scale.t()  # [Tq, H]
     kv_seg = torch.arange(spec.q_offsets.shape[0] - 1, device=q.device) if spec.kv_index is None else spec.kv_index
     q_kv_seg = kv_seg.to(torch.int64)[_segment_ids(spec.q_offsets, num_q).clamp_max(kv_seg.numel() - 1)]
     bound = pointwise_bound(q_norm, ops.k_norm[q_kv_seg], spec.scale)  # [Tq, H]

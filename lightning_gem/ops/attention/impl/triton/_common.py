@@ -19,6 +19,7 @@ import triton.language as tl
 from lightning_gem.ops._launch import cdiv, is_interpreted, launch, next_power_of_2
 
 __all__ = [
+    "E4M3_GRID_FIRST",
     "LOG2E",
     "cdiv",
     "dense_rows",
@@ -32,6 +33,29 @@ __all__ = [
 ]
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E): kernels keep scores in base 2 for softmax
+
+# Triton 3.6's interpreter rounds fp32 to E4M3 wrongly where the rounding carries into the exponent (7.77 becomes
+# 4, not 8); under it values are put on the E4M3 grid first (P in the forward, the operands in the quantizer), so
+# their conversion is exact. Compiled kernels convert in one instruction (cvt.rn.satfinite), which rounds right.
+E4M3_GRID_FIRST = tl.constexpr(bool(triton.knobs.runtime.interpret))
+
+
+@triton.jit
+def _e4m3_grid(x):
+    """``x`` (fp32, below 448 in magnitude) rounded to the nearest E4M3 value (ties to even), in fp32."""
+    exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    step = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits; subnormals
+    magic = 12582912.0  # 1.5 * 2^23: adding it rounds |t| < 2^22 to an integer, ties to even
+    return ((x / step + magic) - magic) * step
+
+
+@triton.jit
+def _pow2_ceil(x):
+    """The smallest power of two at or above ``x`` (fp32, positive and normal), from its bits: exact."""
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = (bits >> 23) & 0xFF
+    exponent = tl.where((bits & 0x7FFFFF) != 0, exponent + 1, exponent)
+    return (exponent << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit

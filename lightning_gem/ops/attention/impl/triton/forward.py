@@ -30,15 +30,18 @@ from torch import Tensor
 
 from lightning_gem.ops._launch import plain_eager
 from lightning_gem.ops.attention.fp8 import BOUND_SLACK as _BOUND_SLACK
-from lightning_gem.ops.attention.fp8 import P_SCALE, quantize_fp8
+from lightning_gem.ops.attention.fp8 import P_SCALE
 from lightning_gem.ops.attention.impl.triton._common import (
+    E4M3_GRID_FIRST,
     LOG2E,
     _activation,
+    _e4m3_grid,
     _history_mask,
     _key_tile,
     _kv_segment,
     _load_tile,
     _position,
+    _pow2_ceil,
     _query_tile_keys,
     _stage_range,
     cdiv,
@@ -59,6 +62,7 @@ from lightning_gem.ops.attention.impl.triton._tuning import (
     tile_meta,
     work_bucket,
 )
+from lightning_gem.ops.attention.impl.triton.quantize import quantize_fp8_triton
 from lightning_gem.ops.attention.spec import Spec
 
 __all__ = ["gdpa_forward"]
@@ -66,28 +70,6 @@ __all__ = ["gdpa_forward"]
 
 P_CODE = tl.constexpr(P_SCALE)
 BOUND_SLACK = tl.constexpr(_BOUND_SLACK)
-# Triton 3.6's interpreter rounds fp32 to E4M3 wrongly where the rounding carries into the exponent (7.77 becomes
-# 4, not 8); under it P is put on the E4M3 grid first, so its conversion is exact. Compiled kernels convert in one
-# instruction (cvt.rn.satfinite), which rounds right.
-E4M3_GRID_FIRST = tl.constexpr(bool(triton.knobs.runtime.interpret))
-
-
-@triton.jit
-def _e4m3_grid(x):
-    """``x`` (fp32, below 448 in magnitude) rounded to the nearest E4M3 value (ties to even), in fp32."""
-    exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    step = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits; subnormals
-    magic = 12582912.0  # 1.5 * 2^23: adding it rounds |t| < 2^22 to an integer, ties to even
-    return ((x / step + magic) - magic) * step
-
-
-@triton.jit
-def _pow2_ceil(x):
-    """The smallest power of two at or above ``x`` (fp32, positive and normal), from its bits: exact."""
-    bits = x.to(tl.int32, bitcast=True)
-    exponent = (bits >> 23) & 0xFF
-    exponent = tl.where((bits & 0x7FFFFF) != 0, exponent + 1, exponent)
-    return (exponent << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -305,7 +287,8 @@ def gdpa_forward(
     ``tma`` reads key and value tiles through tensor descriptors where :func:`kv_descriptors_ok` (else it is
     ignored): a variant ``examples/benchmarks/attention_sweep.py`` times beside each tile shape, not yet a tuner
     candidate. ``spec.precision == "fp8"`` quantizes q, k and v (:func:`lightning_gem.ops.attention.fp8.quantize_fp8`)
-    and runs the kernel's products on the codes; the output is in q's dtype either way.
+    (the same codes from :func:`.quantize.quantize_fp8_triton`) and runs the kernel's products on them; the output is in
+    q's dtype either way.
     """
     q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size, scale = spec[:9]
     max_seq_len_q = spec.max_seq_len_q
@@ -320,10 +303,10 @@ def gdpa_forward(
         return out, lse
     fp8 = spec.precision == "fp8"
     if fp8:  # the kernel reads the codes; v's transposed: keys contiguous (stride 1), channels a padded row apart
-        codes = quantize_fp8(q, k, v, kv_offsets)
+        max_kv = spec.max_seq_len_kv or k.shape[0]
+        codes = quantize_fp8_triton(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_kv)
         operands = (codes.q, codes.k, codes.v_t)
-        # Head-major row scales: a tile's keys' scales are one contiguous run.
-        scales = (codes.q_scale.t().contiguous(), codes.k_scale.t().contiguous(), codes.v_scale, codes.k_norm)
+        scales = (codes.q_scale, codes.k_scale, codes.v_scale, codes.k_norm)
         q_strides, k_strides = codes.q.stride(), codes.k.stride()
         v_strides = (1, codes.v_t.stride(0), codes.v_t.stride(1))
     else:
