@@ -145,6 +145,11 @@ def gdpa_fp8(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
 def gdpa_fp8_reference(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
     """GDPA on the FP8 codes of ``q``, ``k``, ``v`` (:func:`quantize_fp8`), with ``P`` quantized as the recipe says,
     every product exact and summed in fp32. Returns ``[Tq, H, Dv]`` in q's dtype. Not differentiable."""
+    with torch.autocast(q.device.type, enabled=False):  # fp32 products under autocast too, as the reference's
+        return _fp8_reference(q, k, v, spec)
+
+
+def _fp8_reference(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
     from lightning_gem.ops.attention.impl.reference import _buckets, _gather, _head_major, _probabilities
 
     ops = quantize_fp8(q, k, v, spec.kv_offsets)
