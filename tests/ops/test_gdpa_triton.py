@@ -337,11 +337,13 @@ def test_opcheck(device: str) -> None:
         torch.library.opcheck(torch.ops.lightning_gem.gdpa_triton.default, args)
 
 
-def test_compile_fullgraph(device: str) -> None:
+@pytest.mark.parametrize("precision", [None, "fp8"])
+def test_compile_fullgraph(device: str, precision: str | None) -> None:
     from lightning_gem.ops.attention.impl.triton import gdpa_triton
 
     inputs = _inputs("shared_kv", 6, torch.float32, device)
-    options = {**_options("softmax", True, None, 8), "max_seq_len_q": MAX_LEN, "max_seq_len_kv": MAX_LEN}
+    options = {**_options("softmax", True, None, 8), "max_seq_len_q": MAX_LEN, "max_seq_len_kv": MAX_LEN,
+               "precision": precision}  # fmt: skip
 
     def loss(q, k, v):
         out = gdpa_triton(q, k, v, Spec(inputs.q_offsets, inputs.kv_offsets, inputs.kv_index, None, **options))
