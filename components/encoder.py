@@ -60,6 +60,16 @@ class RMSNorm(nn.RMSNorm):
         return F.rms_norm(x, self.normalized_shape, weight, self.eps)
 
 
+def record_attention_stats(module: nn.Module, q: Tensor, k: Tensor, v: Tensor, kv_offsets: Tensor) -> None:
+    """Add the FP8 quantization counts of a layer's attention operands to ``module.quant_stats`` (``[3, 4]``, rows
+    q, k, v): what :class:`~lightning_gem.precision.QuantizationMonitor` reads on the steps it monitors (it sets
+    ``module.collect_stats``)."""
+    from lightning_gem.ops.attention.fp8 import quantization_stats
+
+    counts = quantization_stats(q.detach(), k.detach(), v.detach(), kv_offsets).to(q.device)
+    module.quant_stats = counts if module.quant_stats is None else module.quant_stats + counts
+
+
 def check_option(value: object, name: str, allowed: tuple[str | None, ...]) -> str | None:
     """``value`` if it is one of ``allowed``, else a ``ValueError`` naming the option and every allowed value.
 
@@ -200,6 +210,7 @@ class HSTULayer(nn.Module):
         self.relative_bias = None if relative_bias_length is None else RelativePositionBias(relative_bias_length)
         self.time_bias = None if relative_time_buckets is None else RelativeTimeBias(relative_time_buckets)
         self.attention_precision = check_option(attention_precision, "attention_precision", PRECISIONS)
+        self.collect_stats, self.quant_stats = False, None  # FP8 attention's counts (record_attention_stats)
         if attention_precision is not None and (self.relative_bias is not None or self.time_bias is not None):
             raise ValueError("`attention_precision` needs GDPA's kernels; a relative bias takes the dense path")
         # The residual branch starts at zero: a fresh stack is the identity and learns as fast as a shallow one.
@@ -275,6 +286,8 @@ class HSTULayer(nn.Module):
                 check_offsets=check_offsets,
             )
         else:
+            if self.collect_stats and self.attention_precision == "fp8":
+                record_attention_stats(self, q_THD, k_THD, v_THD, offsets)
             attn_THD = gdpa(
                 q_THD,
                 k_THD,

@@ -17,7 +17,7 @@ from lightning_gem import jagged
 from lightning_gem.ops import gdpa
 from lightning_gem.ops.attention import ACTIVATIONS, IMPLS, PRECISIONS
 
-from .encoder import NormKind, check_option, make_norm
+from .encoder import NormKind, check_option, make_norm, record_attention_stats
 
 __all__ = ["GDPAInteraction"]
 
@@ -101,6 +101,7 @@ class GDPAInteraction(nn.Module):
         self.activation = check_option(activation, "activation", ACTIVATIONS)
         self.attention_impl = check_option(attention_impl, "attention_impl", IMPLS)
         self.attention_precision = check_option(attention_precision, "attention_precision", PRECISIONS)
+        self.collect_stats, self.quant_stats = False, None  # FP8 attention's counts (record_attention_stats)
         self.self_interaction = self_interaction
         self.num_context_tokens = num_context_tokens
         inner = num_heads * self.head_dim
@@ -175,6 +176,8 @@ class GDPAInteraction(nn.Module):
         q_CHD = self.query(self.query_norm(candidates)).view(num_candidates, h, d)
         kv_THD = self.key_value(self.history_norm(history)).view(history.shape[0], h, 2 * d)
         k_THD, v_THD = kv_THD.split([d, d], dim=-1)
+        if self.collect_stats and self.attention_precision == "fp8":
+            record_attention_stats(self, q_CHD, k_THD, v_THD, history_offsets)
         attended = gdpa(
             q_CHD,
             k_THD,

@@ -3,8 +3,9 @@
 Every ``every_n_steps`` training steps, the converted layers count, for their input, weight and output
 gradient, the elements that saturated (clipped at 448), underflowed (non-zero that became zero) or sat in
 a NaN/Inf block, and the callback logs the fractions as ``quant/<layer>/<operand>_<stat>`` to the
-Trainer's loggers (and keeps the last ones in :attr:`QuantizationMonitor.last`). Counting is an extra
-pass over the operands, so it runs only on the monitored steps.
+Trainer's loggers (and keeps the last ones in :attr:`QuantizationMonitor.last`). GDPA layers with FP8 attention
+count their q, k and v the same way, as ``quant/<layer>/attention_<q|k|v>_<stat>``. Counting is an extra pass over
+the operands, so it runs only on the monitored steps.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+from torch import nn
 from typing_extensions import override
 
+from lightning_gem.ops.attention.fp8 import OPERANDS as ATTENTION_OPERANDS
 from lightning_gem.precision.convert import converted_layers
 from lightning_gem.precision.linear import OPERANDS, STAT_NAMES
 
@@ -46,7 +49,7 @@ class QuantizationMonitor(pl.Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
         active = trainer.global_step % self.every_n_steps == 0
-        for layer in converted_layers(pl_module).values():
+        for layer in (*converted_layers(pl_module).values(), *_fp8_attention(pl_module).values()):
             layer.collect_stats = active
             layer.quant_stats = None
 
@@ -64,11 +67,27 @@ class QuantizationMonitor(pl.Callback):
                 total = max(float(counts[i, STAT_NAMES.index("total")]), 1.0)
                 for stat in self.stats:
                     metrics[f"quant/{name}/{operand}_{stat}"] = float(counts[i, STAT_NAMES.index(stat)]) / total
+        for name, layer in _fp8_attention(pl_module).items():  # q, k, v of FP8 attention (MXConfig.attention)
+            counts, layer.quant_stats, layer.collect_stats = layer.quant_stats, None, False
+            if counts is None:
+                continue
+            counts = counts.double().cpu()
+            for i, operand in enumerate(ATTENTION_OPERANDS):
+                total = max(float(counts[i, STAT_NAMES.index("total")]), 1.0)
+                for stat in self.stats:
+                    metrics[f"quant/{name}/attention_{operand}_{stat}"] = (
+                        float(counts[i, STAT_NAMES.index(stat)]) / total
+                    )
         if metrics:
             self.last = metrics
             # Straight to the loggers: monitored steps need not fall on the Trainer's log_every_n_steps.
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def _fp8_attention(module: nn.Module) -> dict[str, nn.Module]:
+    """Name -> layer of every GDPA layer of ``module`` running FP8 attention."""
+    return {name: m for name, m in module.named_modules() if getattr(m, "attention_precision", None) == "fp8"}
 
 
 def summarize(metrics: dict[str, float]) -> dict[str, float]:

@@ -267,3 +267,16 @@ def test_triton_quantizer_gives_the_reference_codes(layout: str) -> None:
     for name, want, have in zip(expected._fields, expected, got, strict=True):
         assert want.shape == have.shape and want.dtype == have.dtype, name
         torch.testing.assert_close(have.float(), want.float(), rtol=0, atol=0, msg=name)
+
+
+def test_quantization_stats_count_underflow_and_bad_blocks() -> None:
+    from lightning_gem.ops.attention.fp8 import quantization_stats
+
+    generator = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(n, 2, 16, generator=generator) for n in (10, 8, 8))
+    q[0, 0, :3] = 1e-12  # beside a large value of the same row: codes of zero
+    q[0, 0, 5] = 100.0
+    k[2, 1, 4] = float("nan")  # a row of 16 in a NaN block
+    v[5, 0, 2] = float("inf")  # a channel of segment 1 (5 tokens) in an Inf block
+    counts = quantization_stats(q, k, v, torch.tensor([0, 3, 8]))
+    assert counts.tolist() == [[0, 3, 0, 320], [0, 0, 16, 256], [0, 0, 5, 256]]

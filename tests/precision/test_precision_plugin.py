@@ -120,3 +120,38 @@ def test_quickstart_mxfp8_config_trains(tmp_path: Path, capsys: pytest.CaptureFi
     assert "val/auc_ctr=" in printed
     metrics = next(tmp_path.rglob("metrics.csv")).read_text()
     assert "quant/encoder.layers.0.uvqk/input_underflowed" in metrics
+
+
+class _Attender(L.LightningModule):
+    """One HSTU layer over jagged sequences, trained to match a random target (small, fast, no torchrec)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from lightning_gem.components.encoder import HSTULayer
+
+        self.layer = HSTULayer(32, 2)
+        self.offsets = torch.tensor([0, 5, 5, 12, 16])
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        x, target = batch[0], batch[1]
+        return nn.functional.mse_loss(self.layer(x, self.offsets).float(), target)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(torch.randn(8, 2, 16, 32), batch_size=None)
+
+
+def test_monitor_counts_fp8_attention(tmp_path: Path) -> None:
+    """With ``attention=True`` the layer attends on FP8 codes and the monitor logs its q, k, v counts."""
+    torch.manual_seed(0)
+    model = _Attender()
+    monitor = QuantizationMonitor(every_n_steps=1)
+    plugin = MXFP8Precision(recipe="fp8-rowwise", attention=True, autocast=False)
+    _trainer(tmp_path, max_steps=4, plugins=[plugin], callbacks=[monitor], logger=False).fit(model)
+    assert model.layer.attention_precision == "fp8"
+    keys = {f"quant/layer/attention_{operand}_{stat}" for operand in "qkv" for stat in ("saturated", "nonfinite")}
+    assert keys <= set(monitor.last)
+    assert all(monitor.last[key] == 0.0 for key in keys)  # the scales follow each block's maximum; inputs finite
+    assert all(0.0 <= value < 0.1 for value in monitor.last.values())

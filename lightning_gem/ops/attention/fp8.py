@@ -32,6 +32,7 @@ from lightning_gem.ops.attention.spec import Spec
 
 __all__ = [
     "E4M3_MAX",
+    "OPERANDS",
     "P_SCALE",
     "FP8Operands",
     "gdpa_fp8",
@@ -39,6 +40,7 @@ __all__ = [
     "pointwise_bound",
     "pow2_ceil",
     "pow2_scale",
+    "quantization_stats",
     "quantize_fp8",
 ]
 
@@ -110,6 +112,37 @@ def quantize_fp8(q: Tensor, k: Tensor, v: Tensor, kv_offsets: Tensor) -> FP8Oper
         k_norm.scatter_reduce_(0, seg[:, None].expand(num_kv, heads), norms, "amax")
         v_scale, k_norm = v_scale[:num_segments].contiguous(), k_norm[:num_segments].contiguous()
     return FP8Operands(q8, q_scale.t().contiguous(), k8, k_scale.t().contiguous(), v_t, v_scale, k_norm)
+
+
+OPERANDS = ("q", "k", "v")
+
+
+def quantization_stats(q: Tensor, k: Tensor, v: Tensor, kv_offsets: Tensor) -> Tensor:
+    """``[3, 4]`` int64 counts of ``q``, ``k``, ``v`` (rows) under this recipe: elements that saturated (over 448 times
+    their scale: none can, the scales follow each block's maximum), underflowed (non-zero, code zero), sat in a block
+    (a row of q or k, a segment's channel of v) with a NaN or Inf, and all elements (the columns of
+    :data:`lightning_gem.precision.linear.STAT_NAMES`). One more quantization pass: for monitored steps."""
+    with torch.no_grad():
+        codes = quantize_fp8(q, k, v, kv_offsets)
+        num_kv, heads, dim_v = v.shape
+        seg = _segment_ids(kv_offsets, num_kv)  # the segment count for tokens past the last one: a block of their own
+        finite = torch.ones(kv_offsets.shape[0], heads, dim_v, dtype=torch.int32, device=v.device)
+        finite.scatter_reduce_(0, seg[:, None, None].expand(num_kv, heads, dim_v), torch.isfinite(v).int(), "amin")
+        v_scale = pow2_scale(torch.zeros_like(finite, dtype=torch.float32))
+        v_scale[:-1] = codes.v_scale
+        rows = [
+            (q, codes.q.float(), codes.q_scale.t()[:, :, None], ~torch.isfinite(q).all(dim=2, keepdim=True)),
+            (k, codes.k.float(), codes.k_scale.t()[:, :, None], ~torch.isfinite(k).all(dim=2, keepdim=True)),
+            (v, codes.v_t[:, :, :num_kv].permute(2, 0, 1).float(), v_scale[seg], finite[seg] == 0),
+        ]
+        counts = []
+        for x, x8, scale, bad_block in rows:
+            x = x.float()
+            saturated = int((torch.isfinite(x) & ((x.abs() / scale) > E4M3_MAX)).sum())
+            underflowed = int(((x != 0) & (x8 == 0)).sum())
+            nonfinite = int(bad_block.expand_as(x).sum())
+            counts.append([saturated, underflowed, nonfinite, x.numel()])
+    return torch.tensor(counts, dtype=torch.int64)
 
 
 def pointwise_bound(q_norm: Tensor, k_norm: Tensor, scale: float) -> Tensor:
