@@ -11,7 +11,8 @@ pooled user features, hundreds of candidates per user.
   micro-batches of ``batch_size / K`` users with gradient accumulation (the padded scores of many heads do not
   fit otherwise), timed as one step;
 - kit: the GDPA Triton kernels (``attention_impl="auto"``), ``MXFP8Precision()`` (its ``auto`` recipe
-  picks what is fast on the device: fp8 on Hopper; ``--kit-precision bf16``: bf16-mixed instead),
+  picks what is fast on the device: fp8 on Hopper; ``--kit-precision bf16``: bf16-mixed instead,
+  ``mxfp8-attention``: FP8 attention too),
   ``GEM5DStrategy(train_pipeline=True)`` (world size 1: torchrec's sharded tables and gem5d's train step,
   without FSDP2 over a single rank; the next batch, pinned, copied and its embedding input path prepared on a
   side stream; ``--compile-layers``: each HSTU layer compiled too), Base Batch Shuffling in the DataModule.
@@ -85,7 +86,7 @@ def run_stack(
     """Train ``stack`` for warm-up + timed steps on ``source``; returns its measurements."""
     L.seed_everything(args.seed, verbose=False)
     kit = stack == "kit"
-    mx = kit and args.kit_precision == "mxfp8"  # else bf16 autocast, as the plain stack
+    mx = kit and args.kit_precision in ("mxfp8", "mxfp8-attention")  # else bf16 autocast, as the plain stack
     model = gem_ranker(source, args, "auto" if kit else "padded")
     cuda = args.device == "cuda"
     pinned = kit and cuda  # the kit's pipeline copies pinned batches asynchronously
@@ -101,7 +102,7 @@ def run_stack(
         devices=1,
         strategy=GEM5DStrategy(train_pipeline=True, compile_layers=args.compile_layers) if kit else "auto",
         precision=None if mx else ("bf16-mixed" if cuda else "32-true"),
-        plugins=[MXFP8Precision()] if mx else None,
+        plugins=[MXFP8Precision(attention=args.kit_precision == "mxfp8-attention")] if mx else None,
         max_steps=args.warmup + args.steps,
         accumulate_grad_batches=micro,
         limit_val_batches=0,
@@ -186,9 +187,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     )
     parser.add_argument(
         "--kit-precision",
-        choices=("mxfp8", "bf16"),
+        choices=("mxfp8", "mxfp8-attention", "bf16"),
         default="mxfp8",
-        help="the kit stack's precision: MXFP8Precision's auto recipe (FP8 linears on Hopper), or bf16-mixed",
+        help="the kit stack's precision: MXFP8Precision's auto recipe (FP8 linears on Hopper), the same with FP8 "
+        "attention in the GDPA layers (MXFP8Precision(attention=True)), or bf16-mixed",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--root", type=Path, default=Path("logs/e2e"), help="the Trainer's default_root_dir")
