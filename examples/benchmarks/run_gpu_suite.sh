@@ -5,8 +5,8 @@
 # Usage (from the repository root, on a CUDA machine with torchrec, fbgemm-gpu and the kit installed: the
 # package maps components/ and strategies/ into lightning_gem, so `pip install -e .` rather than PYTHONPATH=.):
 #   OUT=gpu-results ML1M=PATH/TO/ml-1m bash examples/benchmarks/run_gpu_suite.sh [STEP ...]
-# STEP: any of tests attention precision host encoder balance balance_wide e2e scaling ml1m ml1m_projection
-# ml1m_reference ml1m_holdout (default: all, in that order).
+# STEP: any of tests attention fp8_attention precision host encoder balance balance_wide e2e scaling ml1m
+# ml1m_projection ml1m_reference ml1m_holdout (default: all, in that order).
 # ML1M: the MovieLens-1M folder from https://grouplens.org/datasets/movielens/1m/ (the ml1m step needs it).
 # PYTHON: the interpreter (default python3). The first process on a fresh machine compiles and tunes the Triton
 # kernels (minutes): the limits allow it.
@@ -16,8 +16,8 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests attention precision host encoder balance balance_wide e2e scaling ml1m ml1m_projection
-  ml1m_reference ml1m_holdout)
+[ ${#steps[@]} -eq 0 ] && steps=(tests attention fp8_attention precision host encoder balance balance_wide e2e scaling ml1m
+  ml1m_projection ml1m_reference ml1m_holdout)
 gpus=$($PY -c 'import torch; print(torch.cuda.device_count())')
 nvidia-smi -L > "$OUT/gpus.txt" 2>&1
 
@@ -54,6 +54,15 @@ for s in "${steps[@]}"; do
         sweep --modes grid --impls triton,flash,auto --dims 64,128,256 --out "$OUT/attention_sweep.json"
       step attention_grid 600 $PY examples/benchmarks/attention_grid.py \
         --candidates --out-dir "$OUT/attention_grid" ;;
+    fp8_attention)  # FP8 attention: its forward on 200 random shapes per mode against the emulation, then the grid's
+      # head-dim-128 and 256 cells on FP8 codes beside their bf16 calls, then end to end at NVIDIA's HSTU shapes
+      step fp8_sweep 600 $PY examples/benchmarks/attention_check.py sweep --modes grid --impls triton,triton-fp8 \
+        --dims 64,128,256 --out "$OUT/fp8_sweep.json"
+      step fp8_grid 600 $PY examples/benchmarks/attention_grid.py --no-named --modes "softmax causal" "silu causal" \
+        --heads 16 4 --dims 128 256 --lengths 4k-uniform 4k --long-tokens 0 --precision fp8 \
+        --out-dir "$OUT/fp8_grid"
+      step fp8_e2e 600 $PY examples/benchmarks/e2e.py --preset nvidia-hstu --stacks kit --kit-precision mxfp8-attention \
+        --root "$OUT/fp8_e2e" --out "$OUT/fp8_e2e.json" ;;
     precision) step precision 600 $PY examples/benchmarks/precision.py --tokens 16384 65536 --rounds 3 \
       --quality-steps 150 --profile --host-profile --out "$OUT/precision.json" ;;
     host) step host_overhead 120 $PY examples/benchmarks/host_overhead.py ;;
