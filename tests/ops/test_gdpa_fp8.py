@@ -24,6 +24,8 @@ from lightning_gem.ops.attention.fp8 import (
     pointwise_bound,
     pow2_scale,
     quantize_fp8,
+    value_codes,
+    value_columns,
 )
 from lightning_gem.ops.attention.impl.reference import gdpa_reference, gdpa_reference_backward
 from lightning_gem.ops.attention.spec import Spec
@@ -71,11 +73,13 @@ def test_quantize_rounds_to_nearest_codes(dtype: torch.dtype) -> None:
         tolerance = torch.maximum(x.float().abs() * 2.0**-4, scale[:, :, None] * 2.0**-10)
         assert torch.all((deq - x.float()).abs() <= tolerance)
     assert torch.all(codes.q[3].float() == 0) and torch.all(codes.q_scale[:, 3] == 1)
-    # v: one scale per (kv segment, head, channel), codes transposed with keys contiguous.
-    num_kv = inputs.k.shape[0]
-    assert codes.v_t.shape == (2, 32, -(-num_kv // 16) * 16)
+    # v: one scale per (kv segment, head, channel), codes transposed with keys contiguous, segments 16-aligned.
+    num_kv, num_segments = inputs.k.shape[0], jagged[1].numel() - 1
+    assert codes.v_t.shape == (2, 32, value_columns(num_kv, num_segments))
+    lengths = jagged[1][1:] - jagged[1][:-1]
+    assert torch.all(codes.v_offsets % 16 == 0) and torch.all(codes.v_offsets[1:] - codes.v_offsets[:-1] >= lengths)
     seg = torch.searchsorted(jagged[1][1:], torch.arange(num_kv), right=True)
-    deq_v = codes.v_t[:, :, :num_kv].permute(2, 0, 1).float() * codes.v_scale[seg]
+    deq_v = value_codes(codes, jagged[1]) * codes.v_scale[seg]
     tolerance = torch.maximum(inputs.v.float().abs() * 2.0**-4, codes.v_scale[seg] * 2.0**-10)
     assert torch.all((deq_v - inputs.v.float()).abs() <= tolerance)
     # k_norm: the largest dequantized key norm of each kv segment and head.

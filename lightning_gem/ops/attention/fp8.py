@@ -8,8 +8,9 @@ implementation (PyTorch here, the Triton kernels) turns the same input into the 
   its own range: one large token does not push the others into the subnormals.
 - ``v``: one scale per (kv segment, head, channel). ``P V`` sums over keys, so a scale may vary over the channels
   only (it then scales the output's columns); per segment, so a sample's codes do not depend on the rest of its
-  batch. Stored transposed, ``[H, Dv, Tk]`` with keys contiguous (padded to 16 keys): sm_90's FP8 tensor cores read
-  the second operand of a product K-major, and the keys are that product's K.
+  batch. Stored transposed, ``[H, Dv, *]`` with keys contiguous, each segment starting at a multiple of 16 keys
+  (:func:`value_offsets`): sm_90's FP8 tensor cores read the second operand of a product K-major (the keys are that
+  product's K), and aligned segment starts let a kernel read a tile's keys 16 bytes at a time.
 - ``P``: softmax probabilities (``exp(s - running max)``) are at most 1 and are stored as ``256 p``. A pointwise
   activation's ``|act(s)|`` is at most ``max(|s|, 1)`` (SiLU, GELU, ReLU, sigmoid), and ``|s_ij| <= scale |q_i|
   max_j |k_j|`` (Cauchy-Schwarz, with the dequantized rows), so row ``i`` is stored as ``256 act(s) / b_i`` with
@@ -42,6 +43,9 @@ __all__ = [
     "pow2_scale",
     "quantization_stats",
     "quantize_fp8",
+    "value_codes",
+    "value_columns",
+    "value_offsets",
 ]
 
 E4M3_MAX = 448.0
@@ -58,7 +62,8 @@ class FP8Operands(NamedTuple):
     q_scale: Tensor  # [H, Tq] fp32, head-major: a tile's rows' scales are one contiguous run
     k: Tensor  # [Tk, H, D] e4m3
     k_scale: Tensor  # [H, Tk] fp32
-    v_t: Tensor  # [H, Dv, Tk rounded up to 16] e4m3, keys contiguous
+    v_t: Tensor  # [H, Dv, value_columns] e4m3, keys contiguous, segment j from column v_offsets[j]
+    v_offsets: Tensor  # [Bkv + 1] int64: the segments' first columns in v_t, multiples of 16
     v_scale: Tensor  # [Bkv, H, Dv] fp32
     k_norm: Tensor  # [Bkv, H] fp32: the largest |k_j| (dequantized) of each kv segment and head
 
@@ -104,14 +109,44 @@ def quantize_fp8(q: Tensor, k: Tensor, v: Tensor, kv_offsets: Tensor) -> FP8Oper
         v_amax.scatter_reduce_(0, index, v.abs().float(), "amax")
         v_scale = pow2_scale(v_amax)
         v8 = (v.float() / v_scale[seg]).to(E4M3)
-        padded = -(-num_kv // 16) * 16
-        v_t = torch.zeros(heads, dim_v, padded, dtype=E4M3, device=v.device)
-        v_t[:, :, :num_kv] = v8.permute(1, 2, 0)
+        v_offsets = value_offsets(kv_offsets)
+        v_t = torch.zeros(heads, dim_v, value_columns(num_kv, num_segments), dtype=E4M3, device=v.device)
+        inside = seg < num_segments
+        columns = v_offsets[seg[inside]] + torch.arange(num_kv, device=v.device)[inside] - kv_offsets[seg[inside]]
+        v_t[:, :, columns] = v8[inside].permute(1, 2, 0)
         norms = torch.linalg.vector_norm(k8.float(), dim=2) * k_scale
         k_norm = norms.new_zeros(num_segments + 1, heads)
         k_norm.scatter_reduce_(0, seg[:, None].expand(num_kv, heads), norms, "amax")
         v_scale, k_norm = v_scale[:num_segments].contiguous(), k_norm[:num_segments].contiguous()
-    return FP8Operands(q8, q_scale.t().contiguous(), k8, k_scale.t().contiguous(), v_t, v_scale, k_norm)
+    return FP8Operands(q8, q_scale.t().contiguous(), k8, k_scale.t().contiguous(), v_t, v_offsets, v_scale, k_norm)
+
+
+def value_offsets(kv_offsets: Tensor) -> Tensor:
+    """``[Bkv + 1]`` first columns of the kv segments in the transposed value codes: each segment's length rounded up
+    to 16, summed. No sync."""
+    lengths = (kv_offsets[1:] - kv_offsets[:-1]).to(torch.int64)
+    padded = (lengths + 15) // 16 * 16
+    return torch.nn.functional.pad(padded.cumsum(0), (1, 0))
+
+
+VALUE_TAIL = 128  # zero columns after the last segment: a kernel's key tile (up to 128 keys) never reads past them
+
+
+def value_columns(num_kv: int, num_segments: int) -> int:
+    """Columns of the transposed value codes, a multiple of 16: enough for any segmentation of ``num_kv`` keys into
+    ``num_segments`` (from shapes alone: no sync), plus :data:`VALUE_TAIL`."""
+    return (num_kv + 15) // 16 * 16 + 16 * num_segments + VALUE_TAIL
+
+
+def value_codes(codes: FP8Operands, kv_offsets: Tensor) -> Tensor:
+    """``[Tk, H, Dv]`` the value codes back in token order (zeros for tokens past the last segment), as float32."""
+    num_kv = codes.k.shape[0]
+    seg = _segment_ids(kv_offsets, num_kv)
+    out = codes.v_t.new_zeros(num_kv, codes.v_t.shape[0], codes.v_t.shape[1], dtype=torch.float32)
+    inside = seg < kv_offsets.shape[0] - 1
+    columns = codes.v_offsets[seg[inside]] + torch.arange(num_kv, device=seg.device)[inside] - kv_offsets[seg[inside]]
+    out[inside] = codes.v_t[:, :, columns].permute(2, 0, 1).float()
+    return out
 
 
 OPERANDS = ("q", "k", "v")
@@ -133,7 +168,7 @@ def quantization_stats(q: Tensor, k: Tensor, v: Tensor, kv_offsets: Tensor) -> T
         rows = [
             (q, codes.q.float(), codes.q_scale.t()[:, :, None], ~torch.isfinite(q).all(dim=2, keepdim=True)),
             (k, codes.k.float(), codes.k_scale.t()[:, :, None], ~torch.isfinite(k).all(dim=2, keepdim=True)),
-            (v, codes.v_t[:, :, :num_kv].permute(2, 0, 1).float(), v_scale[seg], finite[seg] == 0),
+            (v, value_codes(codes, kv_offsets), v_scale[seg], finite[seg] == 0),
         ]
         counts = []
         for x, x8, scale, bad_block in rows:
@@ -190,7 +225,7 @@ def _fp8_reference(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
     seg = _segment_ids(spec.kv_offsets, num_k)
     q_deq = ops.q.float() * ops.q_scale.t()[:, :, None]
     k_deq = ops.k.float() * ops.k_scale.t()[:, :, None]
-    v_deq = ops.v_t[:, :, :num_k].permute(2, 0, 1).float() * ops.v_scale[seg.clamp_max(ops.v_scale.shape[0] - 1)]
+    v_deq = value_codes(ops, spec.kv_offsets) * ops.v_scale[seg.clamp_max(ops.v_scale.shape[0] - 1)]
     q_norm = torch.linalg.vector_norm(ops.q.float(), dim=2) * ops.q_scale.t()  # [Tq, H]
     kv_seg = torch.arange(spec.q_offsets.shape[0] - 1, device=q.device) if spec.kv_index is None else spec.kv_index
     q_kv_seg = kv_seg.to(torch.int64)[_segment_ids(spec.q_offsets, num_q).clamp_max(kv_seg.numel() - 1)]

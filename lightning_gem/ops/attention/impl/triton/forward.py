@@ -94,13 +94,15 @@ def _fwd_key_blocks(
             col_ok = offs_n < hi
             offs_dv = tl.arange(0, BLOCK_DV)
             k_ND = _load_tile(k_base, offs_n, stride_kt, tl.arange(0, BLOCK_D), col_ok, HEAD_DIM, BLOCK_D, MASKED)
+            # Whole rows of keys, 16 bytes at a time: a segment's columns start 16-aligned and the codes end in a zero
+            # tail as long as a tile, so an edge tile's keys past ``hi`` are read (zeros, or the next segment's codes)
+            # and dropped by P's mask like any other disallowed key.
             vt_ptrs = v_base + offs_dv[:, None] * stride_vd + offs_n[None, :]
+            vt_DVN = tl.load(vt_ptrs, mask=offs_dv[:, None] < HEAD_DIM_V, other=0.0)
             if MASKED:
                 sk_N = tl.load(ks_base + offs_n, mask=col_ok, other=0.0)
-                vt_DVN = tl.load(vt_ptrs, mask=col_ok[None, :] & (offs_dv[:, None] < HEAD_DIM_V), other=0.0)
             else:
                 sk_N = tl.load(ks_base + offs_n)
-                vt_DVN = tl.load(vt_ptrs, mask=offs_dv[:, None] < HEAD_DIM_V, other=0.0)
             v_NDV = tl.trans(vt_DVN)
         elif TMA:  # whole tiles through the copy engine: rows past ``hi`` are read, and masked below
             offs_n = n_start + tl.arange(0, BLOCK_N)
@@ -150,6 +152,7 @@ def _gdpa_fwd_kernel(
     Q, K, V, OUT, LSE,  # [Tq, H, D], [Tk, H, D], [Tk, H, DV], [Tq, H, DV], [H, Tq] fp32
     K_DESC, V_DESC,  # with TMA: K and V as tensor descriptors (:func:`_kv_descriptors`); else never read
     Q_SCALE, K_SCALE, V_SCALE, K_NORM,  # with FP8: [H, Tq], [H, Tk], [Bkv, H, DV], [Bkv, H] fp32; else never read
+    V_OFFSETS,  # with FP8: [Bkv + 1] the kv segments' first columns in V's transposed codes (multiples of 16)
     Q_OFFSETS, KV_OFFSETS, KV_INDEX, NUM_TARGETS,  # [B + 1], [Bkv + 1], [B], [B]
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_lse_h,
     stride_qs_h, stride_ks_h, scale, window, block_size,
@@ -202,6 +205,7 @@ def _gdpa_fwd_kernel(
             kv_seg = tl.load(KV_INDEX + seg)
         sq_M = tl.load(Q_SCALE + head * stride_qs_h + q_start + offs_m, mask=row_ok, other=0.0)
         ks_base = K_SCALE + head * stride_ks_h + k_start
+        v_base = V + head * stride_vh + tl.multiple_of(tl.load(V_OFFSETS + kv_seg).to(tl.int64), 16)
         if ACTIVATION == "softmax":
             p_code_M = tl.full([BLOCK_M], P_CODE, dtype=tl.float32)
         else:  # |act(s)| <= max(|s|, 1) <= the row's bound b_i: codes of 256 act(s) / b_i never overflow
@@ -217,7 +221,9 @@ def _gdpa_fwd_kernel(
     if HAS_TARGETS and (shift == 0) & (m_start + BLOCK_M > num_history):
         own = row_ok & (offs_m >= num_history)
         k_own = K + k_start * stride_kt + head * stride_kh
-        v_own = V + k_start * stride_vt + head * stride_vh
+        v_own = v_base  # FP8: the segment's first column of the transposed codes
+        if not FP8:
+            v_own = V + k_start * stride_vt + head * stride_vh
         k_own_MD = _load_tile(k_own, offs_m, stride_kt, offs_d, own, HEAD_DIM, BLOCK_D, True)
         if FP8:  # the transposed codes, read row by row
             own_ptrs = v_own + offs_m[:, None] * stride_vt + offs_dv[None, :] * stride_vd
@@ -306,11 +312,11 @@ def gdpa_forward(
         max_kv = spec.max_seq_len_kv or k.shape[0]
         codes = quantize_fp8_triton(q, k, v, q_offsets, kv_offsets, max_seq_len_q, max_kv)
         operands = (codes.q, codes.k, codes.v_t)
-        scales = (codes.q_scale, codes.k_scale, codes.v_scale, codes.k_norm)
+        scales = (codes.q_scale, codes.k_scale, codes.v_scale, codes.k_norm, codes.v_offsets)
         q_strides, k_strides = codes.q.stride(), codes.k.stride()
         v_strides = (1, codes.v_t.stride(0), codes.v_t.stride(1))
     else:
-        operands, scales, v_strides = (q, k, v), (q,) * 4, (*v_strides[:2], 1)  # placeholders are never read
+        operands, scales, v_strides = (q, k, v), (q,) * 5, (*v_strides[:2], 1)  # placeholders are never read
     out_strides = out.stride()
     args = (
         *operands, out, lse, *scales,

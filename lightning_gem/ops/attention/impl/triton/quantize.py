@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_gem.ops.attention.fp8 import E4M3, FP8Operands
+from lightning_gem.ops.attention.fp8 import E4M3, FP8Operands, value_columns, value_offsets
 from lightning_gem.ops.attention.impl.triton._common import E4M3_GRID_FIRST, _e4m3_grid, cdiv, launch, next_power_of_2
 
 __all__ = ["quantize_fp8_triton"]
@@ -97,8 +97,8 @@ def _value_amax_kernel(
 
 @triton.jit
 def _value_codes_kernel(
-    V, AMAX, V_T,  # [T, H, DV], [B, H, DV] fp32 maxima, [H, DV, T padded] e4m3
-    OFFSETS, stride_vt, stride_vh, stride_th, stride_td,
+    V, AMAX, V_T,  # [T, H, DV], [B, H, DV] fp32 maxima, [H, DV, columns] e4m3
+    OFFSETS, V_OFFSETS, stride_vt, stride_vh, stride_th, stride_td,  # V_OFFSETS: the segments' first columns
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
     """Codes of ``BLOCK_T`` tokens of one segment and head, written transposed (tokens contiguous), each channel's
@@ -118,7 +118,8 @@ def _value_codes_kernel(
     entry = AMAX + (seg * heads + head) * HEAD_DIM_V + offs_d
     scale_D = _pow2_scale(tl.load(entry, mask=offs_d < HEAD_DIM_V, other=0.0))
     codes = _codes(v.to(tl.float32), scale_D[None, :])
-    tl.store(V_T + head * stride_th + offs_d[None, :] * stride_td + (start + offs_t)[:, None], codes, mask=ok)
+    column = tl.multiple_of(tl.load(V_OFFSETS + seg).to(tl.int64), 16)
+    tl.store(V_T + head * stride_th + offs_d[None, :] * stride_td + (column + offs_t)[:, None], codes, mask=ok)
 
 
 def quantize_fp8_triton(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_offsets: Tensor,
@@ -136,7 +137,8 @@ def quantize_fp8_triton(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_o
     k_scale = torch.ones(heads, num_kv, dtype=torch.float32, device=k.device)
     k_norm = torch.zeros(num_kv_segments, heads, dtype=torch.float32, device=k.device)
     v_scale = torch.zeros(num_kv_segments, heads, dim_v, dtype=torch.float32, device=v.device)
-    v_t = torch.zeros(heads, dim_v, cdiv(num_kv, 16) * 16, dtype=E4M3, device=v.device)
+    v_offsets = value_offsets(kv_offsets)
+    v_t = torch.zeros(heads, dim_v, value_columns(num_kv, num_kv_segments), dtype=E4M3, device=v.device)
     if num_q and num_segments and heads:
         grid = (num_segments, heads, max(1, cdiv(max_seq_len_q, BLOCK_T)))
         launch(_rows_kernel, grid, (q, q8, q_scale, k_norm, q_offsets, q.stride(0), q.stride(1), num_q),
@@ -147,10 +149,10 @@ def quantize_fp8_triton(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_o
                {"HEAD_DIM": dim, "BLOCK_D": block_d, "BLOCK_T": BLOCK_T, "WITH_NORM": True})  # fmt: skip
         value_meta = {"HEAD_DIM_V": dim_v, "BLOCK_DV": block_dv, "BLOCK_T": BLOCK_T}
         launch(_value_amax_kernel, grid, (v, v_scale, kv_offsets, v.stride(0), v.stride(1)), value_meta)
-        launch(_value_codes_kernel, grid, (v, v_scale, v_t, kv_offsets, v.stride(0), v.stride(1), v_t.stride(0),
-                                           v_t.stride(1)), value_meta)  # fmt: skip
+        launch(_value_codes_kernel, grid, (v, v_scale, v_t, kv_offsets, v_offsets, v.stride(0), v.stride(1),
+                                           v_t.stride(0), v_t.stride(1)), value_meta)  # fmt: skip
     _scales_from_maxima(v_scale)
-    return FP8Operands(q8, q_scale, k8, k_scale, v_t, v_scale, k_norm)
+    return FP8Operands(q8, q_scale, k8, k_scale, v_t, v_offsets, v_scale, k_norm)
 
 
 def _scales_from_maxima(amax: Tensor) -> None:
