@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from lightning_gem import jagged
 from lightning_gem.ops.attention.spec import Spec
 
 __all__ = [
@@ -87,12 +88,6 @@ def pow2_ceil(x: Tensor) -> Tensor:
     return (exponent << 23).view(torch.float32)
 
 
-def _segment_ids(offsets: Tensor, num_tokens: int) -> Tensor:
-    """``[T]`` index of each token's segment; tokens past the last segment get the segment count. No sync."""
-    tokens = torch.arange(num_tokens, device=offsets.device)
-    return torch.searchsorted(offsets[1:].to(torch.int64), tokens, right=True)
-
-
 def quantize_fp8(q: Tensor, k: Tensor, v: Tensor, kv_offsets: Tensor) -> FP8Operands:
     """``q``, ``k``, ``v`` in the FP8 recipe of this module."""
     with torch.no_grad():
@@ -102,22 +97,17 @@ def quantize_fp8(q: Tensor, k: Tensor, v: Tensor, kv_offsets: Tensor) -> FP8Oper
         k8 = (k.float() / k_scale[:, :, None]).to(E4M3)
         num_kv, heads, dim_v = v.shape
         num_segments = kv_offsets.shape[0] - 1
-        # Tokens past the last segment (no query reads them) go to a segment of their own, dropped after.
-        seg = _segment_ids(kv_offsets, num_kv)
-        index = seg[:, None, None].expand(num_kv, heads, dim_v)
-        v_amax = v.new_zeros(num_segments + 1, heads, dim_v, dtype=torch.float32)
-        v_amax.scatter_reduce_(0, index, v.abs().float(), "amax")
+        seg, position = jagged.segment_positions(kv_offsets, num_kv)  # validated offsets: every key in a segment
+        v_amax = v.new_zeros(num_segments, heads, dim_v, dtype=torch.float32)
+        v_amax.scatter_reduce_(0, seg[:, None, None].expand(num_kv, heads, dim_v), v.abs().float(), "amax")
         v_scale = pow2_scale(v_amax)
         v8 = (v.float() / v_scale[seg]).to(E4M3)
         v_offsets = value_offsets(kv_offsets)
         v_t = torch.zeros(heads, dim_v, value_columns(num_kv, num_segments), dtype=E4M3, device=v.device)
-        inside = seg < num_segments
-        columns = v_offsets[seg[inside]] + torch.arange(num_kv, device=v.device)[inside] - kv_offsets[seg[inside]]
-        v_t[:, :, columns] = v8[inside].permute(1, 2, 0)
+        v_t[:, :, v_offsets[seg] + position] = v8.permute(1, 2, 0)
         norms = torch.linalg.vector_norm(k8.float(), dim=2) * k_scale
-        k_norm = norms.new_zeros(num_segments + 1, heads)
+        k_norm = norms.new_zeros(num_segments, heads)
         k_norm.scatter_reduce_(0, seg[:, None].expand(num_kv, heads), norms, "amax")
-        v_scale, k_norm = v_scale[:num_segments].contiguous(), k_norm[:num_segments].contiguous()
     return FP8Operands(q8, q_scale.t().contiguous(), k8, k_scale.t().contiguous(), v_t, v_offsets, v_scale, k_norm)
 
 
@@ -139,14 +129,9 @@ def value_columns(num_kv: int, num_segments: int) -> int:
 
 
 def value_codes(codes: FP8Operands, kv_offsets: Tensor) -> Tensor:
-    """``[Tk, H, Dv]`` the value codes back in token order (zeros for tokens past the last segment), as float32."""
-    num_kv = codes.k.shape[0]
-    seg = _segment_ids(kv_offsets, num_kv)
-    out = codes.v_t.new_zeros(num_kv, codes.v_t.shape[0], codes.v_t.shape[1], dtype=torch.float32)
-    inside = seg < kv_offsets.shape[0] - 1
-    columns = codes.v_offsets[seg[inside]] + torch.arange(num_kv, device=seg.device)[inside] - kv_offsets[seg[inside]]
-    out[inside] = codes.v_t[:, :, columns].permute(2, 0, 1).float()
-    return out
+    """``[Tk, H, Dv]`` the value codes back in token order, as float32."""
+    seg, position = jagged.segment_positions(kv_offsets, codes.k.shape[0])
+    return codes.v_t[:, :, codes.v_offsets[seg] + position].permute(2, 0, 1).float()
 
 
 OPERANDS = ("q", "k", "v")
@@ -160,15 +145,13 @@ def quantization_stats(q: Tensor, k: Tensor, v: Tensor, kv_offsets: Tensor) -> T
     with torch.no_grad():
         codes = quantize_fp8(q, k, v, kv_offsets)
         num_kv, heads, dim_v = v.shape
-        seg = _segment_ids(kv_offsets, num_kv)  # the segment count for tokens past the last one: a block of their own
-        finite = torch.ones(kv_offsets.shape[0], heads, dim_v, dtype=torch.int32, device=v.device)
+        seg = jagged.segment_ids(kv_offsets, num_kv)
+        finite = torch.ones(kv_offsets.shape[0] - 1, heads, dim_v, dtype=torch.int32, device=v.device)
         finite.scatter_reduce_(0, seg[:, None, None].expand(num_kv, heads, dim_v), torch.isfinite(v).int(), "amin")
-        v_scale = pow2_scale(torch.zeros_like(finite, dtype=torch.float32))
-        v_scale[:-1] = codes.v_scale
         rows = [
             (q, codes.q.float(), codes.q_scale.t()[:, :, None], ~torch.isfinite(q).all(dim=2, keepdim=True)),
             (k, codes.k.float(), codes.k_scale.t()[:, :, None], ~torch.isfinite(k).all(dim=2, keepdim=True)),
-            (v, value_codes(codes, kv_offsets), v_scale[seg], finite[seg] == 0),
+            (v, value_codes(codes, kv_offsets), codes.v_scale[seg], finite[seg] == 0),
         ]
         counts = []
         for x, x8, scale, bad_block in rows:
@@ -222,13 +205,13 @@ def _fp8_reference(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
 
     ops = quantize_fp8(q, k, v, spec.kv_offsets)
     num_q, num_k = q.shape[0], k.shape[0]
-    seg = _segment_ids(spec.kv_offsets, num_k)
+    seg = jagged.segment_ids(spec.kv_offsets, num_k)
     q_deq = ops.q.float() * ops.q_scale.t()[:, :, None]
     k_deq = ops.k.float() * ops.k_scale.t()[:, :, None]
-    v_deq = value_codes(ops, spec.kv_offsets) * ops.v_scale[seg.clamp_max(ops.v_scale.shape[0] - 1)]
+    v_deq = value_codes(ops, spec.kv_offsets) * ops.v_scale[seg]
     q_norm = torch.linalg.vector_norm(ops.q.float(), dim=2) * ops.q_scale.t()  # [Tq, H]
     kv_seg = torch.arange(spec.q_offsets.shape[0] - 1, device=q.device) if spec.kv_index is None else spec.kv_index
-    q_kv_seg = kv_seg.to(torch.int64)[_segment_ids(spec.q_offsets, num_q).clamp_max(kv_seg.numel() - 1)]
+    q_kv_seg = kv_seg.to(torch.int64)[jagged.segment_ids(spec.q_offsets, num_q)]
     bound = pointwise_bound(q_norm, ops.k_norm[q_kv_seg], spec.scale)  # [Tq, H]
 
     out = q.new_zeros(num_q, q.shape[1], v.shape[2], dtype=torch.float32)

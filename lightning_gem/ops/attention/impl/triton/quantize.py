@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_gem.ops.attention.fp8 import E4M3, FP8Operands, value_columns, value_offsets
+from lightning_gem.ops.attention.fp8 import E4M3, FP8Operands, pow2_scale, value_columns, value_offsets
 from lightning_gem.ops.attention.impl.triton._common import E4M3_GRID_FIRST, _e4m3_grid, cdiv, launch, next_power_of_2
 
 __all__ = ["quantize_fp8_triton"]
@@ -132,9 +132,9 @@ def quantize_fp8_triton(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_o
     block_d, block_dv = max(16, next_power_of_2(dim)), max(16, next_power_of_2(dim_v))
     q8 = torch.empty(q.shape, dtype=E4M3, device=q.device)
     k8 = torch.empty(k.shape, dtype=E4M3, device=k.device)
-    # Rows past the last segment are never read by the attention kernels: their scales stay 1, codes 0.
-    q_scale = torch.ones(heads, num_q, dtype=torch.float32, device=q.device)
-    k_scale = torch.ones(heads, num_kv, dtype=torch.float32, device=k.device)
+    # Validated offsets put every row in one segment: the kernels write every code and row scale.
+    q_scale = torch.empty(heads, num_q, dtype=torch.float32, device=q.device)
+    k_scale = torch.empty(heads, num_kv, dtype=torch.float32, device=k.device)
     k_norm = torch.zeros(num_kv_segments, heads, dtype=torch.float32, device=k.device)
     v_scale = torch.zeros(num_kv_segments, heads, dim_v, dtype=torch.float32, device=v.device)
     v_offsets = value_offsets(kv_offsets)
@@ -151,12 +151,5 @@ def quantize_fp8_triton(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_o
         launch(_value_amax_kernel, grid, (v, v_scale, kv_offsets, v.stride(0), v.stride(1)), value_meta)
         launch(_value_codes_kernel, grid, (v, v_scale, v_t, kv_offsets, v_offsets, v.stride(0), v.stride(1),
                                            v_t.stride(0), v_t.stride(1)), value_meta)  # fmt: skip
-    _scales_from_maxima(v_scale)
+    v_scale.copy_(pow2_scale(v_scale))  # the maxima the codes were made from, as their scales
     return FP8Operands(q8, q_scale, k8, k_scale, v_t, v_offsets, v_scale, k_norm)
-
-
-def _scales_from_maxima(amax: Tensor) -> None:
-    """``amax`` (the values' per-channel maxima) replaced by their scales, in place."""
-    from lightning_gem.ops.attention.fp8 import pow2_scale
-
-    amax.copy_(pow2_scale(amax))
