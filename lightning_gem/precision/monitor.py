@@ -58,26 +58,19 @@ class QuantizationMonitor(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         metrics: dict[str, float] = {}
-        for name, layer in converted_layers(pl_module).items():
+        # The Linear layers' operands, then q, k, v of FP8 attention (MXConfig.attention).
+        layers = [(name, layer, OPERANDS) for name, layer in converted_layers(pl_module).items()]
+        layers += [(name, layer, ATTENTION_OPERANDS) for name, layer in _fp8_attention(pl_module).items()]
+        for name, layer, operands in layers:
             counts, layer.quant_stats, layer.collect_stats = layer.quant_stats, None, False
             if counts is None:
                 continue
             counts = counts.double().cpu()
-            for i, operand in enumerate(OPERANDS):
+            prefix = "attention_" if operands is ATTENTION_OPERANDS else ""
+            for i, operand in enumerate(operands):
                 total = max(float(counts[i, STAT_NAMES.index("total")]), 1.0)
                 for stat in self.stats:
-                    metrics[f"quant/{name}/{operand}_{stat}"] = float(counts[i, STAT_NAMES.index(stat)]) / total
-        for name, layer in _fp8_attention(pl_module).items():  # q, k, v of FP8 attention (MXConfig.attention)
-            counts, layer.quant_stats, layer.collect_stats = layer.quant_stats, None, False
-            if counts is None:
-                continue
-            counts = counts.double().cpu()
-            for i, operand in enumerate(ATTENTION_OPERANDS):
-                total = max(float(counts[i, STAT_NAMES.index("total")]), 1.0)
-                for stat in self.stats:
-                    metrics[f"quant/{name}/attention_{operand}_{stat}"] = (
-                        float(counts[i, STAT_NAMES.index(stat)]) / total
-                    )
+                    metrics[f"quant/{name}/{prefix}{operand}_{stat}"] = float(counts[i, STAT_NAMES.index(stat)]) / total
         if metrics:
             self.last = metrics
             # Straight to the loggers: monitored steps need not fall on the Trainer's log_every_n_steps.
