@@ -61,10 +61,12 @@ sizes["delta"] = compile_one(backward._bwd_delta_kernel, dict(HEAD_DIM_V=96, BLO
 # The FP8 path: the forward on E4M3 codes, and the three kernels of its quantizer.
 fp8 = dict(modes[0][0], BLOCK_M=128, BLOCK_N=64, DOT_PRECISION="tf32", FAST=True, TMA=False, FP8=True)
 sizes["fwd fp8"] = compile_one(forward._gdpa_fwd_kernel, fp8, "*i32", 8, 3)
-for kernel in (quantize._rows_kernel, quantize._value_amax_kernel, quantize._value_codes_kernel):
-    meta = dict(HEAD_DIM=96, BLOCK_D=128, BLOCK_T=64, WITH_NORM=True) if kernel is quantize._rows_kernel else \
-        dict(HEAD_DIM_V=96, BLOCK_DV=128, BLOCK_T=64)
-    sizes[f"quantize {kernel.fn.__name__}"] = compile_one(kernel, meta, "*i64", 4, 1)
+sizes["quantize rows"] = compile_one(quantize._rows_kernel, dict(HEAD_DIM=96, BLOCK_D=128, BLOCK_T=64, WITH_NORM=True),
+                                     "*i64", 4, 1)
+for write_codes in (False, True):
+    sizes[f"quantize values {write_codes}"] = compile_one(
+        quantize._values_kernel, dict(HEAD_DIM_V=96, BLOCK_DV=128, BLOCK_T=64, WRITE_CODES=write_codes), "*i64", 4, 1
+    )
 print(json.dumps(sizes))
 """
 

@@ -42,6 +42,23 @@ def _codes(x, scale):
 
 
 @triton.jit
+def _segment_tile(X, OFFSETS, stride_xt, stride_xh, NUM_COLS: tl.constexpr, BLOCK_C: tl.constexpr,
+                  BLOCK_T: tl.constexpr):  # fmt: skip
+    """This program's segment, head (and the head count), its rows ``start + offs_t`` (``BLOCK_T`` of the segment's,
+    from axis 2), which of them and of the ``BLOCK_C`` columns are in range (``ok``), and its ``[BLOCK_T, BLOCK_C]``
+    tile of ``X`` in fp32 (zeros out of range; all of it past the segment's end)."""
+    seg = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    start = tl.load(OFFSETS + seg).to(tl.int64)
+    length = (tl.load(OFFSETS + seg + 1) - start).to(tl.int32)
+    offs_t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_c = tl.arange(0, BLOCK_C)
+    ok = (offs_t < length)[:, None] & (offs_c < NUM_COLS)[None, :]
+    x = tl.load(X + (start + offs_t)[:, None] * stride_xt + head * stride_xh + offs_c[None, :], mask=ok, other=0.0)
+    return seg, head, tl.num_programs(1), start, offs_t, offs_c, ok, x.to(tl.float32)
+
+
+@triton.jit
 def _rows_kernel(
     X, CODES, SCALE, NORM,  # [T, H, D] input, [T, H, D] e4m3, [H, T] fp32, [B, H] fp32 (zeros in, maxima out)
     OFFSETS, stride_xt, stride_xh, stride_scale_h,
@@ -49,19 +66,13 @@ def _rows_kernel(
 ):  # fmt: skip
     """Codes of ``BLOCK_T`` rows of one segment and head with one scale a row; ``WITH_NORM``: the segment's largest
     dequantized row norm into ``NORM``."""
-    seg = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-    heads = tl.num_programs(1)
-    start = tl.load(OFFSETS + seg).to(tl.int64)
-    length = (tl.load(OFFSETS + seg + 1) - start).to(tl.int32)
-    t0 = tl.program_id(2) * BLOCK_T
-    if t0 >= length:
+    length = tl.load(OFFSETS + tl.program_id(0) + 1) - tl.load(OFFSETS + tl.program_id(0))
+    if tl.program_id(2) * BLOCK_T >= length:
         return
-    offs_t = t0 + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
+    seg, head, heads, start, offs_t, offs_d, ok, x = _segment_tile(
+        X, OFFSETS, stride_xt, stride_xh, HEAD_DIM, BLOCK_D, BLOCK_T
+    )
     rows = start + offs_t
-    ok = (offs_t < length)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    x = tl.load(X + rows[:, None] * stride_xt + head * stride_xh + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
     scale_T = _pow2_scale(tl.max(tl.abs(x), axis=1))
     codes = _codes(x, scale_T[:, None])
     tl.store(CODES + rows[:, None] * stride_xt + head * stride_xh + offs_d[None, :], codes, mask=ok)
@@ -73,53 +84,27 @@ def _rows_kernel(
 
 
 @triton.jit
-def _value_amax_kernel(
-    V, AMAX,  # [T, H, DV], [B, H, DV] fp32 (zeros in, maxima out)
-    OFFSETS, stride_vt, stride_vh,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr,
-):  # fmt: skip
-    """The largest ``|v|`` of each channel over ``BLOCK_T`` tokens of one segment and head, into the segment's."""
-    seg = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-    heads = tl.num_programs(1)
-    start = tl.load(OFFSETS + seg).to(tl.int64)
-    length = (tl.load(OFFSETS + seg + 1) - start).to(tl.int32)
-    t0 = tl.program_id(2) * BLOCK_T
-    if t0 >= length:
-        return
-    offs_t = t0 + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_DV)
-    ok = (offs_t < length)[:, None] & (offs_d < HEAD_DIM_V)[None, :]
-    v = tl.load(V + (start + offs_t)[:, None] * stride_vt + head * stride_vh + offs_d[None, :], mask=ok, other=0.0)
-    amax_D = tl.max(tl.abs(v.to(tl.float32)), axis=0)
-    tl.atomic_max(AMAX + (seg * heads + head) * HEAD_DIM_V + offs_d, amax_D, mask=offs_d < HEAD_DIM_V, sem="relaxed")
-
-
-@triton.jit
-def _value_codes_kernel(
-    V, AMAX, V_T,  # [T, H, DV], [B, H, DV] fp32 maxima, [H, DV, columns] e4m3
+def _values_kernel(
+    V, AMAX, V_T,  # [T, H, DV], [B, H, DV] fp32 (zeros in, maxima out), [H, DV, columns] e4m3
     OFFSETS, V_OFFSETS, stride_vt, stride_vh, stride_th, stride_td,  # V_OFFSETS: the segments' first columns
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr, WRITE_CODES: tl.constexpr,
 ):  # fmt: skip
-    """Codes of ``BLOCK_T`` tokens of one segment and head, written transposed (tokens contiguous), each channel's
-    scale computed from the segment's maximum (the launcher turns the maxima into the scales after)."""
-    seg = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-    heads = tl.num_programs(1)
-    start = tl.load(OFFSETS + seg).to(tl.int64)
-    length = (tl.load(OFFSETS + seg + 1) - start).to(tl.int32)
-    t0 = tl.program_id(2) * BLOCK_T
-    if t0 >= length:
+    """``BLOCK_T`` tokens of one segment and head: each channel's largest ``|v|`` into the segment's, or with
+    ``WRITE_CODES`` (a second launch, once every maximum is in) their codes on the scales of those maxima, written
+    transposed (tokens contiguous; the launcher turns the maxima into the scales after)."""
+    length = tl.load(OFFSETS + tl.program_id(0) + 1) - tl.load(OFFSETS + tl.program_id(0))
+    if tl.program_id(2) * BLOCK_T >= length:
         return
-    offs_t = t0 + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_DV)
-    ok = (offs_t < length)[:, None] & (offs_d < HEAD_DIM_V)[None, :]
-    v = tl.load(V + (start + offs_t)[:, None] * stride_vt + head * stride_vh + offs_d[None, :], mask=ok, other=0.0)
+    seg, head, heads, start, offs_t, offs_d, ok, v = _segment_tile(
+        V, OFFSETS, stride_vt, stride_vh, HEAD_DIM_V, BLOCK_DV, BLOCK_T
+    )
     entry = AMAX + (seg * heads + head) * HEAD_DIM_V + offs_d
-    scale_D = _pow2_scale(tl.load(entry, mask=offs_d < HEAD_DIM_V, other=0.0))
-    codes = _codes(v.to(tl.float32), scale_D[None, :])
-    column = tl.multiple_of(tl.load(V_OFFSETS + seg).to(tl.int64), 16)
-    tl.store(V_T + head * stride_th + offs_d[None, :] * stride_td + (column + offs_t)[:, None], codes, mask=ok)
+    if WRITE_CODES:
+        codes = _codes(v, _pow2_scale(tl.load(entry, mask=offs_d < HEAD_DIM_V, other=0.0))[None, :])
+        column = tl.multiple_of(tl.load(V_OFFSETS + seg).to(tl.int64), 16)
+        tl.store(V_T + head * stride_th + offs_d[None, :] * stride_td + (column + offs_t)[:, None], codes, mask=ok)
+    else:
+        tl.atomic_max(entry, tl.max(tl.abs(v), axis=0), mask=offs_d < HEAD_DIM_V, sem="relaxed")
 
 
 def quantize_fp8_triton(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_offsets: Tensor,
@@ -147,9 +132,9 @@ def quantize_fp8_triton(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_o
         grid = (num_kv_segments, heads, max(1, cdiv(max_seq_len_kv, BLOCK_T)))
         launch(_rows_kernel, grid, (k, k8, k_scale, k_norm, kv_offsets, k.stride(0), k.stride(1), num_kv),
                {"HEAD_DIM": dim, "BLOCK_D": block_d, "BLOCK_T": BLOCK_T, "WITH_NORM": True})  # fmt: skip
-        value_meta = {"HEAD_DIM_V": dim_v, "BLOCK_DV": block_dv, "BLOCK_T": BLOCK_T}
-        launch(_value_amax_kernel, grid, (v, v_scale, kv_offsets, v.stride(0), v.stride(1)), value_meta)
-        launch(_value_codes_kernel, grid, (v, v_scale, v_t, kv_offsets, v_offsets, v.stride(0), v.stride(1),
-                                           v_t.stride(0), v_t.stride(1)), value_meta)  # fmt: skip
+        values = (v, v_scale, v_t, kv_offsets, v_offsets, v.stride(0), v.stride(1), v_t.stride(0), v_t.stride(1))
+        meta = {"HEAD_DIM_V": dim_v, "BLOCK_DV": block_dv, "BLOCK_T": BLOCK_T}
+        for write_codes in (False, True):  # the maxima, then the codes on their scales
+            launch(_values_kernel, grid, values, {**meta, "WRITE_CODES": write_codes})
     v_scale.copy_(pow2_scale(v_scale))  # the maxima the codes were made from, as their scales
     return FP8Operands(q8, q_scale, k8, k_scale, v_t, v_offsets, v_scale, k_norm)
