@@ -191,17 +191,22 @@ def _stage_range(stage: tl.constexpr, lo, a, b, hi):
 @triton.jit
 def _query_tile_keys(
     m_start, len_q, shift, num_history, window, block_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr, ALIGN: tl.constexpr = 1,
 ):  # fmt: skip
     """History keys of the query tile at ``m_start``, as ``(lo, a, b, hi)`` for :func:`_stage_range`.
 
     ``[lo, hi)`` is all the tile sees (its first row's ``lo``, its last row's ``hi``), and tiles of
     ``BLOCK_N`` keys in ``[a, b)`` are seen whole by every row (the ranges only move right with the row).
+    ``ALIGN``: ``lo`` rounded down to a multiple of it (the keys this adds are masked), so every tile of a walk from
+    it starts on one too: a kernel may tell the compiler so (``tl.multiple_of``) and copy rows that run along the
+    keys asynchronously, ``ALIGN`` keys at a time.
     """
     last_row = tl.minimum(m_start + BLOCK_M, len_q) - 1
     lo, hi_first = _history_range(
         _position(m_start, shift, num_history), num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
     )
+    if ALIGN > 1:
+        lo = (lo // ALIGN) * ALIGN
     lo_last, hi = _history_range(
         _position(last_row, shift, num_history), num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
     )

@@ -89,8 +89,8 @@ def _fwd_key_blocks(
     scales, ``ks_base`` the keys' (contiguous), ``v_base`` the head's ``[Dv, Tk]`` transposed codes (channels
     ``stride_vd`` apart) and ``P`` is stored as ``p * p_code_M`` (256 for softmax, ``256 / b_i`` pointwise)."""
     for n_start in tl.range(n_lo, n_hi, BLOCK_N):
-        if FP8:
-            offs_n = n_start + tl.arange(0, BLOCK_N)
+        if FP8:  # tiles start on multiples of 16 keys (_query_tile_keys' ALIGN): V's transposed rows copy async
+            offs_n = tl.max_contiguous(tl.multiple_of(n_start + tl.arange(0, BLOCK_N), 16), BLOCK_N)
             col_ok = offs_n < hi
             offs_dv = tl.arange(0, BLOCK_DV)
             k_ND = _load_tile(k_base, offs_n, stride_kt, tl.arange(0, BLOCK_D), col_ok, HEAD_DIM, BLOCK_D, MASKED)
@@ -245,8 +245,9 @@ def _gdpa_fwd_kernel(
             acc_MDV = acc_MDV * p_code_M[:, None]
 
     lo, full_lo, full_hi, hi = _query_tile_keys(
-        m_start, len_q, shift, num_history, window, block_size, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_BLOCK
-    )
+        m_start, len_q, shift, num_history, window, block_size, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_BLOCK,
+        16 if FP8 else 1,
+    )  # fmt: skip
     for stage in tl.static_range(3):  # masked edge, unmasked inside, masked edge
         n_lo, n_hi = _stage_range(stage, lo, full_lo, full_hi, hi)
         acc_MDV, m_M, l_M = _fwd_key_blocks(
