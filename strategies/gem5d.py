@@ -385,9 +385,12 @@ class GEM5DStrategy(ParallelStrategy):
         if not hasattr(loader, "__iter__"):
             raise TypeError(f"activation_memory_budget plans on one training batch; got a {type(loader).__name__}")
         batch = self.batch_to_device(next(iter(loader)))
-        self.activation_checkpoint_plan = plan_on_training_step(
-            module, batch, self.activation_memory_budget, sparse.local_state_tensors(module)
-        )
+        # Measured as the loop runs the step: under the precision plugin's autocast, so the saved activations
+        # have the dtypes (and, with MXFP8Precision(saved_activations="fp8"), the FP8 sizes) they will have.
+        with self.precision_plugin.train_step_context():
+            self.activation_checkpoint_plan = plan_on_training_step(
+                module, batch, self.activation_memory_budget, sparse.local_state_tensors(module)
+            )
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -15,7 +15,10 @@ pooled user features, hundreds of candidates per user.
   ``mxfp8-attention``: FP8 attention too),
   ``GEM5DStrategy(train_pipeline=True)`` (world size 1: torchrec's sharded tables and gem5d's train step,
   without FSDP2 over a single rank; the next batch, pinned, copied and its embedding input path prepared on a
-  side stream; ``--compile-layers``: each HSTU layer compiled too), Base Batch Shuffling in the DataModule.
+  side stream; ``--compile-layers``: each HSTU layer compiled too), Base Batch Shuffling in the DataModule;
+- kit-fp8-saved: the kit stack with ``MXFP8Precision(saved_activations="fp8")``: what the HSTU layers and the
+  candidate interaction save for the backward is stored in MXFP8 (the summary line compares its peak memory,
+  step time and per-step losses with the kit stack's).
 
 Each stack runs ``--warmup + --steps`` training steps in ``Trainer.fit``; a step's time is the interval
 between the ends of consecutive steps on the device's timeline (CUDA events: no device sync is added, data
@@ -40,6 +43,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 from pathlib import Path
@@ -63,7 +67,7 @@ from lightning_gem.data import GEMDataModule, SyntheticRankingSource
 from lightning_gem.flops import model_flops, peak_tflops
 from lightning_gem.precision import MXFP8Precision
 
-STACKS = ("plain", "kit")
+STACKS = ("plain", "kit", "kit-fp8-saved")
 
 _NVIDIA_HSTU = {
     "model_dim": 1024,
@@ -85,7 +89,8 @@ def run_stack(
 ) -> dict[str, float]:
     """Train ``stack`` for warm-up + timed steps on ``source``; returns its measurements."""
     L.seed_everything(args.seed, verbose=False)
-    kit = stack == "kit"
+    kit = stack.startswith("kit")
+    saved = "fp8" if stack == "kit-fp8-saved" else None  # the GDPA layers' saved activations in FP8
     mx = kit and args.kit_precision in ("mxfp8", "mxfp8-attention")  # else bf16 autocast, as the plain stack
     model = gem_ranker(source, args, "auto" if kit else "padded")
     cuda = args.device == "cuda"
@@ -102,7 +107,9 @@ def run_stack(
         devices=1,
         strategy=GEM5DStrategy(train_pipeline=True, compile_layers=args.compile_layers) if kit else "auto",
         precision=None if mx else ("bf16-mixed" if cuda else "32-true"),
-        plugins=[MXFP8Precision(attention=args.kit_precision == "mxfp8-attention")] if mx else None,
+        plugins=[MXFP8Precision(attention=args.kit_precision == "mxfp8-attention", saved_activations=saved)]
+        if mx
+        else None,
         max_steps=args.warmup + args.steps,
         accumulate_grad_batches=micro,
         limit_val_batches=0,
@@ -115,6 +122,8 @@ def run_stack(
         default_root_dir=args.root,
     )
     if cuda:
+        gc.collect()  # the previous stack's model and optimizer state: not in this one's peak
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     trainer.fit(model, datamodule=data)
     step_s = clock.median_interval(skip=args.warmup)
@@ -126,11 +135,18 @@ def run_stack(
     profiled = next((p for p in profilers if isinstance(p, ProfileLastSteps) and p.device_ms), None)
     shares = step_shares(profiled.device_ms, profiled.num_steps, step_s * 1e3) if profiled else {}
     return {
+        "losses": clock.losses,
         "step_ms": step_s * 1e3,
         "tokens_per_s": tokens_per_step / step_s,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
         **({"shares": shares} if shares else {}),
     }
+
+
+def _late_loss(losses: list[float]) -> float:
+    """Mean training loss of the last quarter of the steps (of all of them when there are fewer than 4)."""
+    tail = losses[-max(len(losses) // 4, 1) :] if losses else [float("nan")]
+    return statistics.fmean(tail)
 
 
 def useful_flops_per_step(source: SyntheticRankingSource, args: argparse.Namespace) -> float:
@@ -205,6 +221,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     if args.tiny:
         args.steps, args.warmup, args.batch_size = min(args.steps, 3), min(args.warmup, 1), min(args.batch_size, 4)
         use_tiny_shapes(args)
+    if "kit-fp8-saved" in args.stacks and args.kit_precision == "bf16":
+        parser.error("--stacks kit-fp8-saved stores saved activations through MXFP8Precision: not with bf16")
     if args.batch_size % args.plain_micro_batches:
         parser.error(f"--batch-size {args.batch_size} must be a multiple of --plain-micro-batches")
     stacks = [s.strip() for s in args.stacks.split(",")]
@@ -233,20 +251,28 @@ def main() -> None:
     if args.plain_micro_batches > 1 and "plain" in results:
         micro = args.plain_micro_batches
         print(f"plain steps: {micro} micro-batches of {args.batch_size // micro} users")
-    print(f"{'stack':<6} {'step ms':>9} {'tokens/s':>11} {'useful TFLOP/s':>14} {'MFU':>6} {'peak GiB':>9}")
+    header = f"{'stack':<13} {'step ms':>9} {'tokens/s':>11} {'useful TFLOP/s':>14} {'MFU':>6} {'peak GiB':>9}"
+    print(f"{header} {'loss':>7}")
     for stack, r in results.items():
         tflops = useful / (r["step_ms"] / 1e3) / 1e12
         r["useful_tflops"] = tflops
         r["mfu"] = tflops / peak if peak else float("nan")
         print(
-            f"{stack:<6} {r['step_ms']:>9.2f} {r['tokens_per_s']:>11.0f} {tflops:>14.4g} {r['mfu']:>6.1%}"
-            f" {r['peak_gib']:>9.2f}"
+            f"{stack:<13} {r['step_ms']:>9.2f} {r['tokens_per_s']:>11.0f} {tflops:>14.4g} {r['mfu']:>6.1%}"
+            f" {r['peak_gib']:>9.2f} {_late_loss(r['losses']):>7.4f}"
         )
     for stack, r in results.items():
         if "shares" in r:
             print(f"{stack} share of the step: " + ", ".join(f"{k} {v:.1%}" for k, v in r["shares"].items()))
     if {"plain", "kit"} <= results.keys():
         print(f"kit / plain step throughput: {results['plain']['step_ms'] / results['kit']['step_ms']:.2f}x")
+    if {"kit", "kit-fp8-saved"} <= results.keys():
+        exact, fp8 = results["kit"], results["kit-fp8-saved"]
+        gap = max(abs(a - b) for a, b in zip(exact["losses"], fp8["losses"], strict=False))
+        print(
+            f"FP8 saved activations: peak memory {fp8['peak_gib'] / exact['peak_gib'] - 1:+.1%}, step time "
+            f"{fp8['step_ms'] / exact['step_ms'] - 1:+.1%}, largest per-step loss gap {gap:.4f} (same batches)"
+        )
     if args.out is not None:
         summary = {"args": {k: str(v) for k, v in vars(args).items()}, "device": device, "useful_flops": useful}
         args.out.write_text(json.dumps({**summary, **results}, indent=1))

@@ -15,12 +15,13 @@ import torch
 
 from lightning_gem.ops.mx.gemm import scaled_mm_supported
 
-__all__ = ["BACKENDS", "RECIPES", "MXConfig", "Plan", "resolve_plan"]
+__all__ = ["BACKENDS", "RECIPES", "SAVED_ACTIVATIONS", "MXConfig", "Plan", "resolve_plan"]
 
 log = logging.getLogger(__name__)
 
 RECIPES = ("auto", "mxfp8", "fp8-blockwise", "fp8-rowwise")
 BACKENDS = ("mx_native", "mx_emulated", "fp8_blockwise", "fp8_rowwise")
+SAVED_ACTIVATIONS = (None, "fp8")
 # backend -> (activation/gradient layout, weight layout, elements a dim must be a multiple of)
 _LAYOUTS = {
     "mx_native": ("mx", "mx", 32),
@@ -66,6 +67,11 @@ class MXConfig:
     """FP8 attention: the GDPA layers of the kit's components (modules with an ``attention_precision``, such as
     ``HSTULayer`` and ``GDPAInteraction``) whose names ``keep_bf16`` does not match run their attention products on
     FP8 codes (``gdpa(precision="fp8")``); layers with a relative attention bias stay in high precision."""
+    saved_activations: str | None = None
+    """``"fp8"``: what the kit's GDPA layers (``HSTULayer``, ``GDPAInteraction``: the modules :attr:`attention`
+    switches) but those ``keep_bf16`` matches save for the backward (norm inputs and outputs, Linear and attention
+    inputs, gates) is stored in MXFP8 and dequantized when the backward reads it
+    (:class:`~lightning_gem.ops.mx.saved.QuantizedSavedTensors`); None: as the ops save it."""
     seed: int = 0
     """Seed of the Hadamard signs (each layer offsets it by its index)."""
 
@@ -78,6 +84,8 @@ class MXConfig:
             raise ValueError(f"`rounding` must be 'rceil' or 'floor', got {self.rounding!r}")
         if self.min_features < 1:
             raise ValueError(f"`min_features` must be >= 1, got {self.min_features}")
+        if self.saved_activations not in SAVED_ACTIVATIONS:
+            raise ValueError(f"`saved_activations` must be one of {SAVED_ACTIVATIONS}, got {self.saved_activations!r}")
         object.__setattr__(self, "keep_bf16", tuple(self.keep_bf16))
         if not isinstance(self.hadamard, bool):
             object.__setattr__(self, "hadamard", tuple(self.hadamard))

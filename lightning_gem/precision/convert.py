@@ -12,8 +12,10 @@ import fnmatch
 import logging
 import zlib
 
+import torch
 from torch import nn
 
+from lightning_gem.ops.mx.saved import QuantizedSavedTensors, SavedTensorStats
 from lightning_gem.precision.config import MXConfig
 from lightning_gem.precision.linear import MXLinear
 from lightning_gem.precision.norm import fuse_norm
@@ -31,8 +33,10 @@ def convert(model: nn.Module, config: MXConfig | None = None) -> nn.Module:
     """Convert ``model`` in place for ``config`` and return it.
 
     Args:
-        model: any module; its ``nn.Linear`` s become :class:`~lightning_gem.precision.MXLinear`, and with
-            ``config.attention`` its GDPA layers run FP8 attention (:attr:`MXConfig.attention`).
+        model: any module; its ``nn.Linear`` s become :class:`~lightning_gem.precision.MXLinear`, with
+            ``config.attention`` its GDPA layers run FP8 attention (:attr:`MXConfig.attention`), and with
+            ``config.saved_activations="fp8"`` they store their saved activations in FP8
+            (:attr:`MXConfig.saved_activations`).
         config: :class:`~lightning_gem.precision.MXConfig` (default: ``MXConfig()``, recipe ``"auto"``).
 
     Returns:
@@ -61,6 +65,7 @@ def convert(model: nn.Module, config: MXConfig | None = None) -> nn.Module:
     if config.fuse_norm:
         _fuse_norms(model)
     skipped += _set_attention_precision(model, config)
+    _set_saved_activations(model, config)
     if skipped:
         log.warning(
             f"{len(skipped)} layer(s) stay in high precision (Linear layers with fewer than {config.min_features} "
@@ -84,6 +89,43 @@ def _set_attention_precision(model: nn.Module, config: MXConfig) -> list[str]:
             skipped.append(f"{name or '<root>'} (attention with a relative bias)")
         module.attention_precision = "fp8" if wanted and not biased else None
     return skipped
+
+
+def _set_saved_activations(model: nn.Module, config: MXConfig) -> None:
+    """Store what the kit's GDPA layers (modules with an ``attention_precision``) save for backward in FP8 with
+    ``config.saved_activations == "fp8"``, except where ``keep_bf16`` matches; lift it from the others.
+
+    Each such layer's call with grad enabled runs inside a fresh
+    :class:`~lightning_gem.ops.mx.saved.QuantizedSavedTensors` (a forward pre-hook enters it, a forward hook that
+    also runs on an exception leaves it); ``layer.saved_activation_stats`` adds up what it quantized."""
+    for name, module in model.named_modules():
+        if not hasattr(module, "attention_precision"):
+            continue
+        for handle in module.__dict__.pop("_saved_activation_handles", ()):
+            handle.remove()
+        if config.saved_activations is None or _matches(name, config.keep_bf16):
+            module.__dict__.pop("saved_activation_stats", None)
+            continue
+        module.saved_activation_stats = SavedTensorStats()
+        module._saved_activation_contexts = []
+        module._saved_activation_handles = (
+            module.register_forward_pre_hook(_enter_saved_activations),
+            module.register_forward_hook(_exit_saved_activations, always_call=True),
+        )
+
+
+def _enter_saved_activations(module: nn.Module, _args: tuple) -> None:
+    context = None
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # a compiled region saves what its graph says
+        context = QuantizedSavedTensors(stats=module.saved_activation_stats).__enter__()
+    module._saved_activation_contexts.append(context)
+
+
+def _exit_saved_activations(module: nn.Module, _args: tuple, _output: object) -> None:
+    contexts = module._saved_activation_contexts
+    context = contexts.pop() if contexts else None
+    if context is not None:
+        context.__exit__(None, None, None)
 
 
 def _fuse_norms(model: nn.Module) -> None:

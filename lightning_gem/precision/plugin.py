@@ -40,6 +40,8 @@ class MXFP8Precision(Precision):
         min_features: layers narrower than this stay in high precision.
         attention: FP8 attention in the kit's GDPA layers (``HSTULayer``, ``GDPAInteraction``) but those
             ``keep_bf16`` matches (:attr:`MXConfig.attention`).
+        saved_activations: ``"fp8"``: those layers store the activations their backward reads in MXFP8
+            (:attr:`MXConfig.saved_activations`); None: as saved.
         autocast: run the step under bf16 autocast: ``True``, ``False`` (unconverted layers keep the model's
             dtype), or ``None`` (default: on CUDA only; CPU bf16 autocast gains no speed, and the converted
             layers' numerics are those of the recipe either way).
@@ -63,6 +65,7 @@ class MXFP8Precision(Precision):
         rounding: str = "rceil",
         min_features: int = 32,
         attention: bool = False,
+        saved_activations: str | None = None,
         autocast: bool | None = None,
     ) -> None:
         self.config = MXConfig(
@@ -75,6 +78,7 @@ class MXFP8Precision(Precision):
             rounding=rounding,
             min_features=min_features,
             attention=attention,
+            saved_activations=saved_activations,
         )
         self.autocast = autocast
 

@@ -11,7 +11,7 @@ import importlib
 import pytest
 import torch
 
-from lightning_gem.ops.mx import QuantizedTensor, norm_quantize, norm_quantize_transposed, quantize
+from lightning_gem.ops.mx import QuantizedTensor, dequantize, norm_quantize, norm_quantize_transposed, quantize
 from lightning_gem.ops.mx.impl.reference import norm_reference
 from lightning_gem.testing.numerics import assert_within_budget
 
@@ -47,6 +47,29 @@ def test_quantize_matches_reference(layout: str, shape: tuple[int, int], dtype: 
         assert _equal(cols_t, cols_r)
         padded = -(-shape[0] // (32 if layout == "mx" else 128)) * (32 if layout == "mx" else 128)
         assert cols_t.shape == (shape[1], padded)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 32), (37, 256), (130, 4128), (0, 64)], ids=str)
+def test_dequantize_matches_reference(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    x = _input(*shape, dtype)
+    q = quantize(x, "mx", impl="reference")[0]
+    for out_dtype in DTYPES:
+        triton_out, reference_out = dequantize(q, out_dtype, impl="triton"), dequantize(q, out_dtype, impl="reference")
+        assert triton_out.dtype == reference_out.dtype == out_dtype and triton_out.shape == x.shape
+        assert bool(((triton_out == reference_out) | (triton_out.isnan() & reference_out.isnan())).all())
+        expected = q.dequantize(torch.float32)
+        if out_dtype == torch.float16:
+            expected = expected.clamp(-65504.0, 65504.0)
+        assert bool(((reference_out.float() == expected) | expected.isnan()).all())  # exact in every dtype
+
+
+def test_dequantize_rejects() -> None:
+    q = quantize(torch.randn(4, 128), "1x128", impl="reference")[0]
+    with pytest.raises(ValueError, match="'mx' layout"):
+        dequantize(q, impl="triton")
+    with pytest.raises(TypeError, match="dtype"):
+        dequantize(q, torch.float64)
 
 
 @pytest.mark.parametrize("layout", ["mx", "1x128"])

@@ -7,6 +7,7 @@ the formats and the exact scale rule.
 from lightning_gem.ops.mx.api import (
     IMPLS,
     NormQuantized,
+    dequantize,
     norm_quantize,
     norm_quantize_transposed,
     quantize,
@@ -25,6 +26,7 @@ __all__ = [
     "NormQuantized",
     "QuantizedTensor",
     "block_shape",
+    "dequantize",
     "norm_quantize",
     "norm_quantize_transposed",
     "quantization_stats",

@@ -12,10 +12,18 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from lightning_gem.ops.mx.formats import LAYOUTS, QuantizedTensor, block_shape
+from lightning_gem.ops.mx.formats import LAYOUTS, QuantizedTensor, block_shape, decode_scale
 from lightning_gem.ops.mx.impl.reference import norm_reference, normalize_with_stats, quantize_reference
 
-__all__ = ["IMPLS", "NormQuantized", "norm_quantize", "norm_quantize_transposed", "quantize", "resolve_impl"]
+__all__ = [
+    "IMPLS",
+    "NormQuantized",
+    "dequantize",
+    "norm_quantize",
+    "norm_quantize_transposed",
+    "quantize",
+    "resolve_impl",
+]
 
 IMPLS = ("auto", "reference", "triton")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -132,6 +140,41 @@ def quantize(
         padded[: x.shape[0]] = x
         col_out = quantize_reference(padded.t().contiguous(), layout, rounding)
     return (row_out, col_out, x.sum(0, dtype=torch.float32)) if return_column_sums else (row_out, col_out)
+
+
+def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32, *, impl: str = "auto") -> Tensor:
+    """``[R, C]`` values ``data * scale`` of ``q`` in ``dtype`` (a NaN scale makes its block NaN).
+
+    Args:
+        q: a :class:`~lightning_gem.ops.mx.formats.QuantizedTensor` (``"triton"``: ``mx`` layout, contiguous).
+        dtype: fp32, fp16 or bf16 (fp16 is clamped to its largest finite value).
+        impl: ``"auto"`` (Triton for CUDA ``mx`` data), ``"reference"`` or ``"triton"``: the same values.
+
+    Example:
+        >>> import torch
+        >>> q, _ = quantize(torch.tensor([[1.0, -3.0] * 16]), "mx")
+        >>> dequantize(q)[0, :2]
+        tensor([ 1., -3.])
+    """
+    if dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"`dtype` must be one of {_FLOAT_DTYPES}, got {dtype}")
+    use_triton = impl == "triton" or (impl == "auto" and q.data.device.type == "cuda" and q.layout == "mx")
+    if impl not in IMPLS:
+        raise ValueError(f"`impl` must be one of {IMPLS}, got {impl!r}")
+    if use_triton:
+        if q.layout != "mx":
+            raise ValueError(f"impl='triton' dequantizes the 'mx' layout, got {q.layout!r}")
+        resolve_impl("triton", torch.empty(0, device=q.data.device))  # raises off CUDA without the interpreter
+        from lightning_gem.ops.mx.impl.triton.dequantize import dequantize_mx_triton
+
+        return dequantize_mx_triton(q.data.contiguous(), q.scale.contiguous(), dtype)
+    if q.layout == "mx":  # one broadcast multiply instead of the general path's expanded scale matrix
+        rows, cols = q.data.shape
+        scale = decode_scale(q.scale).unsqueeze(-1)
+        out = (q.data.to(torch.float32).view(rows, cols // 32, 32) * scale).view(rows, cols).to(dtype)
+    else:
+        out = q.dequantize(dtype)
+    return out.clamp_(-65504.0, 65504.0) if dtype == torch.float16 else out  # clamping keeps NaN
 
 
 def norm_quantize(

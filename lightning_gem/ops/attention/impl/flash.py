@@ -33,6 +33,7 @@ from lightning_gem.imports import FA4_AVAILABLE, FA4_INSTALL
 from lightning_gem.ops._launch import plain_eager, records_graph
 from lightning_gem.ops.attention.ops import register_flop_formulas
 from lightning_gem.ops.attention.spec import HINTS_SCHEMA, MODE_SCHEMA, Spec, with_length_hints
+from lightning_gem.ops.mx.saved import save_exact
 
 __all__ = ["block_offsets", "flash_backward", "flash_forward", "gdpa_flash", "require_flash", "unsupported"]
 
@@ -203,6 +204,7 @@ def _setup_context(ctx, inputs, output) -> None:
     out, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
+    save_exact(out, lse)  # the backward's dO . O against dP would cancel to noise in FP8 (quantized saves)
     ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets, kv_index, num_targets)
     ctx.options = tuple(options)
 

@@ -22,6 +22,7 @@ from lightning_gem.ops.attention.impl.triton.backward import gdpa_backward
 from lightning_gem.ops.attention.impl.triton.forward import _gdpa_fwd_kernel, gdpa_forward
 from lightning_gem.ops.attention.ops import register_flop_formulas
 from lightning_gem.ops.attention.spec import Spec, op_signature, with_length_hints
+from lightning_gem.ops.mx.saved import save_exact
 
 __all__ = ["SUPPORTED_DTYPES", "gdpa_triton"]
 
@@ -81,6 +82,8 @@ def _save(ctx, q: Tensor, k: Tensor, v: Tensor, spec: Spec, flash: bool, out: Te
     # The log-sum-exp gets no gradient: let it arrive as None instead of a zeros tensor made for it.
     ctx.set_materialize_grads(False)
     softmax = spec.activation == "softmax"  # pointwise activations need neither the output nor the log-sum-exp
+    if softmax:  # its backward differences dO . O against dP: rounded to FP8 (saved-activation quantization) they
+        save_exact(out, lse)  # would cancel to noise; Q, K and V may be stored quantized
     ctx.save_for_backward(q, k, v, out if softmax else None, lse if softmax else None, *spec[:4])
     ctx.options, ctx.flash = spec[4:], flash
 

@@ -1,0 +1,57 @@
+"""Dequantize an MXFP8 matrix (``mx`` layout) to a float dtype in one pass.
+
+The data and its E8M0 scales are read once and the output written once: ``code * 2^(s - 127)`` is exact in
+fp32, and so in bf16 and fp32 outputs (E4M3's 4 significant bits fit either); an fp16 output is clamped to
+fp16's largest finite value, which a rounded-up block maximum may pass by less than one E4M3 step. A NaN
+scale (``0xFF``) makes its block NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from lightning_gem.ops._launch import cdiv, launch
+from lightning_gem.ops.mx.impl.triton._common import _pow2
+
+__all__ = ["dequantize_mx_triton"]
+
+_BLOCK = 32  # elements per E8M0 scale (OCP MX)
+_TILE = 4096  # elements a program writes: 16 KiB of fp32, enough to keep the copy at memory speed
+
+
+@triton.jit(do_not_specialize=["num_elements"])
+def _dequantize_mx_kernel(
+    CODES,  # [N] E4M3 codes as uint8 (a contiguous [R, C] matrix, C a multiple of 32)
+    SCALES,  # [N / 32] biased E8M0 exponents, row-major
+    OUT,  # [N] output
+    num_elements,
+    TILE: tl.constexpr,
+    FP16_OUT: tl.constexpr,
+):
+    offsets = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
+    mask = offsets < num_elements
+    codes = tl.load(CODES + offsets, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    biased = tl.load(SCALES + offsets // 32, mask=mask, other=127).to(tl.int32)
+    values = codes * _pow2(biased - 127)
+    values = tl.where(biased == 255, float("nan"), values)
+    if FP16_OUT:
+        values = tl.minimum(tl.maximum(values, -65504.0), 65504.0)  # NaN stays NaN: the select comes after
+        values = tl.where(biased == 255, float("nan"), values)
+    tl.store(OUT + offsets, values.to(OUT.dtype.element_ty), mask=mask)
+
+
+def dequantize_mx_triton(data: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """``[R, C]`` ``dtype`` values of contiguous E4M3 ``data`` ``[R, C]``, row-major E8M0 ``scale`` ``[R, C / 32]``."""
+    out = torch.empty(data.shape, dtype=dtype, device=data.device)
+    num_elements = data.numel()
+    if num_elements:
+        launch(
+            _dequantize_mx_kernel,
+            (cdiv(num_elements, _TILE),),
+            (data.view(torch.uint8), scale, out, num_elements),
+            {"TILE": _TILE, "FP16_OUT": dtype == torch.float16, "num_warps": 8},
+        )
+    return out

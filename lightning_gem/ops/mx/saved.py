@@ -1,0 +1,194 @@
+"""Saved activations stored in MXFP8: what autograd keeps for the backward, quantized as it is saved.
+
+Inside :class:`QuantizedSavedTensors` every tensor an op saves for its backward that is an activation (a
+floating-point tensor of at least ``min_elements`` elements and two dims, the last a multiple of 32) is
+stored as FP8 E4M3 codes with one E8M0 scale per 32 values along its last dim (``mx`` layout, RCEIL: no
+value saturates) and dequantized to its dtype when the backward reads it: a bf16 activation then takes
+``1 + 1/32`` bytes an element instead of 2, an fp32 one instead of 4. Stay exact: parameters and their
+casts (a leaf tensor or a cast of one), small tensors, integer and boolean tensors, and what a kit op marks
+with :func:`save_exact` (GDPA's softmax output and log-sum-exp, whose backward differences them).
+
+The hooks chain to whatever hooks were active when the context was entered (an activation-checkpointing
+region, a memory profiler): those see the FP8 codes and scales instead of the activation, so a quantized
+region counts at its quantized size. A tensor saved twice in one region (by two ops) is quantized once.
+
+Example:
+    >>> import torch
+    >>> x = torch.randn(64, 128, requires_grad=True)
+    >>> with QuantizedSavedTensors(min_elements=0) as saved:
+    ...     y = (x * 2).sin()
+    >>> y.sum().backward()
+    >>> saved.stats.tensors, saved.stats.bytes_in, saved.stats.bytes_out
+    (1, 32768, 8448)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from lightning_gem.ops.mx.formats import QuantizedTensor
+
+__all__ = ["QuantizedSavedTensors", "SavedTensorStats", "save_exact"]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_EXACT: dict[int, weakref.ref] = {}  # id -> tensor marked by save_exact (not a WeakSet: a tensor's == is elementwise)
+_OPEN = [0]  # contexts open in this process: save_exact is free otherwise
+
+
+def save_exact(*tensors: Tensor | None) -> None:
+    """Keep ``tensors`` exact when they are saved inside a :class:`QuantizedSavedTensors` context (a no-op outside
+    one). Ops call this on what their backward cannot take rounded, before they save it."""
+    if _OPEN[0] and not torch.compiler.is_compiling():
+        for t in tensors:
+            if t is not None and not _is_exact(t):
+                key = id(t)
+                _EXACT[key] = weakref.ref(t, lambda _ref, key=key: _EXACT.pop(key, None))
+
+
+def _is_exact(t: Tensor) -> bool:
+    ref = _EXACT.get(id(t))
+    return ref is not None and ref() is t
+
+
+@dataclasses.dataclass
+class SavedTensorStats:
+    """What a context quantized, summed over every time it was entered (reset with :meth:`reset`)."""
+
+    tensors: int = 0
+    """Saved tensors stored in FP8."""
+    bytes_in: int = 0
+    """Their bytes in their own dtype."""
+    bytes_out: int = 0
+    """Their bytes as FP8 codes and scales."""
+
+    def reset(self) -> None:
+        self.tensors = self.bytes_in = self.bytes_out = 0
+
+
+class _Outer:
+    """A tensor the outer hooks packed (unquantized), with their unpack."""
+
+    __slots__ = ("packed", "unpack")
+
+    def __init__(self, packed: Any, unpack: Callable[[Any], Tensor]) -> None:
+        self.packed, self.unpack = packed, unpack
+
+
+class _Quantized:
+    """An activation's FP8 codes and E8M0 scales (each as the outer hooks packed it), its shape and dtype."""
+
+    __slots__ = ("codes", "scales", "shape", "dtype", "unpack")
+
+    def __init__(self, codes: Any, scales: Any, shape: torch.Size, dtype: torch.dtype, unpack: Any) -> None:
+        self.codes, self.scales, self.shape, self.dtype, self.unpack = codes, scales, shape, dtype, unpack
+
+    def restore(self) -> Tensor:
+        from lightning_gem.ops.mx.api import dequantize
+
+        if self.unpack is not None:  # once: a tensor saved twice shares this object, and outer hooks unpack once
+            self.codes, self.scales, self.unpack = self.unpack(self.codes), self.unpack(self.scales), None
+        return dequantize(QuantizedTensor(self.codes, self.scales, "mx"), self.dtype).view(self.shape)
+
+
+def _is_parameter_or_cast(t: Tensor) -> bool:
+    """A leaf that requires grad (a parameter), or dtype casts of one (autocast's copy of a weight)."""
+    fn = t.grad_fn
+    if fn is None:
+        return t.requires_grad
+    while type(fn).__name__ == "ToCopyBackward0" and fn.next_functions:
+        fn = fn.next_functions[0][0]
+        if type(fn).__name__ == "AccumulateGrad":
+            return True
+    return False
+
+
+class QuantizedSavedTensors(torch.autograd.graph.saved_tensors_hooks):
+    """Store the activations saved for backward inside the context in MXFP8 (module docstring).
+
+    Args:
+        min_elements: tensors with fewer elements stay exact (their FP8 copy would save little and cost a launch).
+        rounding: block exponent rule, ``"rceil"`` (default: nothing saturates) or ``"floor"``.
+        stats: a :class:`SavedTensorStats` to add to (default: a new one, as ``.stats``).
+
+    The context may be entered again (one instance per module call is the usual use: see
+    :func:`lightning_gem.precision.convert`), but not while it is open.
+    """
+
+    def __init__(self, *, min_elements: int = 1 << 14, rounding: str = "rceil", stats: SavedTensorStats | None = None):
+        if min_elements < 0:
+            raise ValueError(f"`min_elements` must be >= 0, got {min_elements}")
+        if rounding not in ("rceil", "floor"):
+            raise ValueError(f"`rounding` must be 'rceil' or 'floor', got {rounding!r}")
+        self.min_elements = min_elements
+        self.rounding = rounding
+        self.stats = stats if stats is not None else SavedTensorStats()
+        self._outer: tuple[Callable[[Tensor], Any], Callable[[Any], Tensor]] | None = None
+        self._seen: dict[tuple, tuple[StorageWeakRef, _Quantized]] = {}
+        self._open = False
+        super().__init__(self._pack, self._unpack)
+
+    def __enter__(self) -> QuantizedSavedTensors:
+        if self._open:
+            raise RuntimeError("this QuantizedSavedTensors context is already open; enter a new instance")
+        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        self._outer = top(False) if top is not None else None
+        super().__enter__()
+        self._open = True
+        _OPEN[0] += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _OPEN[0] -= 1
+        self._open = False
+        self._seen.clear()
+        self._outer = None
+        super().__exit__(*exc)
+
+    def _eligible(self, t: Tensor) -> bool:
+        return (
+            type(t) is Tensor
+            and t.dtype in _FLOAT_DTYPES
+            and t.ndim >= 2
+            and t.shape[-1] % 32 == 0
+            and t.numel() >= max(self.min_elements, 1)
+            and t.device.type in ("cuda", "cpu")
+            and not _is_parameter_or_cast(t)
+            and not _is_exact(t)
+        )
+
+    def _pack(self, t: Tensor) -> Any:
+        outer = self._outer
+        if torch.compiler.is_compiling() or not self._eligible(t):
+            return t if outer is None else _Outer(outer[0](t), outer[1])
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
+        seen = self._seen.get(key)
+        if seen is not None and not seen[0].expired():  # the same tensor again (a freed one's address: expired)
+            return seen[1]
+        from lightning_gem.ops.mx.api import quantize
+
+        q, _ = quantize(t.detach().reshape(-1, t.shape[-1]), "mx", rounding=self.rounding)
+        codes, scales = q.data, q.scale
+        if outer is not None:
+            codes, scales = outer[0](codes), outer[0](scales)
+        packed = _Quantized(codes, scales, t.shape, t.dtype, None if outer is None else outer[1])
+        self._seen[key] = (StorageWeakRef(storage), packed)
+        self.stats.tensors += 1
+        self.stats.bytes_in += t.numel() * t.element_size()
+        self.stats.bytes_out += q.data.numel() + q.scale.numel()
+        return packed
+
+    @staticmethod
+    def _unpack(packed: Any) -> Tensor:
+        if isinstance(packed, _Quantized):
+            return packed.restore()
+        if isinstance(packed, _Outer):
+            return packed.unpack(packed.packed)
+        return packed
