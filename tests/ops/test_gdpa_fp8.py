@@ -260,16 +260,22 @@ def test_triton_fp8_bf16_gpu(layout: str, activation: str, dim: int) -> None:
         assert err <= allowed, f"{tiles}: {err} > {allowed}"
 
 
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_triton_quantizer_gives_the_reference_codes(layout: str) -> None:
+def test_triton_quantizer_gives_the_reference_codes(layout: str, strided: bool) -> None:
     """The quantizer the Triton forward launches produces :func:`quantize_fp8`'s codes and scales (zeros compare equal
-    whatever their sign: the interpreter's conversion drops the sign of a code that rounds to zero)."""
+    whatever their sign: the interpreter's conversion drops the sign of a code that rounds to zero), also from q and
+    k that are views into a wider projection (as an HSTU layer splits its ``uvqk``): the codes come out contiguous."""
     _triton_forward()
     from lightning_gem.ops.attention.impl.triton.quantize import quantize_fp8_triton
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     inputs, jagged = _inputs(layout, 7, torch.bfloat16, dim=32, q_lengths=[37, 0, 1, 16, 150], max_len=160)
     q, k, v, q_offsets, kv_offsets = (t.to(device) for t in (inputs.q, inputs.k, inputs.v, *jagged[:2]))
+    if strided:  # rows three heads' widths apart, the codes' buffers sized for dense rows
+        q = torch.cat([q, q, q], dim=2)[..., 32:64]
+        k = torch.cat([k, k], dim=1)[:, : k.shape[1]]
+        assert q.stride(0) != q.shape[1] * q.shape[2] and k.stride(0) != k.shape[1] * k.shape[2]
     v = v[..., :24].contiguous()  # a value head dim below its block
     expected = quantize_fp8(q, k, v, kv_offsets)
     got = quantize_fp8_triton(q, k, v, q_offsets, kv_offsets, max(inputs.q_lengths), max(inputs.kv_lengths))

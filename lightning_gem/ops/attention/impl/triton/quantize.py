@@ -17,7 +17,7 @@ from torch import Tensor
 from lightning_gem.ops.attention.fp8 import E4M3, FP8Operands, pow2_scale, value_columns, value_offsets
 from lightning_gem.ops.attention.impl.triton._common import E4M3_GRID_FIRST, _e4m3_grid, cdiv, launch, next_power_of_2
 
-__all__ = ["quantize_fp8_triton"]
+__all__ = ["quantize_fp8_triton", "quantize_rows_triton"]
 
 BLOCK_T = 64
 
@@ -61,7 +61,7 @@ def _segment_tile(X, OFFSETS, stride_xt, stride_xh, NUM_COLS: tl.constexpr, BLOC
 @triton.jit
 def _rows_kernel(
     X, CODES, SCALE, NORM,  # [T, H, D] input, [T, H, D] e4m3, [H, T] fp32, [B, H] fp32 (zeros in, maxima out)
-    OFFSETS, stride_xt, stride_xh, stride_scale_h,
+    OFFSETS, stride_xt, stride_xh, stride_ct, stride_ch, stride_scale_h,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, WITH_NORM: tl.constexpr,
 ):  # fmt: skip
     """Codes of ``BLOCK_T`` rows of one segment and head with one scale a row; ``WITH_NORM``: the segment's largest
@@ -75,7 +75,7 @@ def _rows_kernel(
     rows = start + offs_t
     scale_T = _pow2_scale(tl.max(tl.abs(x), axis=1))
     codes = _codes(x, scale_T[:, None])
-    tl.store(CODES + rows[:, None] * stride_xt + head * stride_xh + offs_d[None, :], codes, mask=ok)
+    tl.store(CODES + rows[:, None] * stride_ct + head * stride_ch + offs_d[None, :], codes, mask=ok)
     tl.store(SCALE + head * stride_scale_h + rows, scale_T, mask=offs_t < length)
     if WITH_NORM:
         c = codes.to(tl.float32)
@@ -107,6 +107,22 @@ def _values_kernel(
         tl.atomic_max(entry, tl.max(tl.abs(v), axis=0), mask=offs_d < HEAD_DIM_V, sem="relaxed")
 
 
+def quantize_rows_triton(x: Tensor, offsets: Tensor, max_seq_len: int) -> tuple[Tensor, Tensor]:
+    """:func:`lightning_gem.ops.attention.fp8.quantize_rows` of ``x [T, H, D]`` (unit stride in its last dim; every
+    row in a segment of ``offsets``, each at most ``max_seq_len`` long): the same codes ``[T, H, D]`` and scales
+    ``[H, T]``."""
+    num_rows, heads, dim = x.shape
+    codes = torch.empty(x.shape, dtype=E4M3, device=x.device)
+    scale = torch.empty(heads, num_rows, dtype=torch.float32, device=x.device)
+    num_segments = offsets.shape[0] - 1
+    if num_rows and num_segments and heads:
+        grid = (num_segments, heads, max(1, cdiv(max_seq_len, BLOCK_T)))
+        meta = {"HEAD_DIM": dim, "BLOCK_D": max(16, next_power_of_2(dim)), "BLOCK_T": BLOCK_T, "WITH_NORM": False}
+        strides = (x.stride(0), x.stride(1), codes.stride(0), codes.stride(1), num_rows)
+        launch(_rows_kernel, grid, (x, codes, scale, scale, offsets, *strides), meta)
+    return codes, scale
+
+
 def quantize_fp8_triton(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_offsets: Tensor,
                         max_seq_len_q: int, max_seq_len_kv: int) -> FP8Operands:  # fmt: skip
     """:func:`lightning_gem.ops.attention.fp8.quantize_fp8` on the GPU (or in the interpreter), the same bits.
@@ -126,11 +142,11 @@ def quantize_fp8_triton(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_o
     v_t = torch.zeros(heads, dim_v, value_columns(num_kv, num_kv_segments), dtype=E4M3, device=v.device)
     if num_q and num_segments and heads:
         grid = (num_segments, heads, max(1, cdiv(max_seq_len_q, BLOCK_T)))
-        launch(_rows_kernel, grid, (q, q8, q_scale, k_norm, q_offsets, q.stride(0), q.stride(1), num_q),
+        launch(_rows_kernel, grid, (q, q8, q_scale, k_norm, q_offsets, *q.stride()[:2], *q8.stride()[:2], num_q),
                {"HEAD_DIM": dim, "BLOCK_D": block_d, "BLOCK_T": BLOCK_T, "WITH_NORM": False})  # fmt: skip
     if num_kv and num_kv_segments and heads:
         grid = (num_kv_segments, heads, max(1, cdiv(max_seq_len_kv, BLOCK_T)))
-        launch(_rows_kernel, grid, (k, k8, k_scale, k_norm, kv_offsets, k.stride(0), k.stride(1), num_kv),
+        launch(_rows_kernel, grid, (k, k8, k_scale, k_norm, kv_offsets, *k.stride()[:2], *k8.stride()[:2], num_kv),
                {"HEAD_DIM": dim, "BLOCK_D": block_d, "BLOCK_T": BLOCK_T, "WITH_NORM": True})  # fmt: skip
         values = (v, v_scale, v_t, kv_offsets, v_offsets, v.stride(0), v.stride(1), v_t.stride(0), v_t.stride(1))
         meta = {"HEAD_DIM_V": dim_v, "BLOCK_DV": block_dv, "BLOCK_T": BLOCK_T}
