@@ -5,7 +5,8 @@ No GPU needed (Triton's compiler and its backend's ``ptxas`` / ``cuobjdump``)::
     python examples/benchmarks/kernel_resources.py --dim 256
     python examples/benchmarks/kernel_resources.py --dim 128 --activation softmax --plans 64,128,8,3 64,128,8,2,tma
 
-prints one row per launch: the forward's tile candidates, then each backward plan's dK/dV kernel (a plan as in
+prints one row per launch: the forward's tile candidates, then each backward plan's dK/dV kernel, on bf16 operands
+and with ``S`` and ``dP`` on FP8 codes (a plan as in
 ``attention_sweep.py --plans``: ``block_m,block_n,warps,stages`` with ``tma`` and ``split`` flags; default every
 plan the tuner times on long sequences: the one-launch dK/dV + dQ kernel, atomic and bulk-reduced dQ, and the split
 dK/dV programs). Per row: registers a thread, stack
@@ -90,8 +91,10 @@ def main() -> None:
         plans = backward_candidates(torch.bfloat16, cuda, args.dim, deterministic=False, tma=True)
         plans += split_candidates(torch.bfloat16, cuda, args.dim, tma=True)
         plans = list(dict.fromkeys(plans))
-    for plan in plans:
-        print(_row(_label(plan), compile_kernel(plan_kernel(plan), plan_meta(plan, options))), flush=True)
+    for plan in plans:  # each plan as it runs on bf16 inputs, then with S and dP on FP8 codes (precision="fp8")
+        for fp8 in (False, True) if not plan.short else (False,):
+            meta = plan_meta(plan, {**options, "FP8": fp8})
+            print(_row(_label(plan) + (" fp8" if fp8 else ""), compile_kernel(plan_kernel(plan), meta)), flush=True)
 
 
 def _label(plan) -> str:

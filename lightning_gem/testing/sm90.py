@@ -19,8 +19,8 @@ from dataclasses import dataclass
 __all__ = ["LoopUse", "Resources", "compile_kernel", "resources"]
 
 # Pointer arguments in fp32 (the rest of the upper-case arguments are bf16 tensors), and the offset-like ones.
-_FP32 = ("LSE", "DELTA", "DQ", "Q_SCALE", "K_SCALE", "V_SCALE", "K_NORM", "SCALE", "NORM", "AMAX")
-_FP8 = ("CODES", "V_T")  # the FP8 quantizer's outputs
+_FP32 = ("LSE", "DELTA", "DQ", "Q_SCALE", "K_SCALE", "V_SCALE", "DO_SCALE", "K_NORM", "SCALE", "NORM", "AMAX")
+_FP8 = ("CODES", "V_T", "Q8", "K8", "V8", "DO8")  # the FP8 quantizer's outputs, the FP8 backward's row codes
 _OFFSETS = ("Q_OFFSETS", "KV_OFFSETS", "KV_INDEX", "NUM_TARGETS", "SEG_OFFSETS", "SEG_ORDER")
 
 
@@ -37,6 +37,9 @@ def compile_kernel(kernel, meta: dict, offsets: str = "*i32"):
     from triton.compiler import ASTSource
 
     constexprs = {name: value for name, value in meta.items() if name not in ("num_warps", "num_stages")}
+    missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in constexprs and not p.has_default]
+    if missing:  # else each would be typed as a tensor argument below, and a branch on it would not be static
+        raise ValueError(f"{kernel.fn.__name__} needs the constexprs {missing} in `meta`")
     signature = {}
     for name in inspect.signature(kernel.fn).parameters:
         if name in constexprs:

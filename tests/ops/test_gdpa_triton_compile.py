@@ -48,19 +48,25 @@ for flags, offsets, (bm, bn, warps, stages), fused in modes:
     sizes[f"short {name}"] = compile_one(backward_short._gdpa_bwd_short_kernel, dict(short, BLOCK_M=32), offsets, 4,
                                          stages)
     # The fused-dQ mode adds its tiles through bulk tensor reductions (its head dim is a power of two).
-    dkdv = dict(common, FUSED_DQ=fused, DQ_TMA=fused)
+    dkdv = dict(common, FUSED_DQ=fused, DQ_TMA=fused, FP8=False)
     sizes[f"dkdv {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(dkdv, SPLIT=False), offsets, warps,
                                         stages)
     sizes[f"dkdv split {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(dkdv, SPLIT=True), offsets, warps,
                                               stages)
     for split in (False, True):
-        one_launch = dict(common, DQ_BLOCK_M=bn, DQ_BLOCK_N=bm, SPLIT=split)
+        one_launch = dict(common, DQ_BLOCK_M=bn, DQ_BLOCK_N=bm, SPLIT=split, FP8=False)
         sizes[f"bwd {name} split {split}"] = compile_one(backward._gdpa_bwd_kernel, one_launch, offsets, warps, stages)
 sizes["delta"] = compile_one(backward._bwd_delta_kernel, dict(HEAD_DIM_V=96, BLOCK_DV=128, BLOCK_T=64),
                              "*i64", 4, 1)
-# The FP8 path: the forward on E4M3 codes, and the three kernels of its quantizer.
+# The FP8 path: the forward on E4M3 codes, the backward's S and dP on row codes (the atomic-dQ kernel with dK and dV
+# in programs of their own, the one-launch kernel with targets' row-wise terms), and the three kernels of its quantizer.
 fp8 = dict(modes[0][0], BLOCK_M=128, BLOCK_N=64, DOT_PRECISION="tf32", FAST=True, TMA=False, FP8=True)
 sizes["fwd fp8"] = compile_one(forward._gdpa_fwd_kernel, fp8, "*i32", 8, 3)
+bwd_fp8 = dict(modes[1][0], BLOCK_M=64, BLOCK_N=64, DOT_PRECISION="tf32", FAST=True, FP8=True)
+sizes["dkdv split fp8"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(bwd_fp8, FUSED_DQ=True, DQ_TMA=False,
+                                      SPLIT=True), "*i64", 8, 2)  # fmt: skip
+sizes["bwd fp8"] = compile_one(backward._gdpa_bwd_kernel, dict(bwd_fp8, DQ_BLOCK_M=64, DQ_BLOCK_N=64, SPLIT=False),
+                               "*i64", 8, 2)  # fmt: skip
 sizes["quantize rows"] = compile_one(quantize._rows_kernel, dict(HEAD_DIM=96, BLOCK_D=128, BLOCK_T=64, WITH_NORM=True),
                                      "*i64", 4, 1)
 for write_codes in (False, True):
@@ -85,7 +91,7 @@ def test_kernels_compile_for_sm90() -> None:
     result = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     sizes = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(sizes) == 18
+    assert len(sizes) == 20
     assert all(size > 0 for size in sizes.values()), sizes
 
 

@@ -119,8 +119,9 @@ def gdpa(
             its own instead of adding it up with fp32 atomics (slower). The reference is deterministic anyway.
         precision: None (products in the inputs' dtype) or ``"fp8"``: the forward's two products on FP8 E4M3 codes
             with fp32 accumulation (:mod:`lightning_gem.ops.attention.fp8` says how q, k, v and the probabilities are
-            scaled, and why none can overflow); the output keeps q's dtype, and the gradients are the unquantized
-            function's, computed in the inputs' dtype. ``impl="triton"`` (CUDA sm_89+, or the interpreter) and
+            scaled, and why none can overflow), and in the backward the two it recomputes, ``S`` and ``dP``, on codes
+            with one scale per token and head; the three that make the gradients run in the inputs' dtype. The output
+            and the gradients keep the inputs' dtypes. ``impl="triton"`` (CUDA sm_89+, or the interpreter) and
             ``"reference"`` (an exact emulation of the codes, any device) take it, and ``"auto"`` where it resolves
             to one of them; ``"flash"``, ``"padded"`` and ``score_bias`` do not.
 

@@ -20,6 +20,12 @@ implementation (PyTorch here, the Triton kernels) turns the same input into the 
 :func:`gdpa_fp8_reference` computes exactly these codes' products in fp32 (the oracle of the kernels' FP8 path).
 The kernels quantize ``P`` tile by tile against the running maximum, this reference against the row's final one, so
 the two round different ``p`` and agree to FP8's rounding of ``P`` (about ``2^-4`` of each weight), not bit for bit.
+
+The backward (:func:`gdpa_fp8_reference_backward`, the kernels' oracle there) recomputes ``S = scale Q K^T`` and
+``dP = dO V^T`` on codes with one scale per (token, head) for all four operands (:func:`quantize_rows`: q and k get
+the forward's own codes, so the rebuilt probabilities are the ones its log-sum-exp normalises; a per-channel scale of
+v would lie along dP's summed dim). ``dV = P^T dO``, ``dK = scale dS^T Q`` and ``dQ = scale dS K`` sum over tokens,
+along which a row scale varies, so they keep the inputs' dtype.
 """
 
 from __future__ import annotations
@@ -38,12 +44,15 @@ __all__ = [
     "P_SCALE",
     "FP8Operands",
     "gdpa_fp8",
+    "dequantize_rows",
     "gdpa_fp8_reference",
+    "gdpa_fp8_reference_backward",
     "pointwise_bound",
     "pow2_ceil",
     "pow2_scale",
     "quantization_stats",
     "quantize_fp8",
+    "quantize_rows",
     "value_codes",
     "value_columns",
     "value_offsets",
@@ -88,13 +97,25 @@ def pow2_ceil(x: Tensor) -> Tensor:
     return (exponent << 23).view(torch.float32)
 
 
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``x [T, H, D]`` as E4M3 codes ``[T, H, D]`` with one scale per (token, head), ``[H, T]`` fp32 (head-major: a
+    tile's rows' scales are one contiguous run): the rule of ``q`` and ``k`` in the module docstring."""
+    with torch.no_grad():
+        scale = pow2_scale(x.abs().amax(dim=2))
+        return (x.float() / scale[:, :, None]).to(E4M3), scale.t().contiguous()
+
+
+def dequantize_rows(codes: Tensor, scale: Tensor) -> Tensor:
+    """fp32 values of :func:`quantize_rows`' ``codes [T, H, D]`` and ``scale [H, T]`` (exact)."""
+    return codes.float() * scale.t()[:, :, None]
+
+
 def quantize_fp8(q: Tensor, k: Tensor, v: Tensor, kv_offsets: Tensor) -> FP8Operands:
     """``q``, ``k``, ``v`` in the FP8 recipe of this module."""
     with torch.no_grad():
-        q_scale = pow2_scale(q.abs().amax(dim=2))  # [T, H] here, head-major when returned
-        k_scale = pow2_scale(k.abs().amax(dim=2))
-        q8 = (q.float() / q_scale[:, :, None]).to(E4M3)
-        k8 = (k.float() / k_scale[:, :, None]).to(E4M3)
+        q8, q_scale_h = quantize_rows(q)
+        k8, k_scale_h = quantize_rows(k)
+        k_scale = k_scale_h.t()
         num_kv, heads, dim_v = v.shape
         num_segments = kv_offsets.shape[0] - 1
         seg, position = jagged.segment_positions(kv_offsets, num_kv)  # validated offsets: every key in a segment
@@ -108,7 +129,7 @@ def quantize_fp8(q: Tensor, k: Tensor, v: Tensor, kv_offsets: Tensor) -> FP8Oper
         norms = torch.linalg.vector_norm(k8.float(), dim=2) * k_scale
         k_norm = norms.new_zeros(num_segments, heads)
         k_norm.scatter_reduce_(0, seg[:, None].expand(num_kv, heads), norms, "amax")
-    return FP8Operands(q8, q_scale.t().contiguous(), k8, k_scale.t().contiguous(), v_t, v_offsets, v_scale, k_norm)
+    return FP8Operands(q8, q_scale_h, k8, k_scale_h, v_t, v_offsets, v_scale, k_norm)
 
 
 def value_offsets(kv_offsets: Tensor) -> Tensor:
@@ -170,27 +191,41 @@ def pointwise_bound(q_norm: Tensor, k_norm: Tensor, scale: float) -> Tensor:
 
 
 class _FP8Reference(torch.autograd.Function):
-    """:func:`gdpa_fp8_reference` forward; the backward of the unquantized function (the reference's, in fp32), as
-    the kernels' FP8 path computes its gradients in the inputs' dtype."""
+    """:func:`gdpa_fp8_reference` forward; :func:`gdpa_fp8_reference_backward` backward."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
-        ctx.save_for_backward(q, k, v)
+        out = gdpa_fp8_reference(q, k, v, spec)
+        ctx.save_for_backward(q, k, v, out)
         ctx.spec = spec
-        return gdpa_fp8_reference(q, k, v, spec)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        from lightning_gem.ops.attention.impl.reference import gdpa_reference_backward
-
-        q, k, v = ctx.saved_tensors
-        return (*gdpa_reference_backward(grad_out, q, k, v, ctx.spec), None)
+        return (*gdpa_fp8_reference_backward(grad_out, *ctx.saved_tensors, ctx.spec), None)
 
 
 def gdpa_fp8(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
-    """``impl="reference"`` with ``precision="fp8"``: :func:`gdpa_fp8_reference`, differentiable (the gradients of
-    the unquantized function, as the Triton path computes them)."""
+    """``impl="reference"`` with ``precision="fp8"``: :func:`gdpa_fp8_reference`, differentiable by
+    :func:`gdpa_fp8_reference_backward` (the gradients the Triton path computes)."""
     return _FP8Reference.apply(q, k, v, spec)
+
+
+def gdpa_fp8_reference_backward(
+    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, spec: Spec
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of GDPA's FP8 path as its kernels compute them, in fp32 (the oracle of the Triton backward).
+
+    The two products the backward recomputes run on FP8 codes with one scale per (token, head)
+    (:func:`quantize_rows`): ``S = scale Q8 K8^T`` (the codes of the forward's ``S``, so the rebuilt ``P`` is the one
+    the forward's log-sum-exp normalises) and ``dP = dO8 V8^T``. The three that make the gradients,
+    ``dV = P^T dO``, ``dK = scale dS^T Q`` and ``dQ = scale dS K``, keep the unquantized ``dO``, ``Q`` and ``K``
+    (in the kernels: the inputs' dtype), and softmax's ``rowsum(dO * O)`` takes the FP8 forward's ``out``.
+    """
+    from lightning_gem.ops.attention.impl.reference import gdpa_reference_backward
+
+    products = tuple(dequantize_rows(*quantize_rows(t)) for t in (q, k, grad_out, v))
+    return gdpa_reference_backward(grad_out, q, k, v, spec, products=products, out=out)
 
 
 def gdpa_fp8_reference(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:

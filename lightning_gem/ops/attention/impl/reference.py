@@ -163,7 +163,15 @@ def gdpa_reference(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, compute_dtype
 
 
 def gdpa_reference_backward(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, compute_dtype: torch.dtype | None = None
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    spec: Spec,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    products: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
+    out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` of :func:`gdpa_reference`, written out as a kernel computes them (in
     ``compute_dtype``, as :func:`gdpa_reference`).
@@ -171,6 +179,11 @@ def gdpa_reference_backward(
     With ``S = scale Q K^T`` and ``O = P V`` (pointwise: ``P = mask * act(S) / Lk``): ``dV = P^T dO``,
     ``dP = dO V^T``; softmax: ``dS = P * (dP - rowsum(dO * O))``; pointwise: ``dS = mask * act'(S) * dP / Lk``; then
     ``dQ = scale dS K`` and ``dK = scale dS^T Q``. dk and dv add up over query segments sharing a kv segment.
+
+    ``products`` ``(q', k', dO', v')``, shaped as ``q, k, grad_out, v``, replaces the operands of the two recomputed
+    products, ``S = scale Q' K'^T`` and ``dP = dO' V'^T`` (GDPA's FP8 backward: their dequantized FP8 codes); the
+    other products keep ``q, k, grad_out``. ``out``: softmax's ``rowsum(dO * O)`` from this forward output, as the
+    kernels take it (default: ``rowsum(dP * P)``, which equals it for the exact forward).
     """
     # Computes in float32 (float64 for float64 inputs) also under autocast, which is off inside.
     with torch.autocast(q.device.type, enabled=False):
@@ -179,20 +192,31 @@ def gdpa_reference_backward(
         dk = torch.zeros(k.shape, dtype=compute, device=k.device)
         dv = torch.zeros(v.shape, dtype=compute, device=v.device)
         q_h, k_h, v_h, g_h = _head_major(q), _head_major(k), _head_major(v), _head_major(grad_out)
+        if products is not None:
+            qs_h, ks_h, gs_h, vs_h = (_head_major(t) for t in products)
+        else:
+            qs_h, ks_h, gs_h, vs_h = q_h, k_h, g_h, v_h
+        if out is not None:
+            delta_h = _head_major((grad_out.to(compute) * out.to(compute)).sum(dim=-1, keepdim=True))
         for b in _buckets(q.shape[0], k.shape[0], spec):
-            qb, kb, vb = _gather(q_h, b.q_idx, compute), _gather(k_h, b.k_idx, compute), _gather(v_h, b.k_idx, compute)
+            qb, kb = _gather(q_h, b.q_idx, compute), _gather(k_h, b.k_idx, compute)
             gb = _gather(g_h, b.q_idx, compute) * b.q_valid[None, :, :, None]  # padded query slots carry no grad
-            scores = torch.matmul(qb * spec.scale, kb.transpose(-1, -2))  # [H, N, Lq, Lk]
+            qs, gs = _gather(qs_h, b.q_idx, compute), _gather(gs_h, b.q_idx, compute) * b.q_valid[None, :, :, None]
+            ks, vs = _gather(ks_h, b.k_idx, compute), _gather(vs_h, b.k_idx, compute)
+            scores = torch.matmul(qs * spec.scale, ks.transpose(-1, -2))  # [H, N, Lq, Lk]
             probs = _probabilities(scores, b.mask, spec.activation)
             if spec.activation == "softmax":
-                dprobs = torch.matmul(gb, vb.transpose(-1, -2))
+                dprobs = torch.matmul(gs, vs.transpose(-1, -2))
                 # rowsum(dP * P) == rowsum(dO * O), as kernels compute it; this form is exact where a row
                 # attends to a single key (its dS is then exactly zero).
-                delta = (dprobs * probs).sum(dim=-1, keepdim=True)
+                if out is None:
+                    delta = (dprobs * probs).sum(dim=-1, keepdim=True)
+                else:
+                    delta = _gather(delta_h, b.q_idx, compute)
                 dscores = probs * (dprobs - delta)
             else:
                 gb = gb / b.len_k
-                dprobs = torch.matmul(gb, vb.transpose(-1, -2))
+                dprobs = torch.matmul(gs / b.len_k, vs.transpose(-1, -2))
                 derivative = POINTWISE[spec.activation][1](scores)
                 dscores = torch.where(b.mask, derivative * dprobs, torch.zeros_like(dprobs))
             dv_b = torch.matmul(probs.transpose(-1, -2), gb)  # [H, N, Lk, Dv]

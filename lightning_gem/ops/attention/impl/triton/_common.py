@@ -298,6 +298,19 @@ def _load_tile(
 
 
 @triton.jit
+def _code_rows(codes_base, scales_base, offs_r, rows_ok, stride_r, NUM_COLS: tl.constexpr, BLOCK_C: tl.constexpr,
+               CHECK_ROWS: tl.constexpr):  # fmt: skip
+    """FP8 codes ``[R, BLOCK_C]`` of rows ``offs_r`` and the rows' scales ``[R]`` (one per row, contiguous), zeros
+    where out of range (``CHECK_ROWS``: rows outside ``rows_ok`` may be)."""
+    codes = _load_tile(codes_base, offs_r, stride_r, tl.arange(0, BLOCK_C), rows_ok, NUM_COLS, BLOCK_C, CHECK_ROWS)
+    if CHECK_ROWS:
+        scales = tl.load(scales_base + offs_r, mask=rows_ok, other=0.0)
+    else:
+        scales = tl.load(scales_base + offs_r)
+    return codes, scales
+
+
+@triton.jit
 def _key_tile(
     k_base, v_base, n_start, hi, stride_kt, stride_vt,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -354,25 +367,41 @@ def _query_rows(Q, DO, LSE, DELTA, q_start, head, offs_m, len_q, shift, num_hist
 def _dq_key_blocks(
     dq_MD, q_MD, do_MDV, lse_M, delta_M, k_base, v_base, dk_base, dv_base,
     stride_kt, stride_vt, stride_dkt, stride_dvt, n_lo, n_hi, hi, pos_m, row_ok,
-    qk_scale, scale, inv_len_k, num_history, window, block_size,
+    qk_scale, scale, inv_len_k, num_history, window, block_size, fp8,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DKDV: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FAST: tl.constexpr, FP8: tl.constexpr = False,
 ):  # fmt: skip
     """Key tiles ``[n_lo, n_hi)`` against one query tile (rows from :func:`_query_rows`): each tile's part of dQ
     (unscaled) added to ``dq_MD``, and with ``DKDV`` (the tile is the only one that sees these keys) the tile's dK
     and dV stored at ``dk_base`` / ``dv_base`` (rows below ``hi``; else those arguments are not read). ``MASKED``
     applies ``allowed``. Rows past the segment hold zeros (q, dO) and an infinite log-sum-exp, so they add
-    nothing unmasked."""
+    nothing unmasked.
+
+    ``FP8`` (not with ``DKDV``): ``q_MD`` and ``do_MDV`` are the rows' FP8 codes, and ``fp8`` holds the keys' codes
+    and every row's scale, ``(k8_base, v8_base, ks_base, vs_base, stride_k8t, stride_v8t, sq_M, sdo_M)``: ``S`` and
+    ``dP`` are products of codes, and K (at ``k_base``) is read for dQ's product only."""
+    tl.static_assert(not (FP8 and DKDV), "the FP8 backward writes dK and dV from dK/dV programs")
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for n_start in tl.range(n_lo, n_hi, BLOCK_N):
-        offs_n, col_ok, k_ND, v_NDV = _key_tile(
-            k_base, v_base, n_start, hi, stride_kt, stride_vt, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, MASKED
-        )
-        qk_MN = tl.dot(q_MD, tl.trans(k_ND), input_precision=DOT_PRECISION)
-        dp_MN = tl.dot(do_MDV, tl.trans(v_NDV), input_precision=DOT_PRECISION)
+        if FP8:
+            k8_base, v8_base, ks_base, vs_base, stride_k8t, stride_v8t, sq_M, sdo_M = fp8
+            offs_n = n_start + tl.arange(0, BLOCK_N)
+            col_ok = offs_n < hi
+            k8_ND, sk_N = _code_rows(k8_base, ks_base, offs_n, col_ok, stride_k8t, HEAD_DIM, BLOCK_D, MASKED)
+            v8_NDV, sv_N = _code_rows(v8_base, vs_base, offs_n, col_ok, stride_v8t, HEAD_DIM_V, BLOCK_DV, MASKED)
+            k_ND = _load_tile(k_base, offs_n, stride_kt, offs_d, col_ok, HEAD_DIM, BLOCK_D, MASKED)
+            qk_MN = tl.dot(q_MD, tl.trans(k8_ND)) * (sq_M[:, None] * sk_N[None, :])
+            dp_MN = tl.dot(do_MDV, tl.trans(v8_NDV)) * (sdo_M[:, None] * sv_N[None, :])
+        else:
+            offs_n, col_ok, k_ND, v_NDV = _key_tile(
+                k_base, v_base, n_start, hi, stride_kt, stride_vt, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+                MASKED,
+            )  # fmt: skip
+            qk_MN = tl.dot(q_MD, tl.trans(k_ND), input_precision=DOT_PRECISION)
+            dp_MN = tl.dot(do_MDV, tl.trans(v_NDV), input_precision=DOT_PRECISION)
         if MASKED:
             allowed_MN = row_ok[:, None] & _history_mask(
                 pos_m[:, None], offs_n[None, :], num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
@@ -391,7 +420,7 @@ def _dq_key_blocks(
                 p_MN = _activation(s_MN, ACTIVATION, FAST) * inv_len_k
                 if MASKED:
                     p_MN = tl.where(allowed_MN, p_MN, 0.0)
-        ds_MN = ds_MN.to(q_MD.dtype)
+        ds_MN = ds_MN.to(k_ND.dtype)
         if DKDV:
             dv_NDV = tl.dot(tl.trans(p_MN.to(do_MDV.dtype)), do_MDV, input_precision=DOT_PRECISION)
             dk_ND = tl.dot(tl.trans(ds_MN), q_MD, input_precision=DOT_PRECISION) * scale

@@ -102,7 +102,7 @@ def _gdpa_bwd_short_kernel(
         dq_MD = _dq_key_blocks(
             dq_MD, q_MD, do_MDV, lse_M, delta_M, k_base, v_base, dk_base, dv_base,
             stride_kt, stride_vt, stride_dkt, stride_dvt, n_lo, n_hi, hi, pos_m, row_ok,
-            qk_scale, scale, inv_len_k, num_history, window, block_size,
+            qk_scale, scale, inv_len_k, num_history, window, block_size, k_base,  # k_base: no FP8 operands here
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1, True,
             ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST,
         )  # fmt: skip
