@@ -282,6 +282,27 @@ def test_api_rejects_what_fp8_cannot_run() -> None:
         gdpa(q, k, v, offsets, score_bias=bias, max_seq_len_q=80, precision="fp8")
 
 
+def test_fp8_kernels_get_products_of_32_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP8 tensor-core products sum 32 or more values: on a GPU the API refuses head dims of 16 or less, and the
+    forward's candidate tiles are at least 32 keys wide, also for BlockAttention blocks of 16."""
+    from types import SimpleNamespace
+
+    from lightning_gem.ops.attention import api
+    from lightning_gem.ops.attention.impl.triton._tuning import candidate_tiles
+
+    monkeypatch.setattr(api, "_capability", lambda device: (9, 0))
+    on_gpu = SimpleNamespace(is_cuda=True, device="cuda:0", shape=(10, 2, 16))
+    with pytest.raises(ValueError, match="head dims over 16"):
+        api._check_precision("fp8", "triton", on_gpu, SimpleNamespace(shape=(10, 2, 64)))
+    api._check_precision("fp8", "triton", SimpleNamespace(is_cuda=True, device="cuda:0", shape=(10, 2, 32)),
+                         SimpleNamespace(shape=(10, 2, 32)))  # fmt: skip
+    cuda = torch.device("cuda")
+    for block_size in (None, 16, 48, 64):
+        tiles = candidate_tiles("fwd", torch.bfloat16, cuda, 64, block_size=block_size, fp8=True)
+        assert tiles and all(t.block_n >= 32 for t in tiles), block_size
+    assert candidate_tiles("fwd", torch.bfloat16, cuda, 64, block_size=16)[0].block_n == 16  # bf16 keeps block tiles
+
+
 def test_fp8_attention_through_the_precision_config(monkeypatch: pytest.MonkeyPatch) -> None:
     """``MXConfig(attention=True)`` turns the kit's GDPA layers to ``precision="fp8"`` but those ``keep_bf16`` matches
     and those with a relative bias; the layers hand it to ``gdpa``. Converting again without it turns them back."""

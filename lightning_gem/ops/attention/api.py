@@ -190,7 +190,7 @@ def gdpa(
     if precision is not None:
         if score_bias is not None:
             raise ValueError("`precision='fp8'` cannot take `score_bias` (only the dense impl='padded' does)")
-        _check_precision(precision, resolved, q)
+        _check_precision(precision, resolved, q, v)
     spec = Spec(q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size, float(scale),
                 max_seq_len_q, max_seq_len_kv, deterministic, precision)  # fmt: skip
     if resolved == "triton":  # the hot path first
@@ -263,7 +263,7 @@ def _resolve_biased(
 PRECISIONS = (None, "fp8")
 
 
-def _check_precision(precision: str, resolved: str, q: Tensor) -> None:
+def _check_precision(precision: str, resolved: str, q: Tensor, v: Tensor) -> None:
     """``precision="fp8"`` where the resolved implementation computes it: the reference anywhere, the Triton kernels
     on GPUs with FP8 tensor cores (sm_89+) or in the interpreter."""
     if precision not in PRECISIONS:
@@ -274,6 +274,11 @@ def _check_precision(precision: str, resolved: str, q: Tensor) -> None:
         major, minor = _capability(q.device)
         raise ValueError(
             f"`precision='fp8'` needs FP8 tensor cores (compute capability 8.9+), got {major}.{minor} on {q.device}"
+        )
+    if resolved == "triton" and q.is_cuda and min(q.shape[2], v.shape[2]) <= 16:
+        raise ValueError(
+            "`precision='fp8'` with impl='triton' needs head dims over 16 on a GPU (an FP8 tensor-core product sums "
+            f"32 or more values), got q/k head dim {q.shape[2]} and v head dim {v.shape[2]}"
         )
 
 

@@ -128,6 +128,7 @@ def candidate_tiles(
     *,
     block_size: int | None = None,
     max_len_q: int = 1 << 30,
+    fp8: bool = False,
 ) -> list[Tiles]:
     """Candidate tiles of ``kernel`` (``"fwd"``, ``"dkdv"`` or ``"dq"``), best guess first.
 
@@ -135,12 +136,16 @@ def candidate_tiles(
     (twice the shared memory per element). BlockAttention with a block that a tile edge divides gets
     tiles of exactly that edge: one query tile against its own key tile, no mask inside whole blocks.
     Short query segments (candidates over a history) get query tiles no taller than the longest one.
+    ``fp8`` (the forward on FP8 codes): key tiles of 32 or more, the least an FP8 tensor-core product sums over
+    (``P V`` sums over a key tile), so BlockAttention blocks of 16 take the general tiles (masked at block edges).
     """
     if device.type != "cuda":
         return [Tiles(16, 16, 1, 1)]
     if dtype == torch.float32:
         return [Tiles(32, 32, 4, 2)]
     edge = _block_tiles(block_size)
+    if fp8 and edge is not None and edge < 32:
+        edge = None
     if edge is not None and edge <= 64:
         if kernel == "fwd":
             return [Tiles(edge, edge, 4, 2), Tiles(edge, edge, 8, 2)]

@@ -357,7 +357,8 @@ def gdpa_forward(
                work_bucket(num_q, heads, k.shape[0], kv_offsets.shape[0] - 1), use_flash)  # fmt: skip
 
         def candidates() -> list[Tiles | str]:
-            tiles = candidate_tiles("fwd", q.dtype, q.device, head_dim, block_size=block_size, max_len_q=max_seq_len_q)
+            tiles = candidate_tiles("fwd", q.dtype, q.device, head_dim, block_size=block_size, max_len_q=max_seq_len_q,
+                                    fp8=fp8)  # fmt: skip
             return [*tiles, FLASH] if use_flash else tiles
 
         tiles, meta = pick_launch(
