@@ -54,15 +54,20 @@ for s in "${steps[@]}"; do
         sweep --modes grid --impls triton,flash,auto --dims 64,128,256 --out "$OUT/attention_sweep.json"
       step attention_grid 600 $PY examples/benchmarks/attention_grid.py \
         --candidates --out-dir "$OUT/attention_grid" ;;
-    fp8_attention)  # FP8 attention: its forward on 200 random shapes per mode against the emulation, then the grid's
-      # head-dim-128 and 256 cells on FP8 codes beside their bf16 calls, then end to end at NVIDIA's HSTU shapes
+    fp8_attention)  # FP8 attention: forward and backward on 200 random shapes per mode against the emulation, then the
+      # grid's head-dim-128 and 256 cells on FP8 codes beside their bf16 calls, end to end at NVIDIA's HSTU shapes
       step fp8_sweep 600 $PY examples/benchmarks/attention_check.py sweep --modes grid --impls triton,triton-fp8 \
         --dims 64,128,256 --out "$OUT/fp8_sweep.json"
       step fp8_grid 600 $PY examples/benchmarks/attention_grid.py --no-named --modes "softmax causal" "silu causal" \
         --heads 16 4 --dims 128 256 --lengths 4k-uniform 4k --long-tokens 0 --precision fp8 \
         --out-dir "$OUT/fp8_grid"
       step fp8_e2e 600 $PY examples/benchmarks/e2e.py --preset nvidia-hstu --stacks kit --kit-precision mxfp8-attention \
-        --root "$OUT/fp8_e2e" --out "$OUT/fp8_e2e.json" ;;
+        --root "$OUT/fp8_e2e" --out "$OUT/fp8_e2e.json"
+      # Saved activations in MXFP8 against the same stack without, the GEM example at width 2048: peak memory, step
+      # time and the per-step loss gap on the same batches
+      step fp8_saved 600 $PY examples/benchmarks/e2e.py --stacks kit,kit-fp8-saved --kit-precision mxfp8 \
+        --model-dim 2048 --num-heads 16 --num-layers 8 --batch-size 32 --steps 10 --warmup 5 --root "$OUT/fp8_saved" \
+        --out "$OUT/fp8_saved.json" ;;
     precision) step precision 600 $PY examples/benchmarks/precision.py --tokens 16384 65536 --rounds 3 \
       --quality-steps 150 --profile --host-profile --out "$OUT/precision.json" ;;
     host) step host_overhead 120 $PY examples/benchmarks/host_overhead.py ;;
