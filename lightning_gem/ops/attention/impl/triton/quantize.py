@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_gem.ops.attention.fp8 import E4M3, FP8Operands, pow2_scale, value_columns, value_offsets
+from lightning_gem.ops.attention.fp8 import E4M3, FP8Operands, value_columns, value_offsets
 from lightning_gem.ops.attention.impl.triton._common import E4M3_GRID_FIRST, _e4m3_grid, cdiv, launch, next_power_of_2
 
 __all__ = ["quantize_fp8_triton", "quantize_rows_triton"]
@@ -85,14 +85,20 @@ def _rows_kernel(
 
 @triton.jit
 def _values_kernel(
-    V, AMAX, V_T,  # [T, H, DV], [B, H, DV] fp32 (zeros in, maxima out), [H, DV, columns] e4m3
+    V, AMAX, V_T, V_SCALE,  # [T, H, DV], [B, H, DV] fp32 (zeros in, maxima out), [H, DV, columns] e4m3, like AMAX
     OFFSETS, V_OFFSETS, stride_vt, stride_vh, stride_th, stride_td,  # V_OFFSETS: the segments' first columns
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr, WRITE_CODES: tl.constexpr,
 ):  # fmt: skip
     """``BLOCK_T`` tokens of one segment and head: each channel's largest ``|v|`` into the segment's, or with
     ``WRITE_CODES`` (a second launch, once every maximum is in) their codes on the scales of those maxima, written
-    transposed (tokens contiguous; the launcher turns the maxima into the scales after)."""
-    length = tl.load(OFFSETS + tl.program_id(0) + 1) - tl.load(OFFSETS + tl.program_id(0))
+    transposed (tokens contiguous), the first block of each segment and head (an empty segment's too: scale 1) also
+    writing those scales to ``V_SCALE``."""
+    seg = tl.program_id(0)
+    length = tl.load(OFFSETS + seg + 1) - tl.load(OFFSETS + seg)
+    if WRITE_CODES and tl.program_id(2) == 0:
+        offs = (seg * tl.num_programs(1) + tl.program_id(1)) * HEAD_DIM_V + tl.arange(0, BLOCK_DV)
+        in_row = tl.arange(0, BLOCK_DV) < HEAD_DIM_V
+        tl.store(V_SCALE + offs, _pow2_scale(tl.load(AMAX + offs, mask=in_row, other=0.0)), mask=in_row)
     if tl.program_id(2) * BLOCK_T >= length:
         return
     seg, head, heads, start, offs_t, offs_d, ok, v = _segment_tile(
@@ -137,7 +143,7 @@ def quantize_fp8_triton(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_o
     q_scale = torch.empty(heads, num_q, dtype=torch.float32, device=q.device)
     k_scale = torch.empty(heads, num_kv, dtype=torch.float32, device=k.device)
     k_norm = torch.zeros(num_kv_segments, heads, dtype=torch.float32, device=k.device)
-    v_scale = torch.zeros(num_kv_segments, heads, dim_v, dtype=torch.float32, device=v.device)
+    v_amax = torch.zeros(num_kv_segments, heads, dim_v, dtype=torch.float32, device=v.device)
     v_offsets = value_offsets(kv_offsets)
     v_t = torch.zeros(heads, dim_v, value_columns(num_kv, num_kv_segments), dtype=E4M3, device=v.device)
     if num_q and num_segments and heads:
@@ -148,9 +154,11 @@ def quantize_fp8_triton(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_o
         grid = (num_kv_segments, heads, max(1, cdiv(max_seq_len_kv, BLOCK_T)))
         launch(_rows_kernel, grid, (k, k8, k_scale, k_norm, kv_offsets, *k.stride()[:2], *k8.stride()[:2], num_kv),
                {"HEAD_DIM": dim, "BLOCK_D": block_d, "BLOCK_T": BLOCK_T, "WITH_NORM": True})  # fmt: skip
-        values = (v, v_scale, v_t, kv_offsets, v_offsets, v.stride(0), v.stride(1), v_t.stride(0), v_t.stride(1))
+        v_scale = torch.empty_like(v_amax)  # every entry written by the second launch
+        values = (v, v_amax, v_t, v_scale, kv_offsets, v_offsets, *v.stride()[:2], *v_t.stride()[:2])
         meta = {"HEAD_DIM_V": dim_v, "BLOCK_DV": block_dv, "BLOCK_T": BLOCK_T}
         for write_codes in (False, True):  # the maxima, then the codes on their scales
             launch(_values_kernel, grid, values, {**meta, "WRITE_CODES": write_codes})
-    v_scale.copy_(pow2_scale(v_scale))  # the maxima the codes were made from, as their scales
+    else:
+        v_scale = torch.ones_like(v_amax)  # no key: every segment's scale is that of a zero maximum
     return FP8Operands(q8, q_scale, k8, k_scale, v_t, v_offsets, v_scale, k_norm)
