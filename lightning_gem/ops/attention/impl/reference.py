@@ -191,18 +191,22 @@ def gdpa_reference_backward(
         dq = torch.zeros(q.shape, dtype=compute, device=q.device)
         dk = torch.zeros(k.shape, dtype=compute, device=k.device)
         dv = torch.zeros(v.shape, dtype=compute, device=v.device)
-        q_h, k_h, v_h, g_h = _head_major(q), _head_major(k), _head_major(v), _head_major(grad_out)
+        q_h, k_h, g_h = _head_major(q), _head_major(k), _head_major(grad_out)
         if products is not None:
             qs_h, ks_h, gs_h, vs_h = (_head_major(t) for t in products)
         else:
-            qs_h, ks_h, gs_h, vs_h = q_h, k_h, g_h, v_h
+            vs_h = _head_major(v)  # V enters dP only
         if out is not None:
             delta_h = _head_major((grad_out.to(compute) * out.to(compute)).sum(dim=-1, keepdim=True))
         for b in _buckets(q.shape[0], k.shape[0], spec):
             qb, kb = _gather(q_h, b.q_idx, compute), _gather(k_h, b.k_idx, compute)
             gb = _gather(g_h, b.q_idx, compute) * b.q_valid[None, :, :, None]  # padded query slots carry no grad
-            qs, gs = _gather(qs_h, b.q_idx, compute), _gather(gs_h, b.q_idx, compute) * b.q_valid[None, :, :, None]
-            ks, vs = _gather(ks_h, b.k_idx, compute), _gather(vs_h, b.k_idx, compute)
+            vs = _gather(vs_h, b.k_idx, compute)
+            if products is None:
+                qs, ks, gs = qb, kb, gb
+            else:
+                qs, ks = _gather(qs_h, b.q_idx, compute), _gather(ks_h, b.k_idx, compute)
+                gs = _gather(gs_h, b.q_idx, compute) * b.q_valid[None, :, :, None]
             scores = torch.matmul(qs * spec.scale, ks.transpose(-1, -2))  # [H, N, Lq, Lk]
             probs = _probabilities(scores, b.mask, spec.activation)
             if spec.activation == "softmax":
@@ -216,7 +220,8 @@ def gdpa_reference_backward(
                 dscores = probs * (dprobs - delta)
             else:
                 gb = gb / b.len_k
-                dprobs = torch.matmul(gs / b.len_k, vs.transpose(-1, -2))
+                gs = gb if products is None else gs / b.len_k
+                dprobs = torch.matmul(gs, vs.transpose(-1, -2))
                 derivative = POINTWISE[spec.activation][1](scores)
                 dscores = torch.where(b.mask, derivative * dprobs, torch.zeros_like(dprobs))
             dv_b = torch.matmul(probs.transpose(-1, -2), gb)  # [H, N, Lk, Dv]

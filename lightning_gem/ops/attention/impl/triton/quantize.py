@@ -113,19 +113,23 @@ def _values_kernel(
         tl.atomic_max(entry, tl.max(tl.abs(v), axis=0), mask=offs_d < HEAD_DIM_V, sem="relaxed")
 
 
-def quantize_rows_triton(x: Tensor, offsets: Tensor, max_seq_len: int) -> tuple[Tensor, Tensor]:
+def quantize_rows_triton(
+    x: Tensor, offsets: Tensor, max_seq_len: int, norm: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """:func:`lightning_gem.ops.attention.fp8.quantize_rows` of ``x [T, H, D]`` (unit stride in its last dim; every
     row in a segment of ``offsets``, each at most ``max_seq_len`` long): the same codes ``[T, H, D]`` and scales
-    ``[H, T]``."""
+    ``[H, T]``. ``norm`` (``[B, H]`` fp32 zeros): also each segment and head's largest dequantized row norm, into it."""
     num_rows, heads, dim = x.shape
     codes = torch.empty(x.shape, dtype=E4M3, device=x.device)
+    # Validated offsets put every row in one segment: the kernel writes every code and row scale.
     scale = torch.empty(heads, num_rows, dtype=torch.float32, device=x.device)
     num_segments = offsets.shape[0] - 1
     if num_rows and num_segments and heads:
         grid = (num_segments, heads, max(1, cdiv(max_seq_len, BLOCK_T)))
-        meta = {"HEAD_DIM": dim, "BLOCK_D": max(16, next_power_of_2(dim)), "BLOCK_T": BLOCK_T, "WITH_NORM": False}
+        meta = {"HEAD_DIM": dim, "BLOCK_D": max(16, next_power_of_2(dim)), "BLOCK_T": BLOCK_T,
+                "WITH_NORM": norm is not None}  # fmt: skip
         strides = (x.stride(0), x.stride(1), codes.stride(0), codes.stride(1), num_rows)
-        launch(_rows_kernel, grid, (x, codes, scale, scale, offsets, *strides), meta)
+        launch(_rows_kernel, grid, (x, codes, scale, scale if norm is None else norm, offsets, *strides), meta)
     return codes, scale
 
 
@@ -133,30 +137,20 @@ def quantize_fp8_triton(q: Tensor, k: Tensor, v: Tensor, q_offsets: Tensor, kv_o
                         max_seq_len_q: int, max_seq_len_kv: int) -> FP8Operands:  # fmt: skip
     """:func:`lightning_gem.ops.attention.fp8.quantize_fp8` on the GPU (or in the interpreter), the same bits.
     ``q``, ``k``, ``v`` need a unit stride in their last dim; the length hints size the grids."""
-    num_q, heads, dim = q.shape
+    heads = q.shape[1]
     num_kv, dim_v = k.shape[0], v.shape[2]
-    num_segments, num_kv_segments = q_offsets.shape[0] - 1, kv_offsets.shape[0] - 1
-    block_d, block_dv = max(16, next_power_of_2(dim)), max(16, next_power_of_2(dim_v))
-    q8 = torch.empty(q.shape, dtype=E4M3, device=q.device)
-    k8 = torch.empty(k.shape, dtype=E4M3, device=k.device)
-    # Validated offsets put every row in one segment: the kernels write every code and row scale.
-    q_scale = torch.empty(heads, num_q, dtype=torch.float32, device=q.device)
-    k_scale = torch.empty(heads, num_kv, dtype=torch.float32, device=k.device)
+    num_kv_segments = kv_offsets.shape[0] - 1
     k_norm = torch.zeros(num_kv_segments, heads, dtype=torch.float32, device=k.device)
+    q8, q_scale = quantize_rows_triton(q, q_offsets, max_seq_len_q)
+    k8, k_scale = quantize_rows_triton(k, kv_offsets, max_seq_len_kv, norm=k_norm)
     v_amax = torch.zeros(num_kv_segments, heads, dim_v, dtype=torch.float32, device=v.device)
     v_offsets = value_offsets(kv_offsets)
     v_t = torch.zeros(heads, dim_v, value_columns(num_kv, num_kv_segments), dtype=E4M3, device=v.device)
-    if num_q and num_segments and heads:
-        grid = (num_segments, heads, max(1, cdiv(max_seq_len_q, BLOCK_T)))
-        launch(_rows_kernel, grid, (q, q8, q_scale, k_norm, q_offsets, *q.stride()[:2], *q8.stride()[:2], num_q),
-               {"HEAD_DIM": dim, "BLOCK_D": block_d, "BLOCK_T": BLOCK_T, "WITH_NORM": False})  # fmt: skip
     if num_kv and num_kv_segments and heads:
         grid = (num_kv_segments, heads, max(1, cdiv(max_seq_len_kv, BLOCK_T)))
-        launch(_rows_kernel, grid, (k, k8, k_scale, k_norm, kv_offsets, *k.stride()[:2], *k8.stride()[:2], num_kv),
-               {"HEAD_DIM": dim, "BLOCK_D": block_d, "BLOCK_T": BLOCK_T, "WITH_NORM": True})  # fmt: skip
         v_scale = torch.empty_like(v_amax)  # every entry written by the second launch
         values = (v, v_amax, v_t, v_scale, kv_offsets, v_offsets, *v.stride()[:2], *v_t.stride()[:2])
-        meta = {"HEAD_DIM_V": dim_v, "BLOCK_DV": block_dv, "BLOCK_T": BLOCK_T}
+        meta = {"HEAD_DIM_V": dim_v, "BLOCK_DV": max(16, next_power_of_2(dim_v)), "BLOCK_T": BLOCK_T}
         for write_codes in (False, True):  # the maxima, then the codes on their scales
             launch(_values_kernel, grid, values, {**meta, "WRITE_CODES": write_codes})
     else:
