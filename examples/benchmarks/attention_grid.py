@@ -13,8 +13,11 @@ forward+backward, bf16, against, in the same process on the same inputs:
   padded scores would not fit are skipped);
 
 and ``gdpa(impl="auto")``, whose tuner times its own candidates (Triton tile shapes, and FlashAttention-4 where it
-computes the mode exactly) on the first call of the cell. With ``--candidates`` every Triton candidate of the
-cell's forward and backward is also timed alone (``triton best``: the fastest forward plus the fastest backward).
+computes the mode exactly) on the first call of the cell (its measurements are kept in ``grid.json``, ``tuned``).
+With ``--candidates`` every Triton candidate of the cell's forward and backward is also timed alone (``triton
+best``: the fastest forward plus the fastest backward); ``--candidates reused`` does so only in cells that ran on a
+choice the tuner made on another cell's inputs (its key's buckets held an earlier cell), the cells where a choice
+can be wrong for the shape.
 
 Times are medians of ``triton.testing.do_bench`` (enough runs for about ``--rep-runs`` repetitions, after a
 warm-up), random normal inputs. TFLOP/s count only allowed (query, key) pairs (``gdpa_flops``; the backward is
@@ -309,6 +312,11 @@ def build_flex(case: Case) -> Built | str:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if "fn" not in _FLEX:
+        import torch._dynamo.config
+
+        # One compiled graph per head dim, head count and grad mode of the grid: past the default limit of 8,
+        # dynamo would run flex_attention eagerly (dense scores), which is no baseline.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         _FLEX["fn"] = torch.compile(flex_attention)
     flex = _FLEX["fn"]
     dev = case.q.device
@@ -495,15 +503,30 @@ def _plan(plan: object) -> str:
     return f"{tuple(plan.dkdv)} dQ {tuple(plan.dq)}"
 
 
+def _tuned(before: dict) -> dict[str, dict[str, float]]:
+    """The tuner's own measurements of the keys it timed since ``before`` (a :func:`tuning_times` snapshot):
+    ``{"fwd": {candidate: ms}, "bwd": ...}``, FlashAttention-4 as ``fa4``."""
+    from lightning_gem.ops.attention.impl.triton._tuning import FLASH, tuning_times
+
+    tuned: dict[str, dict[str, float]] = {}
+    for key, times in tuning_times().items():
+        if key not in before and key[0] in ("fwd", "bwd"):
+            tuned[key[0]] = {
+                "fa4" if c == FLASH else _plan(c) if hasattr(c, "dkdv") else str(tuple(c)): ms
+                for c, ms in times.items()
+            }
+    return tuned
+
+
 def run_cell(case: Case, args: argparse.Namespace) -> dict:
-    from lightning_gem.ops.attention.impl.triton._tuning import chosen_tiles
+    from lightning_gem.ops.attention.impl.triton._tuning import chosen_tiles, tuning_times
 
     fwd_flops, bwd_flops = case_flops(case)
     result: dict = {"cell": asdict(case.cell), "label": case.cell.label, "fwd_gflop": fwd_flops / 1e9,
                     "bwd_gflop": bwd_flops / 1e9, "segments": len(case.q_lengths), "q_tokens": case.q.shape[0],
                     "kv_tokens": case.k.shape[0], "impls": {}}  # fmt: skip
     impl = "auto" if case.q.is_cuda else "reference"
-    before = chosen_tiles()
+    before, times_before = chosen_tiles(), tuning_times()
     start = time.perf_counter()
     built = build_gdpa(case, impl)
     call, inputs, grad_out = built
@@ -513,6 +536,7 @@ def run_cell(case: Case, args: argparse.Namespace) -> dict:
         torch.cuda.synchronize()
     result["tune_s"] = time.perf_counter() - start
     result["chosen"] = _auto_choices(before, chosen_tiles())
+    result["tuned"] = _tuned(times_before)
     fwd, both, ours = time_built(built, args.rep_runs)
     result["impls"]["auto"] = {"fwd_ms": fwd, "both_ms": both}
     del leaves
@@ -524,7 +548,10 @@ def run_cell(case: Case, args: argparse.Namespace) -> dict:
         result["impls"]["auto fp8"] = {"fwd_ms": fwd, "both_ms": both,
                                        "max_abs_diff": float((out.float() - ours.float()).abs().max())}  # fmt: skip
         del leaves
-    if args.candidates and case.q.is_cuda:
+    # "reused": only where the cell ran on a choice another cell's timing made (one that tuned its forward and its
+    # backward on its own inputs took the fastest of its candidates by the tuner's measurement, in "tuned").
+    retimed = args.candidates == "all" or (args.candidates == "reused" and set(result["tuned"]) != {"fwd", "bwd"})
+    if retimed and case.q.is_cuda:
         result["candidates"] = cands = time_candidates(case, args.rep_runs)
         fwd_c = [ms for ms in cands["fwd"].values() if isinstance(ms, float)]
         bwd_c = [ms for ms in cands["bwd"].values() if isinstance(ms, float)]
@@ -706,7 +733,9 @@ def main() -> None:
     parser.add_argument("--long-tokens", type=int, default=262144, help="one row per mode this big (0: none)")
     parser.add_argument("--no-named", dest="named", action="store_false", help="leave out the named workloads")
     parser.add_argument("--baselines", nargs="+", default=list(BASELINES), choices=list(BASELINES))
-    parser.add_argument("--candidates", action="store_true", help="also time every Triton candidate alone")
+    parser.add_argument("--candidates", nargs="?", const="all", choices=("all", "reused"),
+                        help="also time every Triton candidate alone: in every cell, or (reused) in cells that ran "
+                        "on a choice tuned on another cell's inputs")  # fmt: skip
     parser.add_argument("--rep-runs", type=int, default=10, help="timed runs a measurement, about")
     parser.add_argument("--time-limit", type=float, default=0, help="stop starting cells after this many seconds")
     parser.add_argument("--first-cell", type=int, default=0, help="start at this cell (a slice of a longer run)")

@@ -178,6 +178,8 @@ def test_auto_mixes_backends(auto_with_stand_in: dict, flash_phases: tuple, capl
         assert len(auto) == 1
         assert (chosen[auto[0]] == _tuning.FLASH) == (kernel in flash_phases)
         assert chosen[(*auto[0][:-1], False)] != _tuning.FLASH
+        # the measurements behind the choice are kept under the key that was timed
+        assert _tuning.FLASH in _tuning.tuning_times()[auto[0]]
     assert sum("GDPA impl='auto'" in message for message in caplog.messages) == 2
 
 

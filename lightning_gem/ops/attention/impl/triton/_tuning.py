@@ -45,6 +45,7 @@ __all__ = [
     "pick_tiles",
     "split_candidates",
     "tile_meta",
+    "tuning_times",
     "work_bucket",
 ]
 
@@ -93,6 +94,8 @@ _CHOSEN: dict[tuple, Tiles | BackwardTiles] = {}
 _FAILED: set[tuple] = set()
 # (key, variant) -> (the choice for key, the launch options built from it); filled once the choice is remembered.
 _LAUNCHES: dict[tuple, tuple] = {}
+# key -> {candidate: ms} of the timing that chose it (keys timed in this process only).
+_TIMES: dict[tuple, dict] = {}
 
 
 def length_bucket(length: int) -> int:
@@ -287,6 +290,7 @@ def pick_tiles(
     timings: dict = {}
     chosen = pick_fastest(_CHOSEN, key, listed, run, tensors, timing=timing, compile_first=True, timings=timings)
     if timings:
+        _TIMES[key] = dict(timings)
         _FAILED.update((static, c) for c in listed if c not in timings and c != FLASH)
         if FLASH in listed:
             _remember_auto(key, chosen, timings)
@@ -357,11 +361,18 @@ def forget_choices() -> None:
     _CHOSEN.clear()
     _LAUNCHES.clear()
     _FAILED.clear()
+    _TIMES.clear()
 
 
 def chosen_tiles() -> dict[tuple, Tiles | BackwardTiles]:
     """A copy of the choices made so far in this process: ``{key: tiles}`` (for benchmarks and logs)."""
     return dict(_CHOSEN)
+
+
+def tuning_times() -> dict[tuple, dict]:
+    """The measurements behind the choices timed so far in this process: ``{key: {candidate: ms}}`` (each
+    candidate's median per run on the call that tuned the key; :data:`FLASH` among them where it was a candidate)."""
+    return {key: dict(times) for key, times in _TIMES.items()}
 
 
 def tile_meta(tiles: Tiles) -> dict[str, int]:
