@@ -27,6 +27,7 @@ from lightning_gem.ops.attention.impl.triton._common import (
     _position,
     _query_rows,
     _query_tile_keys,
+    _scaled_activation_and_grad,
     _stage_range,
 )
 
@@ -102,13 +103,13 @@ def _dkdv_query_blocks(
                     delta_M = tl.load(delta_base + offs_m)
                 ds_NM = p_NM * (dp_NM - delta_M[None, :])
         else:
-            s_NM = qk_NM * scale
+            act_NM, act_grad_NM = _scaled_activation_and_grad(qk_NM, scale, ACTIVATION, FAST)
             if PART != DK_ONLY:
-                p_NM = _activation(s_NM, ACTIVATION, FAST) * inv_len_k
+                p_NM = act_NM * inv_len_k
                 if MASKED:
                     p_NM = tl.where(allowed_NM, p_NM, 0.0)
             if PART != DV_ONLY:
-                ds_NM = _activation_grad(s_NM, ACTIVATION, FAST) * dp_NM * inv_len_k
+                ds_NM = act_grad_NM * dp_NM * inv_len_k
                 if MASKED:
                     ds_NM = tl.where(allowed_NM, ds_NM, 0.0)
         if PART != DK_ONLY:

@@ -34,7 +34,6 @@ from lightning_gem.ops.attention.fp8 import P_SCALE
 from lightning_gem.ops.attention.impl.triton._common import (
     E4M3_GRID_FIRST,
     LOG2E,
-    _activation,
     _e4m3_grid,
     _history_mask,
     _key_tile,
@@ -43,6 +42,7 @@ from lightning_gem.ops.attention.impl.triton._common import (
     _position,
     _pow2_ceil,
     _query_tile_keys,
+    _scaled_activation,
     _stage_range,
     cdiv,
     dense_rows,
@@ -136,7 +136,7 @@ def _fwd_key_blocks(
             acc_MDV = acc_MDV * alpha_M[:, None]
             m_M = m_new_M
         else:
-            p_MN = _activation(qk_MN * scale, ACTIVATION, FAST)
+            p_MN = _scaled_activation(qk_MN, scale, ACTIVATION, FAST)
             if MASKED:
                 p_MN = tl.where(allowed_MN, p_MN, 0.0)
         if FP8:
@@ -239,7 +239,7 @@ def _gdpa_fwd_kernel(
             l_M = tl.where(own, 1.0, 0.0)
             acc_MDV = tl.where(own[:, None], v_own_MDV, 0.0)
         else:
-            p_own_M = tl.where(own, _activation(qk_own_M * scale, ACTIVATION, FAST), 0.0)
+            p_own_M = tl.where(own, _scaled_activation(qk_own_M, scale, ACTIVATION, FAST), 0.0)
             acc_MDV = p_own_M[:, None] * v_own_MDV
         if FP8:  # in the units of the codes' products
             acc_MDV = acc_MDV * p_code_M[:, None]
