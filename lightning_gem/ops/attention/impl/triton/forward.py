@@ -42,6 +42,7 @@ from lightning_gem.ops.attention.impl.triton._common import (
     _position,
     _pow2_ceil,
     _query_tile_keys,
+    _activation,
     _scaled_activation,
     _stage_range,
     cdiv,
@@ -239,7 +240,9 @@ def _gdpa_fwd_kernel(
             l_M = tl.where(own, 1.0, 0.0)
             acc_MDV = tl.where(own[:, None], v_own_MDV, 0.0)
         else:
-            p_own_M = tl.where(own, _scaled_activation(qk_own_M, scale, ACTIVATION, FAST), 0.0)
+            # A row vector: through _activation (_scaled_activation's one-tanh form here gave misaligned-address
+            # faults on an H100 with some tile candidates)
+            p_own_M = tl.where(own, _activation(qk_own_M * scale, ACTIVATION, FAST), 0.0)
             acc_MDV = p_own_M[:, None] * v_own_MDV
         if FP8:  # in the units of the codes' products
             acc_MDV = acc_MDV * p_code_M[:, None]
