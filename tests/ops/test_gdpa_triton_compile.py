@@ -104,6 +104,7 @@ import torch
 sys.path.insert(0, "examples/benchmarks")
 from kernel_resources import SHARED_LIMIT, call_options
 from lightning_gem.ops.attention.impl.triton import forward
+from lightning_gem.ops.attention.impl.triton._common import kernel_options, mode_flags
 from lightning_gem.ops.attention.impl.triton._tuning import backward_candidates, candidate_tiles, tile_meta
 from lightning_gem.ops.attention.impl.triton.backward import plan_kernel, plan_meta
 from lightning_gem.testing.sm90 import compile_kernel
@@ -116,6 +117,13 @@ for dim in (128, 256):
         shared[f"fwd {dim} {tuple(tiles)}"] = compiled.metadata.shared
     for plan in backward_candidates(torch.bfloat16, cuda, dim, deterministic=False, tma=True):
         shared[f"bwd {dim} {plan}"] = compile_kernel(plan_kernel(plan), plan_meta(plan, options)).metadata.shared
+    # BlockAttention of 64-token blocks: tiles of one block, one and two stages
+    block = {**kernel_options(dim, dim, mode_flags("softmax", True, None, 64, None, None), torch.bfloat16, True)}
+    for tiles in candidate_tiles("fwd", torch.bfloat16, cuda, dim, block_size=64):
+        compiled = compile_kernel(forward._gdpa_fwd_kernel, {**block, **tile_meta(tiles), "TMA": False, "FP8": False})
+        shared[f"fwd block 64 {dim} {tuple(tiles)}"] = compiled.metadata.shared
+    for plan in backward_candidates(torch.bfloat16, cuda, dim, deterministic=False, block_size=64, tma=True):
+        shared[f"bwd block 64 {dim} {plan}"] = compile_kernel(plan_kernel(plan), plan_meta(plan, block)).metadata.shared
 print(json.dumps({"limit": SHARED_LIMIT, "shared": shared}))
 """
 

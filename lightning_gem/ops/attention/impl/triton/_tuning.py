@@ -150,9 +150,14 @@ def candidate_tiles(
     if fp8 and edge is not None and edge < 32:
         edge = None
     if edge is not None and edge <= 64:
+        # One key tile per query tile (and one query tile per key tile): nothing to pipeline, so one stage (half the
+        # shared memory of two, more programs an SM) is a candidate beside two.
+        # Over head dim 128 the backward's two stages of K, V, Q and dO tiles exceed an sm_90 block's shared memory.
         if kernel == "fwd":
-            return [Tiles(edge, edge, 4, 2), Tiles(edge, edge, 8, 2)]
-        return [Tiles(edge, edge, 8, 2), Tiles(edge, edge, 4, 2)]
+            return [Tiles(edge, edge, 4, 2), Tiles(edge, edge, 8, 2), Tiles(edge, edge, 4, 1), Tiles(edge, edge, 8, 1)]
+        if head_dim > 128:
+            return [Tiles(edge, edge, 8, 1), Tiles(edge, edge, 4, 1)]
+        return [Tiles(edge, edge, 8, 2), Tiles(edge, edge, 4, 2), Tiles(edge, edge, 8, 1), Tiles(edge, edge, 4, 1)]
     if edge is not None:
         return [Tiles(edge, 64, 8, 2), Tiles(edge, edge, 8, 2)] if kernel == "fwd" else [Tiles(64, edge, 8, 2)]
     short = length_bucket(max_len_q)

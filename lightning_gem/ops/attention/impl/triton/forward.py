@@ -34,6 +34,7 @@ from lightning_gem.ops.attention.fp8 import P_SCALE
 from lightning_gem.ops.attention.impl.triton._common import (
     E4M3_GRID_FIRST,
     LOG2E,
+    _activation,
     _e4m3_grid,
     _history_mask,
     _key_tile,
@@ -42,7 +43,6 @@ from lightning_gem.ops.attention.impl.triton._common import (
     _position,
     _pow2_ceil,
     _query_tile_keys,
-    _activation,
     _scaled_activation,
     _stage_range,
     cdiv,
