@@ -592,3 +592,18 @@ def test_forward_descriptor_loads_bf16_gpu(layout: str, activation: str, dim: in
             return out, _run_triton(inputs, grad_out, **options, **lens)[1]
 
         _check_against_reference(inputs, options, f"{layout} {activation} D={dim} tma {tiles}", run=run)
+
+
+def test_delta_launch_zeroes_the_dq_accumulator(device: str) -> None:
+    """Softmax's ``delta`` launch also zeroes the atomic plans' fp32 dQ accumulator (rows past a block edge
+    included), and computes the same ``delta`` with or without it."""
+    from lightning_gem.ops.attention.impl.triton.backward import _delta
+
+    generator = torch.Generator().manual_seed(5)
+    out, grad_out = (torch.randn(37, 3, 24, generator=generator).to(device) for _ in range(2))
+    accumulator = torch.full((37, 3, 40), float("nan"), device=device)
+    delta = _delta(out, grad_out, zero=accumulator)
+    expected = (out * grad_out).sum(-1).transpose(0, 1)
+    torch.testing.assert_close(delta, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(accumulator, torch.zeros_like(accumulator))
+    torch.testing.assert_close(_delta(out, grad_out), expected, rtol=1e-5, atol=1e-5)

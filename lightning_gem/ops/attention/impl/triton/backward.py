@@ -60,11 +60,13 @@ __all__ = ["gdpa_backward"]
 
 @triton.jit(do_not_specialize=["num_rows"])  # a per-batch count: no recompile when it changes
 def _bwd_delta_kernel(
-    OUT, DO, DELTA,  # [Tq, H, DV] x2, [H, Tq] fp32
-    num_rows, stride_ot, stride_oh, stride_dot, stride_doh, stride_delta_h,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr,
+    OUT, DO, DELTA, DQ,  # [Tq, H, DV] x2, [H, Tq] fp32, [Tq, H, D] fp32 (ZERO_DQ)
+    num_rows, stride_ot, stride_oh, stride_dot, stride_doh, stride_delta_h, stride_dqt, stride_dqh,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_T: tl.constexpr, ZERO_DQ: tl.constexpr,
 ):  # fmt: skip
-    """``delta[h, t] = sum_d dO[t, h, d] * O[t, h, d]`` in fp32."""
+    """``delta[h, t] = sum_d dO[t, h, d] * O[t, h, d]`` in fp32; with ``ZERO_DQ`` the same rows of the fp32 dQ
+    accumulator are zeroed too (the atomic plans add into it), which saves that launch."""
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     head = tl.program_id(1).to(tl.int64)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -73,6 +75,12 @@ def _bwd_delta_kernel(
     do_TDV = _load_tile(DO + head * stride_doh, offs_t, stride_dot, offs_dv, rows_ok, HEAD_DIM_V, BLOCK_DV, True)
     delta_T = tl.sum(o_TDV.to(tl.float32) * do_TDV.to(tl.float32), axis=1)
     tl.store(DELTA + head * stride_delta_h + offs_t, delta_T, mask=rows_ok)
+    if ZERO_DQ:
+        offs_d = tl.arange(0, BLOCK_D)
+        dq_ptrs = DQ + head * stride_dqh + offs_t[:, None] * stride_dqt + offs_d[None, :]
+        tl.store(
+            dq_ptrs, tl.zeros((BLOCK_T, BLOCK_D), tl.float32), mask=rows_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+        )
 
 
 @triton.jit
@@ -185,20 +193,25 @@ def _row_tiles(dq: Tensor, block_m: int) -> object:
     return TensorDescriptor.from_tensor(dq.view(num_q, heads * head_dim), [block_m, head_dim])
 
 
-def _delta(out: Tensor, grad_out: Tensor) -> Tensor:
-    """``[H, Tq]`` fp32 row sums of ``grad_out * out`` (softmax's ``delta``)."""
+def _delta(out: Tensor, grad_out: Tensor, zero: Tensor | None = None) -> Tensor:
+    """``[H, Tq]`` fp32 row sums of ``grad_out * out`` (softmax's ``delta``); ``zero`` (``[Tq, H, D]`` fp32, the
+    atomic plans' dQ accumulator) is zeroed by the same launch."""
     num_q, heads, head_dim_v = out.shape
     delta = torch.empty(heads, num_q, dtype=torch.float32, device=out.device)
     if num_q == 0 or heads == 0:
         return delta
-    block_dv = max(16, next_power_of_2(head_dim_v))
-    block_t = max(1, min(64, 8192 // block_dv))
+    head_dim = 1 if zero is None else zero.shape[2]
+    block_d, block_dv = max(16, next_power_of_2(head_dim)), max(16, next_power_of_2(head_dim_v))
+    block_t = max(1, min(64, 8192 // max(block_d, block_dv)))
+    dq = delta if zero is None else zero  # a placeholder, never written, without ZERO_DQ
+    dq_strides = (0, 0) if zero is None else zero.stride()[:2]
     launch(
         _bwd_delta_kernel,
         (cdiv(num_q, block_t), heads),
-        (out, grad_out, delta, num_q, out.stride(0), out.stride(1), grad_out.stride(0), grad_out.stride(1),
-         delta.stride(0)),
-        dict(HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, BLOCK_T=block_t, num_warps=4),
+        (out, grad_out, delta, dq, num_q, out.stride(0), out.stride(1), grad_out.stride(0), grad_out.stride(1),
+         delta.stride(0), *dq_strides),
+        dict(HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_T=block_t,
+             ZERO_DQ=zero is not None, num_warps=4),
     )  # fmt: skip
     return delta
 
@@ -323,10 +336,14 @@ def gdpa_backward(
                     out_strides[1], *dq.stride()[:2], *strides[9:], scale, window or 0, block_size or 1)  # fmt: skip
             launch(_gdpa_bwd_short_kernel, (num_segments, heads), args, meta)
             return
-        delta = _delta(out, grad_out) if softmax else lse
         num_key_tiles = cdiv(max_seq_len_kv, tiles.block_n) if has_keys else 0
-        if plan.dq is None:
-            dq32 = dq_buffer(torch.float32).zero_()  # zeroed before each run (the tuner runs a candidate several times)
+        if plan.dq is None:  # dQ added into fp32, zeroed before each run (the tuner runs a candidate several times)
+            dq32 = dq_buffer(torch.float32)
+            if softmax:
+                delta = _delta(out, grad_out, zero=dq32)
+            else:
+                dq32.zero_()
+                delta = lse  # a placeholder, never read
             if num_key_tiles > 0:
                 # Bulk reductions in plain eager calls only: a traced launch (torch.compile, dispatch modes) cannot
                 # take a tensor descriptor made inside the op, so there the same plan adds dQ element by element.
@@ -338,6 +355,7 @@ def gdpa_backward(
                 grid = (num_kv_segments, heads, num_key_tiles * (2 if plan.split else 1))
                 launch(_gdpa_bwd_dkdv_kernel, grid, args, meta if bulk or not plan.tma else {**meta, "DQ_TMA": False})
             return
+        delta = _delta(out, grad_out) if softmax else lse
         dq = dq_buffer(q.dtype)
         num_query_tiles = cdiv(max_seq_len_q, plan.dq.block_m) if num_q > 0 else 0
         num_dkdv = num_key_tiles * (2 if plan.split else 1)  # dK/dV programs along axis 2
