@@ -135,15 +135,21 @@ def auto_with_stand_in(monkeypatch: pytest.MonkeyPatch) -> dict:
     from lightning_gem.ops.attention.impl.triton import _tuning, backward, forward
 
     device = _triton_device()
-    calls = {"flash": set(), "ran": [], "need_lse": []}
+    calls = {"flash": set(), "ran": [], "need_lse": [], "natural_lse": []}
 
-    def stand_in_forward(q, k, v, spec, need_lse=True):
+    def stand_in_forward(q, k, v, spec, need_lse=True, natural_lse=False):
         calls["ran"].append("flash fwd")
         calls["need_lse"].append(need_lse)
-        return forward.gdpa_forward(q, k, v, spec, tiles=_tuning.Tiles(16, 16, 1, 1), need_lse=need_lse)
+        calls["natural_lse"].append(natural_lse)
+        out, lse = forward.gdpa_forward(q, k, v, spec, tiles=_tuning.Tiles(16, 16, 1, 1), need_lse=need_lse)
+        if natural_lse:  # FA4's own: natural log, -inf where a row sees no key
+            lse = (lse * math.log(2.0)).nan_to_num(posinf=float("-inf"))
+        return out, lse
 
-    def stand_in_backward(grad_out, q, k, v, out, lse, spec):
-        calls["ran"].append("flash bwd")
+    def stand_in_backward(grad_out, q, k, v, out, lse, spec, natural_lse=False):
+        calls["ran"].append("flash bwd" + (" natural lse" if natural_lse else ""))
+        if natural_lse:
+            lse = flash.lse_to_base2(lse)
         tiles = _tuning.Tiles(16, 16, 1, 1)
         return backward.gdpa_backward(grad_out, q, k, v, out, lse, spec, dkdv_tiles=tiles, dq_tiles=tiles)
 
@@ -184,7 +190,9 @@ def test_auto_mixes_backends(auto_with_stand_in: dict, flash_phases: tuple, capl
         out = gdpa_triton(*leaves, Spec(inputs.q_offsets, inputs.q_offsets, None, None, **options), flash=True)
         grad_out = torch.randn_like(out)
         grads = torch.autograd.grad(out, leaves, grad_out)
-    expected = ["flash fwd"] * ("fwd" in flash_phases) + ["flash bwd"] * ("bwd" in flash_phases)
+    # FA4's forward hands its own (natural-log) log-sum-exp on; FA4's backward takes it as it is, Triton's converted
+    bwd = "flash bwd natural lse" if "fwd" in flash_phases else "flash bwd"
+    expected = ["flash fwd"] * ("fwd" in flash_phases) + [bwd] * ("bwd" in flash_phases)
     assert auto_with_stand_in["ran"] == expected
     jagged = (inputs.q_offsets, inputs.q_offsets, None, None)
     f64 = [t.double() for t in (inputs.q, inputs.k, inputs.v)]

@@ -37,7 +37,15 @@ from lightning_gem.ops.attention.ops import register_flop_formulas
 from lightning_gem.ops.attention.spec import HINTS_SCHEMA, MODE_SCHEMA, Spec, with_length_hints
 from lightning_gem.ops.mx.saved import save_exact
 
-__all__ = ["block_offsets", "flash_backward", "flash_forward", "gdpa_flash", "require_flash", "unsupported"]
+__all__ = [
+    "block_offsets",
+    "flash_backward",
+    "flash_forward",
+    "gdpa_flash",
+    "lse_to_base2",
+    "require_flash",
+    "unsupported",
+]
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -163,14 +171,19 @@ def _empty(q: Tensor, v: Tensor) -> bool:
     return q.shape[0] == 0 or q.shape[1] == 0 or v.shape[0] == 0
 
 
-def flash_forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, need_lse: bool = True) -> tuple[Tensor, Tensor]:
+def flash_forward(
+    q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, need_lse: bool = True, natural_lse: bool = False
+) -> tuple[Tensor, Tensor]:
     """FA4's forward on validated inputs (a softmax ``spec`` with its length hints, no kv index or targets):
     ``(out [Tq, H, Dv], lse [H, Tq])`` (the kit's base-2 log-sum-exp). ``need_lse=False`` (no backward will read
-    it): FA4 runs its kernel without the log-sum-exp, returned as ``[H, 0]``."""
+    it): FA4 runs its kernel without the log-sum-exp, returned as ``[H, 0]``. ``natural_lse``: FA4's own
+    (natural log, ``-inf`` where a row sees nothing), for a backward told so (:func:`flash_backward`,
+    :func:`lse_to_base2`): two launches fewer."""
     num_q, heads = q.shape[0], q.shape[1]
     if _empty(q, v):
         out = q.new_zeros(num_q, heads, v.shape[2])
-        return out, torch.full((heads, num_q if need_lse else 0), float("inf"), dtype=torch.float32, device=q.device)
+        nothing = float("-inf") if natural_lse else float("inf")
+        return out, torch.full((heads, num_q if need_lse else 0), nothing, dtype=torch.float32, device=q.device)
     from flash_attn.cute.interface import _flash_attn_fwd
 
     out, lse, *_ = _flash_attn_fwd(
@@ -179,22 +192,36 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, need_lse: bool
     )  # fmt: skip
     if not need_lse:
         return out, torch.empty(heads, 0, dtype=torch.float32, device=q.device)
-    # Natural log with -inf where a row sees nothing -> base 2 with +inf there (in place: two small launches).
-    return out, lse.mul_(_LOG2E).nan_to_num_(posinf=float("inf"), neginf=float("inf"))
+    return out, lse if natural_lse else lse_to_base2(lse, inplace=True)
+
+
+def lse_to_base2(lse: Tensor, *, inplace: bool = False) -> Tensor:
+    """FA4's log-sum-exp (natural log, ``-inf`` where a row sees nothing) as the kit's: base 2, ``+inf`` there (two
+    small launches)."""
+    return (lse.mul_(_LOG2E) if inplace else lse * _LOG2E).nan_to_num_(posinf=float("inf"), neginf=float("inf"))
 
 
 def flash_backward(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: Spec
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    spec: Spec,
+    *,
+    natural_lse: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """FA4's backward from a forward's ``out`` and the kit's base-2 ``lse``: ``(dq, dk, dv)``. The spec's
-    ``deterministic`` is handed to FA4 (its dQ accumulation in a fixed order)."""
+    """FA4's backward from a forward's ``out`` and the kit's base-2 ``lse`` (FA4's own with ``natural_lse``):
+    ``(dq, dk, dv)``. The spec's ``deterministic`` is handed to FA4 (its dQ accumulation in a fixed order)."""
     if _empty(q, v):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     from flash_attn.cute.interface import _flash_attn_bwd
 
-    # +inf stays +inf: exp(s - inf) = 0, the rows that see no key get no gradient.
+    # Base 2 -> natural; +inf stays +inf: exp(s - inf) = 0, the rows that see no key get no gradient.
     grads = _flash_attn_bwd(
-        q, k, v, out, grad_out.contiguous(), lse * _LN2, softmax_scale=spec.scale, causal=spec.causal,
+        q, k, v, out, grad_out.contiguous(), lse if natural_lse else lse * _LN2, softmax_scale=spec.scale,
+        causal=spec.causal,
         **_window(spec.causal, spec.window), **_varlen_args(spec, q.shape[0]), deterministic=spec.deterministic,
     )  # fmt: skip
     return grads[0], grads[1], grads[2]

@@ -254,6 +254,7 @@ def gdpa_backward(
     short_tiles: Tiles | None = None,
     bulk_dq: bool = False,
     split_dkdv: bool = False,
+    natural_lse: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Launch the backward kernels. ``out`` and ``lse`` (from :func:`gdpa_forward`) are needed for softmax
     only; the spec's length hints bound the segments. ``spec.deterministic`` keeps to the one-launch kernel whose dQ
@@ -266,6 +267,8 @@ def gdpa_backward(
     ``split_dkdv`` gives dK and dV programs of their own (one accumulator each), with atomic dQ or ``dq_tiles``.
     Returns ``(dq, dk, dv)`` in the inputs' dtypes. ``flash`` (``impl="auto"``, softmax modes FlashAttention-4
     computes exactly) lets the tuner pick FlashAttention-4's backward instead, from the same ``out`` and ``lse``.
+    ``natural_lse``: ``lse`` is FlashAttention-4's own (:func:`.forward.gdpa_forward`'s ``lse_format``), handed to
+    its backward as it is and converted for the Triton kernels.
     """
     q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size, scale = spec[:9]
     max_seq_len_q, max_seq_len_kv, deterministic = spec.max_seq_len_q, spec.max_seq_len_kv, spec.deterministic
@@ -318,6 +321,18 @@ def gdpa_backward(
             dq_buffers[dtype] = torch.empty_like(q, dtype=dtype, memory_format=torch.contiguous_format)
         return dq_buffers[dtype]
 
+    converted: list[Tensor] = []
+
+    def base2_lse() -> Tensor:
+        """The log-sum-exp the Triton kernels read (base 2): FlashAttention-4's converted once, when first needed."""
+        if not (natural_lse and softmax):
+            return lse
+        if not converted:
+            from lightning_gem.ops.attention.impl.flash import lse_to_base2
+
+            converted.append(lse_to_base2(lse))
+        return converted[0]
+
     def options(plan: BackwardTiles | str) -> dict[str, object]:
         if plan == FLASH:
             return {}
@@ -327,13 +342,14 @@ def gdpa_backward(
         if plan == FLASH:
             from lightning_gem.ops.attention.impl.flash import flash_backward
 
-            flash_backward(*flash_inputs)
+            flash_backward(*flash_inputs, natural_lse=natural_lse)
             return
         tiles = plan.dkdv
         if plan.short:  # softmax's delta comes from the kernel's own rows of O and dO
             dq = dq_buffer(q.dtype)
-            args = (q, k, v, grad_out, lse, out, dq, dk, dv, q_offsets, kv_offsets, *strides[:9], out_strides[0],
-                    out_strides[1], *dq.stride()[:2], *strides[9:], scale, window or 0, block_size or 1)  # fmt: skip
+            args = (q, k, v, grad_out, base2_lse(), out, dq, dk, dv, q_offsets, kv_offsets, *strides[:9],
+                    out_strides[0], out_strides[1], *dq.stride()[:2], *strides[9:], scale, window or 0,
+                    block_size or 1)  # fmt: skip
             launch(_gdpa_bwd_short_kernel, (num_segments, heads), args, meta)
             return
         num_key_tiles = cdiv(max_seq_len_kv, tiles.block_n) if has_keys else 0
@@ -349,7 +365,7 @@ def gdpa_backward(
                 # take a tensor descriptor made inside the op, so there the same plan adds dQ element by element.
                 bulk = plan.tma and plain_eager((q, k, v, grad_out))
                 dq_desc = _row_tiles(dq32, tiles.block_m) if bulk else q_offsets  # a placeholder, never read
-                args = (q, k, v, grad_out, lse, delta, dk, dv, dq32, dq_desc, q_offsets, kv_offsets, targets,
+                args = (q, k, v, grad_out, base2_lse(), delta, dk, dv, dq32, dq_desc, q_offsets, kv_offsets, targets,
                         seg_offsets, seg_order, *codes, *strides, *dq32.stride()[:2], *code_strides, scale,
                         window or 0, block_size or 1)  # fmt: skip
                 grid = (num_kv_segments, heads, num_key_tiles * (2 if plan.split else 1))
@@ -361,7 +377,7 @@ def gdpa_backward(
         num_dkdv = num_key_tiles * (2 if plan.split else 1)  # dK/dV programs along axis 2
         if num_dkdv + num_query_tiles == 0:
             return
-        args = (q, k, v, grad_out, lse, delta, dk, dv, dq, q_offsets, kv_offsets, kv_map, targets, seg_offsets,
+        args = (q, k, v, grad_out, base2_lse(), delta, dk, dv, dq, q_offsets, kv_offsets, kv_map, targets, seg_offsets,
                 seg_order, *codes, *strides, *dq.stride()[:2], *code_strides, scale, window or 0, block_size or 1,
                 num_segments, num_kv_segments, num_dkdv, num_query_tiles)  # fmt: skip
         grid = (max(num_segments, num_kv_segments), heads, num_dkdv + num_query_tiles)
@@ -401,7 +417,7 @@ def gdpa_backward(
     if plan == FLASH:
         from lightning_gem.ops.attention.impl.flash import flash_backward
 
-        return flash_backward(*flash_inputs)
+        return flash_backward(*flash_inputs, natural_lse=natural_lse)
     run(plan, meta)
     if plan.dq is None and not plan.short:
         return dq_buffers[torch.float32].to(q.dtype), dk, dv

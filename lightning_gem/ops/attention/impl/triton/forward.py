@@ -288,6 +288,7 @@ def gdpa_forward(
     tiles: Tiles | None = None,
     need_lse: bool = True,
     tma: bool = False,
+    lse_format: dict | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Launch the forward kernel. Returns ``out [Tq, H, DV]`` (q's dtype) and ``lse [H, Tq]`` (fp32, base 2;
     empty for pointwise activations). The spec's ``max_seq_len_q`` sizes the grid and must bound every ``Lq``;
@@ -298,7 +299,9 @@ def gdpa_forward(
     ignored): a variant ``examples/benchmarks/attention_sweep.py`` times beside each tile shape, not yet a tuner
     candidate. ``spec.precision == "fp8"`` quantizes q, k and v (:func:`lightning_gem.ops.attention.fp8.quantize_fp8`)
     (the same codes from :func:`.quantize.quantize_fp8_triton`) and runs the kernel's products on them; the output is in
-    q's dtype either way.
+    q's dtype either way. ``lse_format`` (a dict): where FlashAttention-4 runs, its own log-sum-exp is returned
+    (natural log, ``-inf`` where a row sees nothing; two launches fewer) and ``lse_format["natural"]`` set True, for a
+    backward told so (:func:`.backward.gdpa_backward`'s ``natural_lse``).
     """
     q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size, scale = spec[:9]
     max_seq_len_q = spec.max_seq_len_q
@@ -372,7 +375,9 @@ def gdpa_forward(
     if tiles == FLASH:
         from lightning_gem.ops.attention.impl.flash import flash_forward
 
-        return flash_forward(q, k, v, spec, need_lse=need_lse)
+        if lse_format is not None:
+            lse_format["natural"] = True
+        return flash_forward(q, k, v, spec, need_lse=need_lse, natural_lse=lse_format is not None)
     run(tiles, meta)
     return out, lse
 
