@@ -56,8 +56,9 @@ for flags, offsets, (bm, bn, warps, stages), fused in modes:
     for split in (False, True):
         one_launch = dict(common, DQ_BLOCK_M=bn, DQ_BLOCK_N=bm, SPLIT=split, FP8=False)
         sizes[f"bwd {name} split {split}"] = compile_one(backward._gdpa_bwd_kernel, one_launch, offsets, warps, stages)
-sizes["delta"] = compile_one(backward._bwd_delta_kernel, dict(HEAD_DIM_V=96, BLOCK_DV=128, BLOCK_T=64),
-                             "*i64", 4, 1)
+for zero_dq in (False, True):  # with ZERO_DQ it also zeroes the atomic plans' fp32 dQ rows
+    delta = dict(HEAD_DIM=96, HEAD_DIM_V=96, BLOCK_D=128, BLOCK_DV=128, BLOCK_T=64, ZERO_DQ=zero_dq)
+    sizes[f"delta zero_dq {zero_dq}"] = compile_one(backward._bwd_delta_kernel, delta, "*i64", 4, 1)
 # The FP8 path: the forward on E4M3 codes, the backward's S and dP on row codes (the atomic-dQ kernel with dK and dV
 # in programs of their own, the one-launch kernel with targets' row-wise terms), and the three kernels of its quantizer.
 fp8 = dict(modes[0][0], BLOCK_M=128, BLOCK_N=64, DOT_PRECISION="tf32", FAST=True, TMA=False, FP8=True)
@@ -91,7 +92,7 @@ def test_kernels_compile_for_sm90() -> None:
     result = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     sizes = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(sizes) == 20
+    assert len(sizes) == 21
     assert all(size > 0 for size in sizes.values()), sizes
 
 
