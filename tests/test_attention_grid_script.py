@@ -60,3 +60,20 @@ def test_attention_grid_fp8(tmp_path: Path) -> None:
     assert fp8["fwd_ms"] > 0 and fp8["both_ms"] > 0 and 0 < fp8["max_abs_diff"] < 1
     assert result["fp8_x_fwd"] > 0 and result["fp8_x_both"] > 0
     assert "auto FP8 fwd / f+b, x its bf16" in (tmp_path / "grid.md").read_text()
+
+
+def test_flex_builder_reads_the_module_torch() -> None:
+    """``build_flex`` binds no local ``torch`` (an ``import torch.x`` inside it would, and every call after the first
+    would then fail with a NameError in its nested helpers)."""
+    import importlib.util
+
+    path = ROOT / "examples" / "benchmarks" / "attention_grid.py"
+    spec = importlib.util.spec_from_file_location("attention_grid_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    code = module.build_flex.__code__
+    assert "torch" not in code.co_varnames + code.co_cellvars

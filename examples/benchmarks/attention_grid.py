@@ -312,11 +312,11 @@ def build_flex(case: Case) -> Built | str:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     if "fn" not in _FLEX:
-        import torch._dynamo.config
+        import torch._dynamo.config as dynamo_config  # (as a name of its own: `torch` stays this module's)
 
         # One compiled graph per head dim, head count and grad mode of the grid: past the default limit of 8,
         # dynamo would run flex_attention eagerly (dense scores), which is no baseline.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
         _FLEX["fn"] = torch.compile(flex_attention)
     flex = _FLEX["fn"]
     dev = case.q.device
