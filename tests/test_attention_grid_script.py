@@ -46,6 +46,19 @@ def test_attention_grid_quick(tmp_path: Path) -> None:
     rows = [line for line in (tmp_path / "both" / "grid.md").read_text().splitlines() if line.startswith("| ")]
     labels = [row.split(" | ")[0].removeprefix("| ") for row in rows[2:]]
     assert labels == ["silu causal targets, 1k, 2x16, 0.375K", block["label"]]
+    # --resume: the same command runs the next slice each time (a time limit this short lets one cell through a
+    # call) and tabulates the slices so far as one grid; once every cell is in a slice it says so.
+    resume = ("--time-limit", "1e-6", "--resume", str(tmp_path / "resumed"))
+    for expected in (1, 2):
+        _grid(*modes, *resume)
+        saved = sorted((tmp_path / "resumed").glob("slice_*/grid.json"))
+        assert [p.parent.name for p in saved] == ["slice_0000", "slice_0001"][:expected]
+        rows = [line for line in (tmp_path / "resumed" / "grid.md").read_text().splitlines() if line.startswith("| ")]
+        assert len(rows) == 2 + expected
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "benchmarks" / "attention_grid.py"), *modes,
+                           *resume], capture_output=True, text=True, timeout=600, cwd=ROOT)  # fmt: skip
+    assert done.returncode == 0 and "grid done" in done.stdout
+    assert json.loads(saved[1].read_text())["results"][0]["index"] == 1
 
 
 @pytest.mark.slow

@@ -37,6 +37,12 @@ inputs of one whole run), and ``--render a/grid.json b/grid.json ...`` tabulates
     python examples/benchmarks/attention_grid.py --time-limit 500 --out-dir g0          # "... --first-cell 41"
     python examples/benchmarks/attention_grid.py --time-limit 500 --first-cell 41 --out-dir g1
     python examples/benchmarks/attention_grid.py --render g0/grid.json g1/grid.json --out-dir grid
+
+``--resume DIR`` does that bookkeeping: each call runs a slice from the cell after the last one saved in ``DIR``
+(into ``DIR/slice_NNNN``) and tabulates every slice of ``DIR`` as one grid in ``DIR`` (the same command, repeated
+until it prints "grid done")::
+
+    python examples/benchmarks/attention_grid.py --time-limit 500 --resume grid
 """
 
 from __future__ import annotations
@@ -737,9 +743,17 @@ def main() -> None:
                         help="also time every Triton candidate alone: in every cell, or (reused) in cells that ran "
                         "on a choice tuned on another cell's inputs")  # fmt: skip
     parser.add_argument("--rep-runs", type=int, default=10, help="timed runs a measurement, about")
-    parser.add_argument("--time-limit", type=float, default=0, help="stop starting cells after this many seconds")
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=0,
+        help="stop starting cells after this many seconds (a call runs one cell at least)",
+    )
     parser.add_argument("--first-cell", type=int, default=0, help="start at this cell (a slice of a longer run)")
     parser.add_argument("--render", nargs="+", type=Path, default=None, help="only tabulate these grid.json files")
+    parser.add_argument("--resume", type=Path, default=None,
+                        help="a slices directory: run a slice from the cell after the last one saved there (in a "
+                        "subdirectory of its own), then tabulate every slice there as one grid")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="tiny cells, one of each mode (a CPU smoke test)")
     parser.add_argument("--precision", choices=("fp8",), help="also time auto on FP8 codes, against its bf16 call")
     parser.add_argument("--seed", type=int, default=0)
@@ -749,6 +763,11 @@ def main() -> None:
         args.heads, args.dims, args.lengths, args.tokens, args.long_tokens = [2], [16], ["1k"], 384, 0
         args.named, args.rep_runs = False, 4
         LENGTHS["1k"] = (64, "cubic")
+    if args.resume is not None:
+        done = _slices(args.resume)
+        args.first_cell = max((r["index"] for path in done for r in json.loads(path.read_text())["results"]),
+                              default=-1) + 1  # fmt: skip
+        args.out_dir = args.resume / f"slice_{args.first_cell:04d}"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.render:
         write_tables(*_saved(args.render), args.out_dir)
@@ -762,11 +781,12 @@ def main() -> None:
     for n, cell in enumerate(cells):
         if n < args.first_cell:
             continue
-        if args.time_limit and time.perf_counter() - start > args.time_limit:
+        if args.time_limit and results and time.perf_counter() - start > args.time_limit:  # one cell at least
             print(f"time limit: cells {n}-{len(cells) - 1} not run (go on with --first-cell {n})", flush=True)
             break
         case = make_case(cell, device, args.seed + n)  # seeded by the cell's place: slices repeat one run's inputs
         result = run_cell(case, args)
+        result["index"] = n
         results.append(result)
         del case
         line = " ".join(f"{k}={result[k]:.2f}" for k in ("x_fwd", "x_both", "vs_triton_best_fwd",
@@ -774,7 +794,18 @@ def main() -> None:
         elapsed = time.perf_counter() - start
         print(f"[{elapsed:6.0f} s] cell {n}: {cell.label}: {line} chosen {result['chosen']}", flush=True)
         (args.out_dir / "grid.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    write_tables(results, meta, args.out_dir)
+    else:
+        if args.resume is not None:
+            print("grid done: every cell is in a slice", flush=True)
+    if results:
+        write_tables(results, meta, args.out_dir)
+    if args.resume is not None and _slices(args.resume):
+        write_tables(*_saved(_slices(args.resume)), args.resume)
+
+
+def _slices(directory: Path) -> list[Path]:
+    """The ``grid.json`` files of ``--resume``'s slice subdirectories, in cell order."""
+    return sorted(directory.glob("slice_*/grid.json")) if directory.is_dir() else []
 
 
 def _saved(paths: list[Path]) -> tuple[list[dict], dict]:
