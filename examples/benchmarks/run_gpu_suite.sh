@@ -52,8 +52,11 @@ for s in "${steps[@]}"; do
     attention)  # every backend on 200 random jagged shapes per mode, then the shape grid against FA4 and the rest
       step attention_sweep 600 $PY examples/benchmarks/attention_check.py \
         sweep --modes grid --impls triton,flash,auto --dims 64,128,256 --out "$OUT/attention_sweep.json"
-      step attention_grid 600 $PY examples/benchmarks/attention_grid.py \
-        --candidates --out-dir "$OUT/attention_grid" ;;
+      for i in $(seq 1 12); do  # slices of about 8 minutes, each from where the last stopped, one grid in the end
+        step "attention_grid_$i" 600 $PY examples/benchmarks/attention_grid.py --candidates reused --time-limit 480 \
+          --resume "$OUT/attention_grid"
+        grep -q "grid done" "$OUT/attention_grid_$i.log" && break
+      done ;;
     fp8_attention)  # FP8 attention: forward and backward on 200 random shapes per mode against the emulation, then the
       # grid's head-dim-128 and 256 cells on FP8 codes beside their bf16 calls, end to end at NVIDIA's HSTU shapes
       step fp8_sweep 600 $PY examples/benchmarks/attention_check.py sweep --modes grid --impls triton,triton-fp8 \
