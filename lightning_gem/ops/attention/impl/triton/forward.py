@@ -352,7 +352,7 @@ def gdpa_forward(
         if tiles == FLASH:
             from lightning_gem.ops.attention.impl.flash import flash_forward
 
-            flash_forward(q, k, v, spec)
+            flash_forward(q, k, v, spec, need_lse=need_lse, natural_lse=lse_format is not None)  # timed as called
             return
         grid = (num_segments, heads, max(1, cdiv(max_seq_len_q, tiles.block_m)))
         descriptors = _kv_descriptors(k, v, tiles.block_n) if meta["TMA"] else (k, v)
