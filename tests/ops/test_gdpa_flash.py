@@ -223,7 +223,7 @@ def test_auto_keys_hold_heads(auto_with_stand_in: dict) -> None:
         q, k, v = (torch.randn(33, heads, 16) for _ in range(3))
         gdpa_triton(q, k, v, Spec(offsets, offsets, None, None, "softmax", True, None, None, 0.25), flash=True)
     keys = [key for key in _tuning.chosen_tiles() if key[0] == "fwd" and key[-1] is True]
-    assert len(keys) == 2 and {key[-3] for key in keys} == {2, 4}
+    assert len(keys) == 2 and {key[-4] for key in keys} == {2, 4}
 
 
 def test_auto_inference_skips_the_log_sum_exp(auto_with_stand_in: dict) -> None:
@@ -242,6 +242,12 @@ def test_auto_inference_skips_the_log_sum_exp(auto_with_stand_in: dict) -> None:
     # FA4 is asked for the log-sum-exp only where a backward will read it; the outputs agree.
     assert auto_with_stand_in["need_lse"] == [False, True]
     torch.testing.assert_close(inference, training.detach(), rtol=0, atol=0)
+    # The two calls tune keys of their own (FA4's cost differs), and both leave their best Triton tiles under the
+    # one key a call without FA4 (a traced one) looks up.
+    from lightning_gem.ops.attention.impl.triton import _tuning
+
+    forward_keys = [key for key in _tuning.chosen_tiles() if key[0] == "fwd"]
+    assert sorted(key[-2:] for key in forward_keys) == [(False, False), (False, True), (True, True)]
 
 
 # ----------------------------------------------------------------------------------------------------------------------

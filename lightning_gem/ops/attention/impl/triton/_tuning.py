@@ -2,7 +2,8 @@
 
 The key is what changes the best shape: the kernel, head dims, dtype, the mode's compile-time flags, the
 length hints bucketed to powers of two, the number of heads and the total work (``Tq x H x Tk / Bkv``, queries
-times heads times the mean kv segment, bucketed to powers of two). Lengths stay runtime values in the kernels, so
+times heads times the mean kv segment, bucketed to powers of two), and for a forward with FlashAttention-4 among
+its candidates whether the call keeps the log-sum-exp. Lengths stay runtime values in the kernels, so
 a new batch neither recompiles nor retunes unless its longest segment or its work crosses a power of two: a
 training run whose batches hold about the same number of tokens tunes a key or two per layer shape.
 
@@ -305,16 +306,18 @@ def pick_tiles(
 def _compiled_part(key: tuple) -> tuple:
     """What of a key fixes the compiled kernels (kernel, head dims, dtype, mode flags, block size, and the forward's
     descriptor loads or the backward's determinism): the keys of :mod:`.forward` and :mod:`.backward` end in their
-    length buckets, heads, work bucket and FlashAttention-4 flag."""
+    length buckets, heads, work bucket and FlashAttention-4 flags."""
     return key[:7]
 
 
 def _remember_auto(key: tuple, chosen: object, timings: dict) -> None:
-    """After an ``impl="auto"`` timing: the fastest Triton candidate under the key without FlashAttention-4, and a
-    log line of what was chosen."""
+    """After an ``impl="auto"`` timing: the fastest Triton candidate under the key without FlashAttention-4 (the
+    forward's with its no-log-sum-exp flag off too: a call without FA4 keys on neither), and a log line of what was
+    chosen."""
     kernels = {c: ms for c, ms in timings.items() if c != FLASH}
     if kernels:
-        _CHOSEN.setdefault((*key[:-1], False), min(kernels, key=kernels.__getitem__))
+        triton_key = (*key[:-2], False, False) if key[0] == "fwd" else (*key[:-1], False)
+        _CHOSEN.setdefault(triton_key, min(kernels, key=kernels.__getitem__))
     best_kernel = min(kernels.items(), key=lambda item: item[1]) if kernels else None
     log.info(
         "GDPA impl='auto' %s: %s (%.3f ms); FlashAttention-4 %s, best Triton %s",

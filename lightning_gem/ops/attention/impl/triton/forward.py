@@ -359,8 +359,11 @@ def gdpa_forward(
         launch(_gdpa_fwd_kernel, grid, (*args[:5], *descriptors, *args[5:]), meta)
 
     if tiles is None:
+        # With FlashAttention-4 a candidate, a call that keeps no log-sum-exp (nothing differentiates it) is its own
+        # key: FA4 skips computing it there, so the fastest candidate can differ from a training call's.
         key = ("fwd", head_dim, head_dim_v, dtype, flags, block_size, tma, length_bucket(max_seq_len_q), heads,
-               work_bucket(num_q, heads, k.shape[0], kv_offsets.shape[0] - 1), use_flash)  # fmt: skip
+               work_bucket(num_q, heads, k.shape[0], kv_offsets.shape[0] - 1), use_flash and not need_lse,
+               use_flash)  # fmt: skip
 
         def candidates() -> list[Tiles | str]:
             tiles = candidate_tiles("fwd", q.dtype, q.device, head_dim, block_size=block_size, max_len_q=max_seq_len_q,
