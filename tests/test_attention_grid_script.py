@@ -27,6 +27,8 @@ def test_attention_grid_quick(tmp_path: Path) -> None:
     pointwise, block = grid["results"]
     for result in grid["results"]:
         assert result["fwd_gflop"] > 0 and result["impls"]["auto"]["fwd_ms"] > 0
+        # tiny calls: their host time too (on a CPU the whole call)
+        assert 0 < result["impls"]["auto"]["fwd_host_ms"] and 0 < result["impls"]["auto"]["both_host_ms"]
         assert result["q_tokens"] == 384
     # The padded baseline runs the pointwise cell (targets included); the softmax-only kernels say why they do not.
     assert pointwise["impls"]["padded"]["both_ms"] > 0 and pointwise["x_fwd"] > 0
@@ -34,7 +36,7 @@ def test_attention_grid_quick(tmp_path: Path) -> None:
     assert block["impls"]["padded"]["skipped"] == "n/a (pointwise modes only)"
     assert "n/a" in block["impls"]["fa4"]["skipped"]
     table = (tmp_path / "grid.md").read_text()
-    assert "| silu causal targets, 1k, 2x16, 0.375K |" in table
+    assert "| silu causal targets, 1k, 2x16, 0.375K |" in table and "auto host ms fwd / f+b" in table
     assert (tmp_path / "grid.png").stat().st_size > 0
     # A slice from the second cell on holds that cell alone, on the same inputs; slices tabulate as one grid.
     _grid(*modes, "--first-cell", "1", "--out-dir", str(tmp_path / "slice"))

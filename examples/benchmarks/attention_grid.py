@@ -22,6 +22,9 @@ can be wrong for the shape.
 Times are medians of ``triton.testing.do_bench`` (enough runs for about ``--rep-runs`` repetitions, after a
 warm-up), random normal inputs. TFLOP/s count only allowed (query, key) pairs (``gdpa_flops``; the backward is
 2.5x the forward at equal head dims), the same numerator for every impl. ``x`` is ``best baseline ms / auto ms``.
+Calls under 2 ms (forward+backward) also get their host time: the median wall clock of the call returning to the
+host from an idle device, i.e. the time to issue its launches (``fwd_host_ms`` / ``both_host_ms``; a column for
+auto): near the call's own time, the call is bound by the host rather than its kernels.
 
 Run on a CUDA machine from the repository root::
 
@@ -441,15 +444,49 @@ def bench(fn: Callable[[], object], grad_to_none: list[Tensor] | None, runs: int
                                    grad_to_none=grad_to_none, return_mode="median")  # fmt: skip
 
 
-def time_built(built: Built, runs: int) -> tuple[float, float, Tensor]:
-    """``(fwd ms, fwd+bwd ms, the forward's output)``: the forward without autograd, then with its backward."""
+# Calls shorter than this (ms, forward+backward) also get their host time measured: where it nears the call's time,
+# the call is bound by the host issuing its launches, not by its kernels.
+HOST_TIMED_BELOW_MS = 2.0
+
+
+def host_ms(fn: Callable[[], object], calls: int = 20) -> float:
+    """Median wall-clock ms of ``fn`` returning to the host, without waiting for the device (from an idle device,
+    after a warm-up call): the time it takes the host to issue the call's launches."""
+    fn()
+    times = []
+    for _ in range(calls):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def time_built(built: Built, runs: int) -> tuple[dict[str, float], Tensor]:
+    """``({"fwd_ms", "both_ms"[, "fwd_host_ms", "both_host_ms"]}, the forward's output)``: the forward without
+    autograd, then with its backward; calls under :data:`HOST_TIMED_BELOW_MS` also their host times (:func:`host_ms`).
+    """
     call, inputs, grad_out = built
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
+
+    def forward() -> None:
+        with torch.no_grad():
+            call(*inputs)
+
+    def both() -> None:
+        call(*leaves).backward(grad_out)
+        for leaf in leaves:
+            leaf.grad = None
+
     with torch.no_grad():
         out = call(*inputs)
-        fwd = bench(lambda: call(*inputs), None, runs)
-    both = bench(lambda: call(*leaves).backward(grad_out), leaves, runs)
-    return fwd, both, out
+    timed = {"fwd_ms": bench(forward, None, runs), "both_ms": bench(both, leaves, runs)}
+    if timed["both_ms"] < HOST_TIMED_BELOW_MS or not torch.cuda.is_available():  # (every CPU call: smoke tests)
+        timed.update(fwd_host_ms=host_ms(forward), both_host_ms=host_ms(both))
+    return timed, out
 
 
 def time_candidates(case: Case, runs: int) -> dict[str, dict[str, float]]:
@@ -543,16 +580,14 @@ def run_cell(case: Case, args: argparse.Namespace) -> dict:
     result["tune_s"] = time.perf_counter() - start
     result["chosen"] = _auto_choices(before, chosen_tiles())
     result["tuned"] = _tuned(times_before)
-    fwd, both, ours = time_built(built, args.rep_runs)
-    result["impls"]["auto"] = {"fwd_ms": fwd, "both_ms": both}
+    result["impls"]["auto"], ours = time_built(built, args.rep_runs)
     del leaves
     if args.precision == "fp8":  # the same auto call on FP8 codes, against the bf16 one above
         built_fp8 = build_gdpa(case, impl, precision="fp8")
         leaves = [t.detach().clone().requires_grad_() for t in inputs]
         built_fp8[0](*leaves).backward(grad_out)  # tunes its keys
-        fwd, both, out = time_built(built_fp8, args.rep_runs)
-        result["impls"]["auto fp8"] = {"fwd_ms": fwd, "both_ms": both,
-                                       "max_abs_diff": float((out.float() - ours.float()).abs().max())}  # fmt: skip
+        timed, out = time_built(built_fp8, args.rep_runs)
+        result["impls"]["auto fp8"] = dict(timed, max_abs_diff=float((out.float() - ours.float()).abs().max()))
         del leaves
     # "reused": only where the cell ran on a choice another cell's timing made (one that tuned its forward and its
     # backward on its own inputs took the fastest of its candidates by the tuner's measurement, in "tuned").
@@ -571,8 +606,7 @@ def run_cell(case: Case, args: argparse.Namespace) -> dict:
             if isinstance(got, str):
                 result["impls"][name] = {"skipped": got}
                 continue
-            fwd, both, out = time_built(got, args.rep_runs)
-            entry = {"fwd_ms": fwd, "both_ms": both}
+            entry, out = time_built(got, args.rep_runs)
             if name != "padded" and name != "flex":
                 entry["max_abs_diff"] = float((out.float() - ours.float()).abs().max())
             result["impls"][name] = entry
@@ -619,6 +653,9 @@ def markdown(results: list[dict], meta: dict) -> str:
     )
     if any("auto fp8" in r["impls"] for r in results):
         head += " auto FP8 fwd / f+b, x its bf16 |"
+    host = any("both_host_ms" in r["impls"]["auto"] for r in results)
+    if host:
+        head += " auto host ms fwd / f+b (of its ms) |"
     lines = [f"Grid: {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, FA4 {meta['fa4']}, "
              f"commit {meta['commit']}, {meta['date']}. Command: `{meta['command']}`", "", head,
              "|" + " --- |" * (head.count("|") - 1)]  # fmt: skip
@@ -639,6 +676,9 @@ def markdown(results: list[dict], meta: dict) -> str:
         if "auto fp8" in impls:
             fp8 = (f" fp8 {impls['auto fp8']['fwd_tflops']:.0f} / {impls['auto fp8']['both_tflops']:.0f} TF/s, "
                    f"{ratio('fp8_x_fwd')} / {ratio('fp8_x_both')}x bf16 |")  # fmt: skip
+        if host:
+            fp8 += (f" {auto['fwd_host_ms']:.3f} / {auto['both_host_ms']:.3f} ({auto['fwd_ms']:.3f} / "
+                    f"{auto['both_ms']:.3f}) |" if "both_host_ms" in auto else " - |")  # fmt: skip
         lines.append(
             f"| {r['label']} | {r['fwd_gflop']:.0f} | {auto['fwd_tflops']:.0f} | {best('fwd')} | {ratio('x_fwd')} "
             f"| {auto['both_tflops']:.0f} | {best('both')} | {ratio('x_both')} | {vs} | {chosen} |{fp8}"
