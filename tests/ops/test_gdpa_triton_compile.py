@@ -118,13 +118,15 @@ for dim in (128, 256):
         shared[f"fwd {dim} {tuple(tiles)}"] = compiled.metadata.shared
     for plan in backward_candidates(torch.bfloat16, cuda, dim, deterministic=False, tma=True):
         shared[f"bwd {dim} {plan}"] = compile_kernel(plan_kernel(plan), plan_meta(plan, options)).metadata.shared
-    # BlockAttention of 64-token blocks: tiles of one block, one and two stages
-    block = {**kernel_options(dim, dim, mode_flags("softmax", True, None, 64, None, None), torch.bfloat16, True)}
-    for tiles in candidate_tiles("fwd", torch.bfloat16, cuda, dim, block_size=64):
-        compiled = compile_kernel(forward._gdpa_fwd_kernel, {**block, **tile_meta(tiles), "TMA": False, "FP8": False})
-        shared[f"fwd block 64 {dim} {tuple(tiles)}"] = compiled.metadata.shared
-    for plan in backward_candidates(torch.bfloat16, cuda, dim, deterministic=False, block_size=64, tma=True):
-        shared[f"bwd block 64 {dim} {plan}"] = compile_kernel(plan_kernel(plan), plan_meta(plan, block)).metadata.shared
+    for size in (64, 128):  # BlockAttention: tiles of whole blocks
+        block = kernel_options(dim, dim, mode_flags("softmax", True, None, size, None, None), torch.bfloat16, True)
+        for tiles in candidate_tiles("fwd", torch.bfloat16, cuda, dim, block_size=size):
+            meta = {**block, **tile_meta(tiles), "TMA": False, "FP8": False}
+            compiled = compile_kernel(forward._gdpa_fwd_kernel, meta)
+            shared[f"fwd block {size} {dim} {tuple(tiles)}"] = compiled.metadata.shared
+        for plan in backward_candidates(torch.bfloat16, cuda, dim, deterministic=False, block_size=size, tma=True):
+            compiled = compile_kernel(plan_kernel(plan), plan_meta(plan, block))
+            shared[f"bwd block {size} {dim} {plan}"] = compiled.metadata.shared
 print(json.dumps({"limit": SHARED_LIMIT, "shared": shared}))
 """
 

@@ -150,6 +150,10 @@ def candidate_tiles(
     edge = _block_tiles(block_size)
     if fp8 and edge is not None and edge < 32:
         edge = None
+    if edge is not None and edge > 64 and head_dim > 128:
+        # 128-row tiles of 256 columns exceed an sm_90 block's shared memory (every backward launch, and the forward's
+        # 128 x 128): the 64-row tiles, which cover whole blocks as well (64 divides what 128 divides)
+        edge = 64
     if edge is not None and edge <= 64:
         # One key tile per query tile (and one query tile per key tile): nothing to pipeline, so one stage (half the
         # shared memory of two, more programs an SM) is a candidate beside two.
