@@ -12,10 +12,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _grid(*args: str) -> None:
+def _grid(*args: str) -> subprocess.CompletedProcess:
     script = ROOT / "examples" / "benchmarks" / "attention_grid.py"
     done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-4000:]
+    return done
 
 
 @pytest.mark.slow
@@ -57,9 +58,7 @@ def test_attention_grid_quick(tmp_path: Path) -> None:
         assert [p.parent.name for p in saved] == ["slice_0000", "slice_0001"][:expected]
         rows = [line for line in (tmp_path / "resumed" / "grid.md").read_text().splitlines() if line.startswith("| ")]
         assert len(rows) == 2 + expected
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "benchmarks" / "attention_grid.py"), *modes,
-                           *resume], capture_output=True, text=True, timeout=600, cwd=ROOT)  # fmt: skip
-    assert done.returncode == 0 and "grid done" in done.stdout
+    assert "grid done" in _grid(*modes, *resume).stdout
     assert json.loads(saved[1].read_text())["results"][0]["index"] == 1
 
 
@@ -77,9 +76,8 @@ def test_attention_grid_fp8(tmp_path: Path) -> None:
     assert "auto FP8 fwd / f+b, x its bf16" in (tmp_path / "grid.md").read_text()
 
 
-def test_flex_builder_reads_the_module_torch() -> None:
-    """``build_flex`` binds no local ``torch`` (an ``import torch.x`` inside it would, and every call after the first
-    would then fail with a NameError in its nested helpers)."""
+def _script_module():
+    """attention_grid.py imported as a module (its functions, without running it)."""
     import importlib.util
 
     path = ROOT / "examples" / "benchmarks" / "attention_grid.py"
@@ -90,5 +88,23 @@ def test_flex_builder_reads_the_module_torch() -> None:
         spec.loader.exec_module(module)
     finally:
         del sys.modules[spec.name]
-    code = module.build_flex.__code__
+    return module
+
+
+def test_flex_builder_reads_the_module_torch() -> None:
+    """``build_flex`` binds no local ``torch`` (an ``import torch.x`` inside it would, and every call after the first
+    would then fail with a NameError in its nested helpers)."""
+    code = _script_module().build_flex.__code__
     assert "torch" not in code.co_varnames + code.co_cellvars
+
+
+def test_candidate_labels() -> None:
+    from lightning_gem.ops.attention.impl.triton._tuning import FLASH, BackwardTiles, Tiles
+
+    label = _script_module()._label
+    assert label(FLASH) == "fa4"
+    assert label(Tiles(128, 64, 8, 3)) == "(128, 64, 8, 3)"
+    assert label(BackwardTiles(Tiles(64, 128, 8, 1), tma=True, split=True)) == "(64, 128, 8, 1) split bulk dQ"
+    assert label(BackwardTiles(Tiles(64, 128, 8, 3))) == "(64, 128, 8, 3) atomic dQ"
+    assert label(BackwardTiles(Tiles(64, 64, 8, 2), Tiles(128, 64, 8, 2))) == "(64, 64, 8, 2) dQ (128, 64, 8, 2)"
+    assert label(BackwardTiles(Tiles(64, 64, 4, 2), short=True)) == "short (64, 64, 4, 2)"

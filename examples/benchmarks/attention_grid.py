@@ -532,32 +532,35 @@ def _auto_choices(before: dict, after: dict) -> dict[str, str]:
         if key in before or key[0] not in ("fwd", "bwd"):
             continue
         if key[-1] is True or key[0] not in picked:
-            picked[key[0]] = (
-                "fa4" if choice == "flash" else _plan(choice) if hasattr(choice, "dkdv") else str(tuple(choice))
-            )
+            picked[key[0]] = _label(choice)
     return picked
 
 
-def _plan(plan: object) -> str:
-    if plan.short:
-        return f"short {tuple(plan.dkdv)}"
-    if plan.dq is None:
-        return f"{tuple(plan.dkdv)} {'bulk' if plan.tma else 'atomic'} dQ"
-    return f"{tuple(plan.dkdv)} dQ {tuple(plan.dq)}"
+def _label(choice: object) -> str:
+    """A tuner candidate as a short string: ``fa4``, a forward's tiles, or a backward plan."""
+    from lightning_gem.ops.attention.impl.triton._tuning import FLASH
+
+    if choice == FLASH:
+        return "fa4"
+    if not hasattr(choice, "dkdv"):
+        return str(tuple(choice))
+    if choice.short:
+        return f"short {tuple(choice.dkdv)}"
+    split = " split" if choice.split else ""
+    if choice.dq is None:
+        return f"{tuple(choice.dkdv)}{split} {'bulk' if choice.tma else 'atomic'} dQ"
+    return f"{tuple(choice.dkdv)}{split} dQ {tuple(choice.dq)}"
 
 
 def _tuned(before: dict) -> dict[str, dict[str, float]]:
     """The tuner's own measurements of the keys it timed since ``before`` (a :func:`tuning_times` snapshot):
     ``{"fwd": {candidate: ms}, "bwd": ...}``, FlashAttention-4 as ``fa4``."""
-    from lightning_gem.ops.attention.impl.triton._tuning import FLASH, tuning_times
+    from lightning_gem.ops.attention.impl.triton._tuning import tuning_times
 
     tuned: dict[str, dict[str, float]] = {}
     for key, times in tuning_times().items():
         if key not in before and key[0] in ("fwd", "bwd"):
-            tuned[key[0]] = {
-                "fa4" if c == FLASH else _plan(c) if hasattr(c, "dkdv") else str(tuple(c)): ms
-                for c, ms in times.items()
-            }
+            tuned[key[0]] = {_label(c): ms for c, ms in times.items()}
     return tuned
 
 
