@@ -281,12 +281,9 @@ def _activation_grad(x, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
 @triton.jit
 def _scaled_activation(qk, scale, ACTIVATION: tl.constexpr, FAST: tl.constexpr):
     """``act(qk * scale)`` in fp32. SiLU with ``FAST``: ``h + h tanh(h)`` with ``h = qk scale / 2`` (the same
-    function as ``x sigmoid(x)``, in one multiply, one MUFU tanh and one FMA a score instead of four ALU ops)."""
-    if ACTIVATION == "silu" and FAST:
-        h = qk * (0.5 * scale)
-        y = h + h * _tanh_approx(h)
-    else:
-        y = _activation(qk * scale, ACTIVATION, FAST)
+    function as ``x sigmoid(x)``, in one multiply, one MUFU tanh and one FMA a score instead of four ALU ops). The
+    value of :func:`_scaled_activation_and_grad` (the derivative it drops is not compiled)."""
+    y, _ = _scaled_activation_and_grad(qk, scale, ACTIVATION, FAST)
     return y
 
 
