@@ -449,12 +449,15 @@ def bench(fn: Callable[[], object], grad_to_none: list[Tensor] | None, runs: int
 HOST_TIMED_BELOW_MS = 2.0
 
 
-def host_ms(fn: Callable[[], object], calls: int = 20) -> float:
+def host_ms(fn: Callable[[], object], grad_to_none: list[Tensor] | None = None, calls: int = 20) -> float:
     """Median wall-clock ms of ``fn`` returning to the host, without waiting for the device (from an idle device,
-    after a warm-up call): the time it takes the host to issue the call's launches."""
+    after a warm-up call): the time it takes the host to issue the call's launches. ``grad_to_none``: tensors whose
+    gradients are dropped before each call, untimed (as ``do_bench`` does)."""
     fn()
     times = []
     for _ in range(calls):
+        for tensor in grad_to_none or ():
+            tensor.grad = None
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -478,14 +481,12 @@ def time_built(built: Built, runs: int) -> tuple[dict[str, float], Tensor]:
 
     def both() -> None:
         call(*leaves).backward(grad_out)
-        for leaf in leaves:
-            leaf.grad = None
 
     with torch.no_grad():
         out = call(*inputs)
     timed = {"fwd_ms": bench(forward, None, runs), "both_ms": bench(both, leaves, runs)}
     if timed["both_ms"] < HOST_TIMED_BELOW_MS or not torch.cuda.is_available():  # (every CPU call: smoke tests)
-        timed.update(fwd_host_ms=host_ms(forward), both_host_ms=host_ms(both))
+        timed.update(fwd_host_ms=host_ms(forward), both_host_ms=host_ms(both, leaves))
     return timed, out
 
 
