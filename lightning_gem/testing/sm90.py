@@ -28,9 +28,8 @@ def compile_kernel(kernel, meta: dict, offsets: str = "*i32"):
     """``kernel`` (a ``@triton.jit`` function of the GDPA kernels) compiled for sm_90 with the launch options
     ``meta`` (its constexprs and ``num_warps`` / ``num_stages``, as the launchers pass them): upper-case arguments
     are bf16 tensors but ``LSE``, ``DELTA`` and ``DQ`` (fp32) and the offsets (``offsets``, ``"*i32"`` or
-    ``"*i64"``); ``DQ_DESC`` a tensor descriptor of ``[BLOCK_M, HEAD_DIM]`` fp32 tiles when ``DQ_TMA`` (``BLOCK_D //
-    2`` columns with ``DK_HALVES``), ``K_DESC`` / ``V_DESC`` ones of ``[BLOCK_N, HEAD_DIM(_V)]`` bf16 tiles when
-    ``TMA``; ``Q``, ``K``, ``V`` E4M3 and their
+    ``"*i64"``); ``DQ_DESC`` a tensor descriptor of ``[BLOCK_M, HEAD_DIM]`` fp32 tiles when ``DQ_TMA``, ``K_DESC`` /
+    ``V_DESC`` ones of ``[BLOCK_N, HEAD_DIM(_V)]`` bf16 tiles when ``TMA``; ``Q``, ``K``, ``V`` E4M3 and their
     scales fp32 when ``FP8``, the FP8 quantizer's ``CODES`` / ``V_T`` E4M3 and its scales and maxima fp32; lower-case
     ones ``i32`` but ``scale`` (fp32); pointers and strides divisible by 16. Returns Triton's compiled kernel."""
     import triton
@@ -49,8 +48,6 @@ def compile_kernel(kernel, meta: dict, offsets: str = "*i32"):
             signature[name] = "*fp32"
         elif name == "DQ_DESC":
             tile = (constexprs["BLOCK_M"], constexprs["HEAD_DIM"])
-            if constexprs.get("DK_HALVES"):
-                tile = (constexprs["BLOCK_M"], constexprs["BLOCK_D"] // 2)
             signature[name] = f"tensordesc<fp32[{tile[0]},{tile[1]}]>" if constexprs["DQ_TMA"] else offsets
         elif name in ("K_DESC", "V_DESC"):
             tile = (constexprs["BLOCK_N"], constexprs["HEAD_DIM" if name == "K_DESC" else "HEAD_DIM_V"])

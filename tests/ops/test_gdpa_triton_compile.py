@@ -48,13 +48,13 @@ for flags, offsets, (bm, bn, warps, stages), fused in modes:
     sizes[f"short {name}"] = compile_one(backward_short._gdpa_bwd_short_kernel, dict(short, BLOCK_M=32), offsets, 4,
                                          stages)
     # The fused-dQ mode adds its tiles through bulk tensor reductions (its head dim is a power of two).
-    dkdv = dict(common, FUSED_DQ=fused, DQ_TMA=fused, FP8=False, DK_HALVES=False)
+    dkdv = dict(common, FUSED_DQ=fused, DQ_TMA=fused, FP8=False)
     sizes[f"dkdv {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(dkdv, SPLIT=False), offsets, warps,
                                         stages)
     sizes[f"dkdv split {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(dkdv, SPLIT=True), offsets, warps,
                                               stages)
     for split in (False, True):
-        one_launch = dict(common, DQ_BLOCK_M=bn, DQ_BLOCK_N=bm, SPLIT=split, FP8=False, DK_HALVES=False)
+        one_launch = dict(common, DQ_BLOCK_M=bn, DQ_BLOCK_N=bm, SPLIT=split, FP8=False)
         sizes[f"bwd {name} split {split}"] = compile_one(backward._gdpa_bwd_kernel, one_launch, offsets, warps, stages)
 for zero_dq in (False, True):  # with ZERO_DQ it also zeroes the atomic plans' fp32 dQ rows
     delta = dict(HEAD_DIM=96, HEAD_DIM_V=96, BLOCK_D=128, BLOCK_DV=128, BLOCK_T=64, ZERO_DQ=zero_dq)
@@ -63,7 +63,7 @@ for zero_dq in (False, True):  # with ZERO_DQ it also zeroes the atomic plans' f
 # in programs of their own, the one-launch kernel with targets' row-wise terms), and the three kernels of its quantizer.
 fp8 = dict(modes[0][0], BLOCK_M=128, BLOCK_N=64, DOT_PRECISION="tf32", FAST=True, TMA=False, FP8=True)
 sizes["fwd fp8"] = compile_one(forward._gdpa_fwd_kernel, fp8, "*i32", 8, 3)
-bwd_fp8 = dict(modes[1][0], BLOCK_M=64, BLOCK_N=64, DOT_PRECISION="tf32", FAST=True, FP8=True, DK_HALVES=False)
+bwd_fp8 = dict(modes[1][0], BLOCK_M=64, BLOCK_N=64, DOT_PRECISION="tf32", FAST=True, FP8=True)
 sizes["dkdv split fp8"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(bwd_fp8, FUSED_DQ=True, DQ_TMA=False,
                                       SPLIT=True), "*i64", 8, 2)  # fmt: skip
 sizes["bwd fp8"] = compile_one(backward._gdpa_bwd_kernel, dict(bwd_fp8, DQ_BLOCK_M=64, DQ_BLOCK_N=64, SPLIT=False),

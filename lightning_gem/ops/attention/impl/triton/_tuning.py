@@ -251,12 +251,9 @@ def split_candidates(
     fp32 accumulator a program, each computing ``Q K^T`` itself. Over head dim 128 these are the fastest backward
     measured (docs/benchmarks.md): two accumulators of a 64-row key tile do not fit the registers of 8 warps, and
     a 64-row tile over 8 warps computes ``Q K^T`` in both of its warp groups, where one accumulator of a 128-row
-    tile does neither; one stage, so its K, V, Q and dO tiles fit in shared memory. Beside it 64 x 64 tiles at two
-    stages (the loads of the next query tile overlap the products), which fit in shared memory only with the dK
-    program in column halves (``DK_HALVES``) and dQ added by atomics (a bulk reduction stages a fp32 dQ tile in
-    shared memory too). At head dims up to 128 they ran slower than the unsplit launch on every shape timed, so
-    :func:`backward_candidates` takes them only over 128. None where a BlockAttention block or short query segments
-    fix the tiles."""
+    tile does neither; one stage, so its K, V, Q and dO tiles fit in shared memory. At head dims up to 128 they
+    ran slower than the unsplit launch on every shape timed, so :func:`backward_candidates` takes them only over
+    128. None where a BlockAttention block or short query segments fix the tiles."""
     if device.type != "cuda":
         return [BackwardTiles(Tiles(16, 16, 1, 1), split=True)]
     if dtype == torch.float32 or _block_tiles(block_size) is not None or length_bucket(max_len_q) <= 64:
@@ -266,8 +263,7 @@ def split_candidates(
     elif head_dim <= 128:
         shapes = [Tiles(64, 128, 8, 2)]
     else:
-        return [BackwardTiles(Tiles(64, 128, 8, 1), tma=tma, split=True),
-                BackwardTiles(Tiles(64, 64, 8, 2), split=True)]  # fmt: skip
+        shapes = [Tiles(64, 128, 8, 1)]
     return [BackwardTiles(t, tma=tma, split=True) for t in shapes]
 
 

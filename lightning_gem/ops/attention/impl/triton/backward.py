@@ -86,7 +86,7 @@ def _bwd_delta_kernel(
 @triton.jit
 def _gdpa_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ,  # [Tq, H, D], [Tk, H, D], [Tk, H, DV], [Tq, H, DV], [H, Tq] x2, like k v q
-    DQ_DESC,  # DQ as [Tq, H * D] in tiles of [BLOCK_M, D] (DQ_TMA; D / 2 with DK_HALVES), else unused
+    DQ_DESC,  # DQ as [Tq, H * D] in tiles of [BLOCK_M, D] (DQ_TMA), else unused
     Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,  # [B + 1], [Bkv + 1], [B], [Bkv + 1], [B]
     Q8, K8, V8, DO8, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE,  # with FP8: row codes like q k v dO (dense), [H, T] fp32
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
@@ -96,13 +96,12 @@ def _gdpa_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
     HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
-    SPLIT: tl.constexpr, FP8: tl.constexpr, DK_HALVES: tl.constexpr,
+    SPLIT: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """One program per (kv segment, head, key tile): dK/dV, plus dQ through fp32 atomics with ``FUSED_DQ`` (bulk
     tensor reductions with ``DQ_TMA``). ``SPLIT``: two programs per key tile along axis 2, one for dK (and dQ), then
     one for dV: one fp32 accumulator each instead of two, so taller key tiles fit in registers, at the price of
-    computing ``Q K^T`` twice; ``DK_HALVES``: the dK program in two column halves (:func:`plan_meta`), ``DQ_DESC``'s
-    tiles then half as wide. ``FP8``: ``S`` and ``dP`` from the row codes (:func:`gdpa_backward`); else those
+    computing ``Q K^T`` twice. ``FP8``: ``S`` and ``dP`` from the row codes (:func:`gdpa_backward`); else those
     arguments are not read."""
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
     fp8 = (Q8, K8, V8, DO8, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE, stride_qs_h, stride_ks_h)
@@ -113,7 +112,6 @@ def _gdpa_bwd_dkdv_kernel(
         scale, window, block_size, tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2), fp8,
         HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, FUSED_DQ, DQ_TMA,
         ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, SPLIT, FP8,
-        DK_HALVES,
     )  # fmt: skip
 
 
@@ -130,7 +128,7 @@ def _gdpa_bwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
     HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
-    SPLIT: tl.constexpr, FP8: tl.constexpr, DK_HALVES: tl.constexpr,
+    SPLIT: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """The deterministic backward in one launch: dK/dV programs (key tiles of ``BLOCK_N`` over query tiles of
     ``BLOCK_M``) and dQ programs (query tiles of ``DQ_BLOCK_M`` over key tiles of ``DQ_BLOCK_N``) share the grid,
@@ -164,7 +162,6 @@ def _gdpa_bwd_kernel(
             scale, window, block_size, seg, head, index, fp8,
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, False,
             ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, SPLIT, FP8,
-            DK_HALVES,
         )  # fmt: skip
 
 
@@ -187,13 +184,13 @@ def bulk_reduction_ok(q: Tensor) -> bool:
     return torch.cuda.get_device_capability(q.device)[0] >= 9
 
 
-def _row_tiles(dq: Tensor, block_m: int, cols: int) -> object:
-    """A tensor descriptor over ``dq [Tq, H, D]`` (contiguous) seen as ``[Tq, H * D]``, in tiles of ``[block_m,
-    cols]`` (one head's ``D`` columns, or half of them)."""
+def _row_tiles(dq: Tensor, block_m: int) -> object:
+    """A tensor descriptor over ``dq [Tq, H, D]`` (contiguous) seen as ``[Tq, H * D]``, in tiles of one head's
+    ``[block_m, D]``."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     num_q, heads, head_dim = dq.shape
-    return TensorDescriptor.from_tensor(dq.view(num_q, heads * head_dim), [block_m, cols])
+    return TensorDescriptor.from_tensor(dq.view(num_q, heads * head_dim), [block_m, head_dim])
 
 
 def _delta(out: Tensor, grad_out: Tensor, zero: Tensor | None = None) -> Tensor:
@@ -238,11 +235,6 @@ def plan_meta(plan: BackwardTiles, options: dict[str, object]) -> dict[str, obje
         meta.update(FUSED_DQ=True, DQ_TMA=plan.tma, SPLIT=plan.split)
     else:
         meta.update(DQ_BLOCK_M=plan.dq.block_m, DQ_BLOCK_N=plan.dq.block_n, SPLIT=plan.split)
-    if not plan.short:
-        # A split dK program over tiles of 256 columns keeps K, Q, dK and dQ in column halves: its key tile, which
-        # S = Q K^T and dQ = dS K read as operands of two layouts (two copies), and dQ's fp32 tile take half the
-        # shared memory and registers (the FP8 product of S reads whole rows of codes).
-        meta["DK_HALVES"] = plan.split and meta["BLOCK_D"] > 128 and not meta["FP8"]
     meta.update(tile_meta(plan.dkdv))
     return meta
 
@@ -372,8 +364,7 @@ def gdpa_backward(
                 # Bulk reductions in plain eager calls only: a traced launch (torch.compile, dispatch modes) cannot
                 # take a tensor descriptor made inside the op, so there the same plan adds dQ element by element.
                 bulk = plan.tma and plain_eager((q, k, v, grad_out))
-                dq_cols = meta["BLOCK_D"] // 2 if meta["DK_HALVES"] else head_dim
-                dq_desc = _row_tiles(dq32, tiles.block_m, dq_cols) if bulk else q_offsets  # a placeholder, never read
+                dq_desc = _row_tiles(dq32, tiles.block_m) if bulk else q_offsets  # a placeholder, never read
                 args = (q, k, v, grad_out, base2_lse(), delta, dk, dv, dq32, dq_desc, q_offsets, kv_offsets, targets,
                         seg_offsets, seg_order, *codes, *strides, *dq32.stride()[:2], *code_strides, scale,
                         window or 0, block_size or 1)  # fmt: skip

@@ -41,13 +41,13 @@ DK_ONLY = tl.constexpr(2)
 
 @triton.jit
 def _dkdv_query_blocks(
-    dk_ND, dk_hi_ND, dv_NDV, k_ND, k_hi_ND, v_NDV, offs_n, q_base, do_base, lse_base, delta_base, dq_base, dq_desc,
-    dq_row, dq_col, stride_qt, stride_dot, stride_dqt, m_lo, m_hi, row_end, shift, num_history, window, block_size,
+    dk_ND, dv_NDV, k_ND, v_NDV, offs_n, q_base, do_base, lse_base, delta_base, dq_base, dq_desc, dq_row, dq_col,
+    stride_qt, stride_dot, stride_dqt, m_lo, m_hi, row_end, shift, num_history, window, block_size,
     qk_scale, scale, inv_len_k, fp8_rows, fp8_keys,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FAST: tl.constexpr, PART: tl.constexpr, FP8: tl.constexpr, HALVES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FAST: tl.constexpr, PART: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """Query blocks ``[m_lo, m_hi)`` against one key tile; ``MASKED`` applies ``allowed``; ``PART`` (:data:`BOTH`,
     :data:`DV_ONLY`, :data:`DK_ONLY`) says which of dK and dV the tile accumulates (the other is returned as given);
@@ -60,15 +60,8 @@ def _dkdv_query_blocks(
     ``FP8``: ``S`` and ``dP`` are products of FP8 codes times their rows' scales, the query rows' from ``fp8_rows``
     (``q8_base, do8_base, qs_base, dos_base, stride_q8t, stride_do8t``), the key tile's in ``fp8_keys`` (``k8, v8,
     sk, sv``); Q and dO are then read only for the products that make dK and dV (``k_ND`` only for ``FUSED_DQ``,
-    ``v_NDV`` never).
-
-    ``HALVES`` (the dK part, not FP8): Q, K, dK and dQ in two halves of ``BLOCK_D // 2`` columns, ``k_ND`` /
-    ``dk_ND`` the first, ``k_hi_ND`` / ``dk_hi_ND`` the second (else placeholders, returned as given): ``S`` sums the
-    two halves' products, dK and dQ take one product a half, so the two copies of the key tile that ``S`` and dQ
-    read (operands of different layouts) and dQ's fp32 tile take half the shared memory and registers."""
-    COLS: tl.constexpr = BLOCK_D // 2 if HALVES else BLOCK_D  # columns of a Q, K, dK or dQ tile
-    LO_COLS: tl.constexpr = COLS if HALVES else HEAD_DIM  # the head's columns in the first (or only) one
-    offs_d = tl.arange(0, COLS)
+    ``v_NDV`` never)."""
+    offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     for m_start in tl.range(m_lo, m_hi, BLOCK_M):
         offs_m = m_start + tl.arange(0, BLOCK_M)
@@ -86,12 +79,9 @@ def _dkdv_query_blocks(
             if PART != DK_ONLY:
                 do_MDV = _load_tile(do_base, offs_m, stride_dot, offs_dv, row_ok, HEAD_DIM_V, BLOCK_DV, MASKED)
         else:
-            q_MD = _load_tile(q_base, offs_m, stride_qt, offs_d, row_ok, LO_COLS, COLS, MASKED)
+            q_MD = _load_tile(q_base, offs_m, stride_qt, offs_d, row_ok, HEAD_DIM, BLOCK_D, MASKED)
             do_MDV = _load_tile(do_base, offs_m, stride_dot, offs_dv, row_ok, HEAD_DIM_V, BLOCK_DV, MASKED)
             qk_NM = tl.dot(k_ND, tl.trans(q_MD), input_precision=DOT_PRECISION)
-            if HALVES:
-                q_hi_MD = _load_tile(q_base + COLS, offs_m, stride_qt, offs_d, row_ok, HEAD_DIM - COLS, COLS, MASKED)
-                qk_NM = tl.dot(k_hi_ND, tl.trans(q_hi_MD), qk_NM, input_precision=DOT_PRECISION)
             if PART != DV_ONLY:
                 dp_NM = tl.dot(v_NDV, tl.trans(do_MDV), input_precision=DOT_PRECISION)
         if MASKED:
@@ -127,34 +117,18 @@ def _dkdv_query_blocks(
         if PART != DV_ONLY:
             ds_NM = ds_NM.to(q_MD.dtype)
             dk_ND = tl.dot(ds_NM, q_MD, dk_ND, input_precision=DOT_PRECISION)
-            if HALVES:
-                dk_hi_ND = tl.dot(ds_NM, q_hi_MD, dk_hi_ND, input_precision=DOT_PRECISION)
         if FUSED_DQ and PART != DV_ONLY:
             dq_MD = tl.dot(tl.trans(ds_NM), k_ND, input_precision=DOT_PRECISION) * scale
-            _add_dq(dq_MD, dq_base, dq_desc, dq_row + m_start, dq_col, offs_m, offs_d, row_ok, stride_dqt, LO_COLS,
-                    COLS, MASKED, DQ_TMA)  # fmt: skip
-            if HALVES:
-                dq_MD = tl.dot(tl.trans(ds_NM), k_hi_ND, input_precision=DOT_PRECISION) * scale
-                _add_dq(dq_MD, dq_base + COLS, dq_desc, dq_row + m_start, dq_col + COLS, offs_m, offs_d, row_ok,
-                        stride_dqt, HEAD_DIM - COLS, COLS, MASKED, DQ_TMA)  # fmt: skip
-    return dk_ND, dk_hi_ND, dv_NDV
-
-
-@triton.jit
-def _add_dq(dq_MD, dq_base, dq_desc, desc_row, desc_col, offs_m, offs_d, row_ok, stride_dqt, NUM_COLS: tl.constexpr,
-            BLOCK_C: tl.constexpr, MASKED: tl.constexpr, DQ_TMA: tl.constexpr):  # fmt: skip
-    """Add the fp32 tile ``dq_MD`` (rows ``offs_m``, the ``NUM_COLS`` columns of ``BLOCK_C`` from ``dq_base``) into
-    dQ: one bulk reduction through ``dq_desc`` at ``(desc_row, desc_col)`` with ``DQ_TMA``, else atomics element by
-    element, masked where rows (``MASKED``) or columns can be out of range."""
-    dq_ptrs = dq_base + offs_m[:, None] * stride_dqt + offs_d[None, :]
-    if DQ_TMA:
-        dq_desc.atomic_add([desc_row, desc_col], dq_MD)
-    elif MASKED:
-        tl.atomic_add(dq_ptrs, dq_MD, mask=row_ok[:, None] & (offs_d[None, :] < NUM_COLS), sem="relaxed")
-    elif NUM_COLS == BLOCK_C:
-        tl.atomic_add(dq_ptrs, dq_MD, sem="relaxed")
-    else:
-        tl.atomic_add(dq_ptrs, dq_MD, mask=offs_d[None, :] < NUM_COLS, sem="relaxed")
+            dq_ptrs = dq_base + offs_m[:, None] * stride_dqt + offs_d[None, :]
+            if DQ_TMA:
+                dq_desc.atomic_add([dq_row + m_start, dq_col], dq_MD)
+            elif MASKED:
+                tl.atomic_add(dq_ptrs, dq_MD, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
+            elif HEAD_DIM == BLOCK_D:
+                tl.atomic_add(dq_ptrs, dq_MD, sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs, dq_MD, mask=offs_d[None, :] < HEAD_DIM, sem="relaxed")
+    return dk_ND, dv_NDV
 
 
 @triton.jit
@@ -168,24 +142,20 @@ def _dkdv_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
     HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
-    PART: tl.constexpr, FP8: tl.constexpr, HALVES: tl.constexpr,
+    PART: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """dK and dV of the key tile at ``n_start`` of kv segment ``kv_seg``, head ``head`` (and, with ``FUSED_DQ``,
     its part of dQ through atomics), or only one of them (``PART``); nothing when the tile lies past the segment's
-    end. ``FP8``: ``S`` and ``dP`` from the row codes of the tuple ``fp8`` (module docstring). ``HALVES`` (dK only,
-    not FP8): K, Q, dK and dQ in two column halves (:func:`_dkdv_query_blocks`)."""
-    COLS: tl.constexpr = BLOCK_D // 2 if HALVES else BLOCK_D  # columns of a K, Q, dK or dQ tile
-    LO_COLS: tl.constexpr = COLS if HALVES else HEAD_DIM  # the head's columns in the first (or only) one
+    end. ``FP8``: ``S`` and ``dP`` from the row codes of the tuple ``fp8`` (module docstring)."""
     qk_scale = scale * LOG2E
     k_start = tl.load(KV_OFFSETS + kv_seg).to(tl.int64)
     len_k = (tl.load(KV_OFFSETS + kv_seg + 1) - k_start).to(tl.int32)
     if n_start < len_k:
         offs_n = n_start + tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, COLS)
+        offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
         col_ok = offs_n < len_k
         heads = tl.num_programs(1)
-        k_base = K + k_start * stride_kt + head * stride_kh
         if FP8:  # the key tile's codes and scales; K itself only for dQ's product, V not at all
             Q8, K8, V8, DO8, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE, stride_qs_h, stride_ks_h = fp8
             k8_ND, sk_N = _code_rows(K8 + k_start * heads * HEAD_DIM + head * HEAD_DIM,
@@ -197,20 +167,21 @@ def _dkdv_program(
             fp8_keys = (k8_ND, v8_NDV, sk_N, sv_N)
             k_ND, v_NDV = k8_ND, v8_NDV  # placeholders, not read
             if FUSED_DQ:
-                k_ND = _load_tile(k_base, offs_n, stride_kt, offs_d, col_ok, HEAD_DIM, BLOCK_D, True)
+                k_ND = _load_tile(
+                    K + k_start * stride_kt + head * stride_kh, offs_n, stride_kt, offs_d, col_ok, HEAD_DIM, BLOCK_D,
+                    True,
+                )  # fmt: skip
         else:
-            k_ND = _load_tile(k_base, offs_n, stride_kt, offs_d, col_ok, LO_COLS, COLS, True)
+            k_ND = _load_tile(
+                K + k_start * stride_kt + head * stride_kh, offs_n, stride_kt, offs_d, col_ok, HEAD_DIM, BLOCK_D, True
+            )
             v_NDV = _load_tile(
                 V + k_start * stride_vt + head * stride_vh, offs_n, stride_vt, offs_dv, col_ok, HEAD_DIM_V, BLOCK_DV,
                 True,
             )  # fmt: skip
             fp8_keys = (k_ND, v_NDV, col_ok, col_ok)  # placeholders, not read
-        dk_ND = tl.zeros([BLOCK_N, COLS], dtype=tl.float32)
+        dk_ND = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
         dv_NDV = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-        k_hi_ND, dk_hi_ND = k_ND, dk_ND  # placeholders, not read (no HALVES)
-        if HALVES:
-            k_hi_ND = _load_tile(k_base + COLS, offs_n, stride_kt, offs_d, col_ok, HEAD_DIM - COLS, COLS, True)
-            dk_hi_ND = tl.zeros([BLOCK_N, COLS], dtype=tl.float32)
         inv_len_k = 1.0 / len_k.to(tl.float32)
 
         first, end = kv_seg, kv_seg + 1
@@ -245,20 +216,20 @@ def _dkdv_program(
             )
             for stage in tl.static_range(3):  # masked edge, unmasked inside, masked edge
                 m_lo, m_hi = _stage_range(stage, i_lo, a, b, i_hi)
-                dk_ND, dk_hi_ND, dv_NDV = _dkdv_query_blocks(
-                    dk_ND, dk_hi_ND, dv_NDV, k_ND, k_hi_ND, v_NDV, offs_n, q_base, do_base, lse_base, delta_base,
-                    dq_base, DQ_DESC, q_start.to(tl.int32), (head * HEAD_DIM).to(tl.int32),
+                dk_ND, dv_NDV = _dkdv_query_blocks(
+                    dk_ND, dv_NDV, k_ND, v_NDV, offs_n, q_base, do_base, lse_base, delta_base, dq_base, DQ_DESC,
+                    q_start.to(tl.int32), (head * HEAD_DIM).to(tl.int32),
                     stride_qt, stride_dot, stride_dqt, m_lo, m_hi, i_hi, shift, num_history, window, block_size,
                     qk_scale, scale, inv_len_k, fp8_rows, fp8_keys, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
                     stage != 1, FUSED_DQ, DQ_TMA, ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST, PART,
-                    FP8, HALVES,
+                    FP8,
                 )  # fmt: skip
 
             # A target key t is seen by one query only: the target itself, row t of the segment. A run-time branch:
             # only key tiles that hold targets pay for the row-wise tiles (registers) of this term.
             if HAS_TARGETS and (shift == 0) & (n_start + BLOCK_N > num_history):
                 own = col_ok & (offs_n >= num_history)
-                q_own_ND = _load_tile(q_base, offs_n, stride_qt, offs_d, own, LO_COLS, COLS, True).to(tl.float32)
+                q_own_ND = _load_tile(q_base, offs_n, stride_qt, offs_d, own, HEAD_DIM, BLOCK_D, True).to(tl.float32)
                 do_own_NDV = _load_tile(do_base, offs_n, stride_dot, offs_dv, own, HEAD_DIM_V, BLOCK_DV, True)
                 do_own_NDV = do_own_NDV.to(tl.float32)
                 if FP8:  # the target rows' own codes, as the forward's own term and the tiles above
@@ -271,10 +242,6 @@ def _dkdv_program(
                 else:
                     qk_N = tl.sum(k_ND.to(tl.float32) * q_own_ND, axis=1)
                     dp_N = tl.sum(v_NDV.to(tl.float32) * do_own_NDV, axis=1)
-                    if HALVES:
-                        q_own_hi_ND = _load_tile(q_base + COLS, offs_n, stride_qt, offs_d, own, HEAD_DIM - COLS, COLS,
-                                                 True).to(tl.float32)  # fmt: skip
-                        qk_N += tl.sum(k_hi_ND.to(tl.float32) * q_own_hi_ND, axis=1)
                 if ACTIVATION == "softmax":
                     lse_N = tl.load(lse_base + offs_n, mask=own, other=float("inf"))
                     delta_N = tl.load(delta_base + offs_n, mask=own, other=0.0)
@@ -287,33 +254,20 @@ def _dkdv_program(
                     dv_NDV += p_N[:, None] * do_own_NDV
                 if PART != DV_ONLY:
                     dk_ND += ds_N[:, None] * q_own_ND
-                    if HALVES:
-                        dk_hi_ND += ds_N[:, None] * q_own_hi_ND
                 if FUSED_DQ and PART != DV_ONLY:
                     tl.atomic_add(
                         dq_base + offs_n[:, None] * stride_dqt + offs_d[None, :],
                         ds_N[:, None] * k_ND.to(tl.float32) * scale,
-                        mask=own[:, None] & (offs_d[None, :] < LO_COLS),
+                        mask=own[:, None] & (offs_d[None, :] < HEAD_DIM),
                         sem="relaxed",
                     )
-                    if HALVES:
-                        tl.atomic_add(
-                            dq_base + COLS + offs_n[:, None] * stride_dqt + offs_d[None, :],
-                            ds_N[:, None] * k_hi_ND.to(tl.float32) * scale,
-                            mask=own[:, None] & (offs_d[None, :] < HEAD_DIM - COLS),
-                            sem="relaxed",
-                        )
 
         if PART != DV_ONLY:
-            dk_ptrs = DK + (k_start + offs_n)[:, None] * stride_dkt + head * stride_dkh + offs_d[None, :]
-            dk_lo = (dk_ND * scale).to(DK.dtype.element_ty)
-            tl.store(dk_ptrs, dk_lo, mask=col_ok[:, None] & (offs_d[None, :] < LO_COLS))
-            if HALVES:
-                tl.store(
-                    dk_ptrs + COLS,
-                    (dk_hi_ND * scale).to(DK.dtype.element_ty),
-                    mask=col_ok[:, None] & (offs_d[None, :] < HEAD_DIM - COLS),
-                )
+            tl.store(
+                DK + (k_start + offs_n)[:, None] * stride_dkt + head * stride_dkh + offs_d[None, :],
+                (dk_ND * scale).to(DK.dtype.element_ty),
+                mask=col_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
+            )
         if PART != DK_ONLY:
             tl.store(
                 DV + (k_start + offs_n)[:, None] * stride_dvt + head * stride_dvh + offs_dv[None, :],
@@ -333,11 +287,10 @@ def _dkdv_programs(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
     HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
-    SPLIT: tl.constexpr, FP8: tl.constexpr, DK_HALVES: tl.constexpr,
+    SPLIT: tl.constexpr, FP8: tl.constexpr,
 ):  # fmt: skip
     """dK/dV program ``index`` of a kv segment and head: key tile ``index`` (dK and dV), or with ``SPLIT`` key tile
-    ``index // 2``'s dK (even ``index``; it adds dQ with ``FUSED_DQ``; in two column halves with ``DK_HALVES``) or dV
-    (odd)."""
+    ``index // 2``'s dK (even ``index``; it adds dQ with ``FUSED_DQ``) or dV (odd)."""
     if SPLIT:
         n_start = (index // 2) * BLOCK_N
         if index % 2 == 0:
@@ -348,7 +301,7 @@ def _dkdv_programs(
                 scale, window, block_size, kv_seg, head, n_start, fp8,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, FUSED_DQ, DQ_TMA,
                 ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, DK_ONLY,
-                FP8, DK_HALVES,
+                FP8,
             )  # fmt: skip
         else:
             _dkdv_program(
@@ -358,7 +311,7 @@ def _dkdv_programs(
                 scale, window, block_size, kv_seg, head, n_start, fp8,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, False,
                 ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, DV_ONLY,
-                FP8, False,
+                FP8,
             )  # fmt: skip
     else:
         _dkdv_program(
@@ -368,7 +321,6 @@ def _dkdv_programs(
             scale, window, block_size, kv_seg, head, index * BLOCK_N, fp8,
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, FUSED_DQ, DQ_TMA,
             ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, BOTH, FP8,
-            False,
         )  # fmt: skip
 
 
