@@ -303,10 +303,42 @@ def test_flash_matches_reference_gpu(layout: str, mode: dict, impl: str, dim: in
         assert_within_budget(got, exact, ref, name=f"{impl} {name}", ulps=2.0)
 
 
+def _opcheck_flash_ops(device: str) -> None:
+    """torch.library.opcheck of the forward and backward FA4 ops (schema: no undeclared mutation or aliasing; fake
+    tensor registrations against the real outputs' shapes and dtypes), their arguments built from a Spec."""
+    offsets = torch.tensor([0, 100, 100, 229], device=device)
+    q, k, v = (torch.randn(229, 2, 64, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    spec = Spec(offsets, offsets, None, None, "softmax", True, None, None, 0.125, 129, 129)
+    checks = ("test_schema", "test_faketensor")
+    torch.library.opcheck(flash._gdpa_flash_op, (q, k, v, *spec), test_utils=checks)
+    out, lse = flash._gdpa_flash_op(q, k, v, *spec)
+    backward_args = (torch.randn_like(out), q, k, v, out, lse, *spec)
+    torch.library.opcheck(flash._gdpa_flash_backward_op, backward_args, test_utils=checks)
+
+
+def test_flash_ops_opcheck_with_stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ops' schemas and fake registrations on any machine: FA4's two entry points replaced by a stand-in module
+    of the same signatures (outputs of FA4's shapes and dtypes), so a Spec field the schema misses fails here."""
+    import sys
+    import types
+
+    def fwd(q, k, v, *, return_lse=True, **_):
+        out = torch.randn(q.shape[0], q.shape[1], v.shape[2], dtype=q.dtype, device=q.device)
+        lse = torch.randn(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device) if return_lse else None
+        return out, lse
+
+    def bwd(q, k, v, out, grad_out, lse, **_):
+        return torch.randn_like(q), torch.randn_like(k), torch.randn_like(v)
+
+    interface = types.ModuleType("flash_attn.cute.interface")
+    interface._flash_attn_fwd, interface._flash_attn_bwd = fwd, bwd
+    for name in ("flash_attn", "flash_attn.cute"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
+    _opcheck_flash_ops("cpu")
+
+
 @pytest.mark.gpu
 def test_flash_ops_opcheck_gpu() -> None:
     _fa4_device()
-    offsets = torch.tensor([0, 100, 100, 229], device="cuda")
-    q, k, v = (torch.randn(229, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    args = (q, k, v, offsets, offsets, None, None, "softmax", True, None, None, 0.125, 129, 129, False)
-    torch.library.opcheck(flash._gdpa_flash_op, args, test_utils=("test_schema", "test_faketensor"))
+    _opcheck_flash_ops("cuda")
