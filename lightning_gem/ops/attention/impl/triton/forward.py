@@ -58,6 +58,7 @@ from lightning_gem.ops.attention.impl.triton._tuning import (
     FLASH,
     Tiles,
     candidate_tiles,
+    fp8_tiles_fault,
     length_bucket,
     pick_launch,
     tile_meta,
@@ -367,13 +368,16 @@ def gdpa_forward(
 
         def candidates() -> list[Tiles | str]:
             tiles = candidate_tiles("fwd", q.dtype, q.device, head_dim, block_size=block_size, max_len_q=max_seq_len_q,
-                                    fp8=fp8)  # fmt: skip
+                                    fp8=fp8, pointwise_targets=not softmax and num_targets is not None)  # fmt: skip
             return [*tiles, FLASH] if use_flash else tiles
 
         tiles, meta = pick_launch(
             key, (q.device.type, fast), candidates, lambda t: run(t, options(t)), (q, k, v), options
         )
     else:
+        if fp8 and fp8_tiles_fault(tiles, head_dim, activation, num_targets is not None):
+            raise ValueError(f"tiles={tiles}: the FP8 forward of a pointwise activation with targets at head dim "
+                             f"{head_dim} takes tiles of at most 64 query rows")  # fmt: skip
         meta = options(tiles)
     if tiles == FLASH:
         from lightning_gem.ops.attention.impl.flash import flash_forward
