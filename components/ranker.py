@@ -103,6 +103,41 @@ def segment_mean(values: Tensor, offsets: Tensor) -> Tensor:
     return sums / lengths.clamp_min(1.0)[:, None]
 
 
+def pad_user(
+    history: Tensor, history_offsets: Tensor, candidates: Tensor, candidate_offsets: Tensor, multiple: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, int, int]:
+    """Append one padding user whose zero history and candidate tokens bring both token counts to multiples of
+    ``multiple``: ``(history, history_offsets, candidates, candidate_offsets, history_pad, candidate_pad)``.
+
+    Every per-token layer then sees row counts from a small set instead of a new one each jagged batch, so the
+    GEMM library's per-shape host work (a new row count costs the host 7-12x a repeated one) is paid once per
+    count; the real users' outputs are unchanged (the padding user's tokens attend only to its own) and are the
+    first rows of every output. Both offsets gain the user (with zero tokens on a side already a multiple); nothing
+    is appended when both counts are multiples already (no device read either way).
+
+    Example:
+        >>> h, ho, c, co, hp, cp = pad_user(torch.ones(5, 2), torch.tensor([0, 2, 5]), torch.ones(4, 2),
+        ...                                  torch.tensor([0, 1, 4]), 4)
+        >>> h.shape[0], ho.tolist(), c.shape[0], co.tolist(), hp, cp
+        (8, [0, 2, 5, 8], 4, [0, 1, 4, 4], 3, 0)
+    """
+    if multiple < 1:
+        raise ValueError(f"`multiple` must be >= 1, got {multiple}")
+    history_pad, candidate_pad = -history.shape[0] % multiple, -candidates.shape[0] % multiple
+    if history_pad == 0 and candidate_pad == 0:
+        return history, history_offsets, candidates, candidate_offsets, 0, 0
+    history = torch.cat([history, history.new_zeros(history_pad, *history.shape[1:])])
+    candidates = torch.cat([candidates, candidates.new_zeros(candidate_pad, *candidates.shape[1:])])
+    history_offsets = torch.cat([history_offsets, history_offsets[-1:] + history_pad])
+    candidate_offsets = torch.cat([candidate_offsets, candidate_offsets[-1:] + candidate_pad])
+    return history, history_offsets, candidates, candidate_offsets, history_pad, candidate_pad
+
+
+def _pad_rows(x: Tensor, rows: int) -> Tensor:
+    """``x`` with ``rows`` zero rows appended (the padding user's context)."""
+    return torch.cat([x, x.new_zeros(rows, *x.shape[1:])]) if rows else x
+
+
 def adamw_param_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Parameter groups for AdamW: weight decay on the weights of ``nn.Linear`` layers only.
 
@@ -146,6 +181,10 @@ class GEMRanker(L.LightningModule):
         loss_reduction: combine the per-task mean BCE losses by ``"sum"`` or ``"mean"``.
         embedding_init_scale: embedding rows uniform in ``[-s, s]``; None: torchrec's default.
         attention_impl: GDPA ``impl`` (``"auto"``, ``"reference"``, ``"triton"``, or the ``"padded"`` baseline).
+        token_multiple: pad the history and candidate tokens of each batch to multiples of this with one padding
+            user (:func:`pad_user`; its outputs are dropped before the loss): the encoder, interaction and head
+            layers then meet few distinct row counts, which cuts the host time of new GEMM shapes in steps of
+            jagged batches. None: no padding.
 
     Example:
         >>> from lightning_gem.data.schema import RankingSchema, SparseFeature
@@ -180,8 +219,11 @@ class GEMRanker(L.LightningModule):
         loss_reduction: Literal["sum", "mean"] = "sum",
         embedding_init_scale: float | None = 0.05,
         attention_impl: str = "auto",
+        token_multiple: int | None = None,
     ) -> None:
         super().__init__()
+        if token_multiple is not None and token_multiple < 1:
+            raise ValueError(f"`token_multiple` must be >= 1 or None, got {token_multiple}")
         # Checked here, not only in the layers: under the CLI the layers are built at fit start (configure_model).
         check_option(attention_activation, "attention_activation", ACTIVATIONS)
         check_option(interaction_activation, "interaction_activation", ACTIVATIONS)
@@ -307,12 +349,22 @@ class GEMRanker(L.LightningModule):
                     (candidate_offsets, "candidate offsets", candidates.shape[0], None),
                 ]
             )
+        time_deltas = batch.history_time_deltas if self.use_time else None
+        num_candidates, padded = candidates.shape[0], 0
+        if self.hparams.get("token_multiple"):
+            history_tokens, history_offsets, candidates, candidate_offsets, history_pad, candidate_pad = pad_user(
+                history_tokens, history_offsets, candidates, candidate_offsets, self.hparams.token_multiple
+            )
+            padded = int(history_pad > 0 or candidate_pad > 0)  # the padding user's rows of user-level tensors
+            if padded:
+                if time_deltas is not None:
+                    time_deltas = torch.cat([time_deltas, time_deltas.new_zeros(history_pad)])
+                if type(max_history) is int:
+                    max_history = max(max_history, history_pad)
+                if type(max_candidates) is int:
+                    max_candidates = max(max_candidates, candidate_pad)
         history = self.encoder(
-            history_tokens,
-            history_offsets,
-            time_deltas=batch.history_time_deltas if self.use_time else None,
-            max_seq_len=max_history,
-            check_offsets=False,
+            history_tokens, history_offsets, time_deltas=time_deltas, max_seq_len=max_history, check_offsets=False
         )
         context = [segment_mean(history, history_offsets)]
         if self.pooled_proj is not None:
@@ -321,11 +373,13 @@ class GEMRanker(L.LightningModule):
             # By name: a sharded EmbeddingBagCollection's output lists its keys in sharding order (tables placed
             # table-wise on different ranks come back grouped by rank), not in the collection's order.
             pooled = self.pooled_embeddings(batch.pooled_features).to_dict()
-            context.append(self.pooled_proj(torch.cat([pooled[k] for k in self._pooled_keys], dim=1)))
+            context.append(
+                _pad_rows(self.pooled_proj(torch.cat([pooled[k] for k in self._pooled_keys], dim=1)), padded)
+            )
         if self.dense_proj is not None:
             if batch.dense_features is None:
                 raise ValueError(f"the schema has num_dense={schema.num_dense} but `batch.dense_features` is None")
-            context.append(self.dense_proj(batch.dense_features.to(candidates.dtype)))
+            context.append(_pad_rows(self.dense_proj(batch.dense_features.to(candidates.dtype)), padded))
         context_BND = torch.stack(context, dim=1)
         if not self.interaction.self_interaction:
             # Without token interaction the user context joins each candidate token additively.
@@ -342,7 +396,7 @@ class GEMRanker(L.LightningModule):
             max_candidates=max_candidates,
             check_offsets=False,
         )
-        return self.head(interacted)
+        return self.head(interacted)[:num_candidates]
 
     def _tokens(self, embeddings: dict[str, JaggedTensor], keys: list[str], bias: Tensor) -> Tensor:
         """``[N, model_dim]``: the sum over ``keys`` of each feature's table projection, plus ``bias``."""

@@ -85,8 +85,13 @@ def synthetic_users(args: argparse.Namespace, num_users: int) -> SyntheticRankin
     )
 
 
-def gem_ranker(source: SyntheticRankingSource, args: argparse.Namespace, attention_impl: str = "auto") -> GEMRanker:
-    """The GEM example at the shape arguments' widths (AdamW, lr 1e-4)."""
+def gem_ranker(
+    source: SyntheticRankingSource,
+    args: argparse.Namespace,
+    attention_impl: str = "auto",
+    token_multiple: int | None = None,
+) -> GEMRanker:
+    """The GEM example at the shape arguments' widths (AdamW, lr 1e-4); ``token_multiple``: GEMRanker's."""
     from lightning_gem.components import GEMRanker
 
     return GEMRanker(
@@ -98,6 +103,7 @@ def gem_ranker(source: SyntheticRankingSource, args: argparse.Namespace, attenti
         head_hidden_dims=(args.model_dim,),
         attention_impl=attention_impl,
         lr=1e-4,
+        token_multiple=token_multiple,
     )
 
 

@@ -55,6 +55,34 @@ def test_padded_attention_baseline_gives_the_same_model(batches) -> None:
     torch.testing.assert_close(model(batch), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("multiple", [8, 9, 6, 3])
+@pytest.mark.parametrize("self_interaction", [True, False])
+def test_token_multiple_pads_with_a_user_that_changes_nothing(batches, self_interaction: bool, multiple: int) -> None:
+    """token_multiple: a padding user brings the history (9) and candidate (6) token counts to multiples (both
+    padded, one side only with the other user's side empty, or neither): the same logits, loss and gradients as
+    the model without it."""
+    torch.manual_seed(0)
+    schema = batches.ranking_schema()
+    plain = _tiny(schema, self_interaction=self_interaction)
+    padded = _tiny(schema, self_interaction=self_interaction, token_multiple=multiple)
+    padded.load_state_dict(plain.state_dict())
+    batch = batches.make_ranking_batch(schema, history_lengths=[0, 1, 5, 3], candidate_counts=[2, 0, 3, 1])
+    results = []
+    for model in (plain, padded):
+        logits = model(batch)
+        loss = model.training_step(batch, 0)
+        loss.backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        results.append((logits, loss, grads))
+    (logits, loss, grads), (logits_p, loss_p, grads_p) = results
+    assert logits_p.shape == logits.shape == (6, 2)
+    torch.testing.assert_close(logits_p, logits, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss_p, loss, rtol=1e-5, atol=1e-6)
+    assert grads_p.keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_p[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_a_batch_without_any_candidate(batches) -> None:
     schema = batches.ranking_schema(pooled=False, num_dense=0, has_time=False, tasks=("ctr",))
     model = _tiny(schema, esmm=False)
@@ -238,9 +266,13 @@ def test_a_forward_validates_the_batch_once(batches, monkeypatch: pytest.MonkeyP
         too_long(bad)
 
 
-def test_a_training_step_reads_the_device_once(batches, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("token_multiple", [None, 8])
+def test_a_training_step_reads_the_device_once(
+    batches, monkeypatch: pytest.MonkeyPatch, token_multiple: int | None
+) -> None:
     """Every host read of device values stalls the launch queue on a GPU: a step of the kernels' path makes one
-    (the batch's offsets check, which also returns the length hints), none in the layers or the interaction."""
+    (the batch's offsets check, which also returns the length hints), none in the layers or the interaction, and
+    none for a padding user (``token_multiple``)."""
     import traceback
     from pathlib import Path
 
@@ -261,7 +293,7 @@ def test_a_training_step_reads_the_device_once(batches, monkeypatch: pytest.Monk
 
         monkeypatch.setattr(torch.Tensor, name, read)
     schema = batches.ranking_schema()
-    model = _tiny(schema, num_layers=3, attention_impl="triton")
+    model = _tiny(schema, num_layers=3, attention_impl="triton", token_multiple=token_multiple)
     batch = batches.make_ranking_batch(schema, history_lengths=[0, 1, 5, 3], candidate_counts=[2, 0, 3, 1])
     reads.clear()
     model(batch).float().sum().backward()
