@@ -52,6 +52,7 @@ from .interaction import GDPAInteraction
 __all__ = [
     "GEMRanker",
     "adamw_param_groups",
+    "append_padding_user",
     "schema_from_datamodule",
     "schema_from_hparams",
     "schema_to_hparams",
@@ -103,34 +104,20 @@ def segment_mean(values: Tensor, offsets: Tensor) -> Tensor:
     return sums / lengths.clamp_min(1.0)[:, None]
 
 
-def pad_user(
-    history: Tensor, history_offsets: Tensor, candidates: Tensor, candidate_offsets: Tensor, multiple: int
-) -> tuple[Tensor, Tensor, Tensor, Tensor, int, int]:
-    """Append one padding user whose zero history and candidate tokens bring both token counts to multiples of
-    ``multiple``: ``(history, history_offsets, candidates, candidate_offsets, history_pad, candidate_pad)``.
-
-    Every per-token layer then sees row counts from a small set instead of a new one each jagged batch, so the
-    GEMM library's per-shape host work (a new row count costs the host 7-12x a repeated one) is paid once per
-    count; the real users' outputs are unchanged (the padding user's tokens attend only to its own) and are the
-    first rows of every output. Both offsets gain the user (with zero tokens on a side already a multiple); nothing
-    is appended when both counts are multiples already (no device read either way).
+def append_padding_user(
+    history_offsets: Tensor, candidate_offsets: Tensor, history_pad: int, candidate_pad: int
+) -> tuple[Tensor, Tensor]:
+    """Both offsets with one more user of ``history_pad`` history and ``candidate_pad`` candidate tokens (either may
+    be 0), appended after the last real user: ``GEMRanker(token_multiple=...)``'s padding user. No device read.
 
     Example:
-        >>> h, ho, c, co, hp, cp = pad_user(torch.ones(5, 2), torch.tensor([0, 2, 5]), torch.ones(4, 2),
-        ...                                  torch.tensor([0, 1, 4]), 4)
-        >>> h.shape[0], ho.tolist(), c.shape[0], co.tolist(), hp, cp
-        (8, [0, 2, 5, 8], 4, [0, 1, 4, 4], 3, 0)
+        >>> ho, co = append_padding_user(torch.tensor([0, 2, 5]), torch.tensor([0, 1, 4]), 3, 0)
+        >>> ho.tolist(), co.tolist()
+        ([0, 2, 5, 8], [0, 1, 4, 4])
     """
-    if multiple < 1:
-        raise ValueError(f"`multiple` must be >= 1, got {multiple}")
-    history_pad, candidate_pad = -history.shape[0] % multiple, -candidates.shape[0] % multiple
-    if history_pad == 0 and candidate_pad == 0:
-        return history, history_offsets, candidates, candidate_offsets, 0, 0
-    history = torch.cat([history, history.new_zeros(history_pad, *history.shape[1:])])
-    candidates = torch.cat([candidates, candidates.new_zeros(candidate_pad, *candidates.shape[1:])])
     history_offsets = torch.cat([history_offsets, history_offsets[-1:] + history_pad])
     candidate_offsets = torch.cat([candidate_offsets, candidate_offsets[-1:] + candidate_pad])
-    return history, history_offsets, candidates, candidate_offsets, history_pad, candidate_pad
+    return history_offsets, candidate_offsets
 
 
 def _pad_rows(x: Tensor, rows: int) -> Tensor:
@@ -182,9 +169,10 @@ class GEMRanker(L.LightningModule):
         embedding_init_scale: embedding rows uniform in ``[-s, s]``; None: torchrec's default.
         attention_impl: GDPA ``impl`` (``"auto"``, ``"reference"``, ``"triton"``, or the ``"padded"`` baseline).
         token_multiple: pad the history and candidate tokens of each batch to multiples of this with one padding
-            user (:func:`pad_user`; its outputs are dropped before the loss): the encoder, interaction and head
-            layers then meet few distinct row counts, which cuts the host time of new GEMM shapes in steps of
-            jagged batches. None: no padding.
+            user (zero inputs to the feature projections, :func:`append_padding_user`; its outputs are dropped
+            before the loss, the real users' are unchanged since its tokens attend only to its own): every GEMM
+            over tokens then meets a few row counts instead of a new one each jagged batch, which would cost the
+            host 7-12x a repeated one (the library selects a kernel per new shape). None: no padding.
 
     Example:
         >>> from lightning_gem.data.schema import RankingSchema, SparseFeature
@@ -333,8 +321,10 @@ class GEMRanker(L.LightningModule):
         embeddings = self.sequence_embeddings(batch.sequence_features)
         history_offsets = batch.history_offsets()
         candidate_offsets = batch.candidate_offsets()
-        history_tokens = self._tokens(embeddings, self._history_keys, self.history_bias)
-        candidates = self._tokens(embeddings, self._candidate_keys, self.candidate_bias)
+        multiple = self.hparams.get("token_multiple") or 1
+        history_tokens, history_pad = self._tokens(embeddings, self._history_keys, self.history_bias, multiple)
+        candidates, candidate_pad = self._tokens(embeddings, self._candidate_keys, self.candidate_bias, multiple)
+        num_history, num_candidates = history_tokens.shape[0] - history_pad, candidates.shape[0] - candidate_pad
         # The encoder and the interaction skip their own offset checks and take the longest sequences as exact
         # kernel hints. A collated batch knows them on the host (offsets built from its lengths: valid); otherwise
         # one device sync a batch checks both offsets and reads their longest sequences back together. Under
@@ -345,24 +335,22 @@ class GEMRanker(L.LightningModule):
         elif not torch.compiler.is_compiling():
             max_history, max_candidates = jagged.validate_offsets_together(
                 [
-                    (history_offsets, "history offsets", history_tokens.shape[0], schema.max_history_length),
-                    (candidate_offsets, "candidate offsets", candidates.shape[0], None),
+                    (history_offsets, "history offsets", num_history, schema.max_history_length),
+                    (candidate_offsets, "candidate offsets", num_candidates, None),
                 ]
             )
         time_deltas = batch.history_time_deltas if self.use_time else None
-        num_candidates, padded = candidates.shape[0], 0
-        if self.hparams.get("token_multiple"):
-            history_tokens, history_offsets, candidates, candidate_offsets, history_pad, candidate_pad = pad_user(
-                history_tokens, history_offsets, candidates, candidate_offsets, self.hparams.token_multiple
+        padded = int(history_pad > 0 or candidate_pad > 0)  # the padding user's rows of user-level tensors
+        if padded:
+            history_offsets, candidate_offsets = append_padding_user(
+                history_offsets, candidate_offsets, history_pad, candidate_pad
             )
-            padded = int(history_pad > 0 or candidate_pad > 0)  # the padding user's rows of user-level tensors
-            if padded:
-                if time_deltas is not None:
-                    time_deltas = torch.cat([time_deltas, time_deltas.new_zeros(history_pad)])
-                if type(max_history) is int:
-                    max_history = max(max_history, history_pad)
-                if type(max_candidates) is int:
-                    max_candidates = max(max_candidates, candidate_pad)
+            if time_deltas is not None:
+                time_deltas = _pad_rows(time_deltas, history_pad)
+            if type(max_history) is int:
+                max_history = max(max_history, history_pad)
+            if type(max_candidates) is int:
+                max_candidates = max(max_candidates, candidate_pad)
         history = self.encoder(
             history_tokens, history_offsets, time_deltas=time_deltas, max_seq_len=max_history, check_offsets=False
         )
@@ -398,12 +386,17 @@ class GEMRanker(L.LightningModule):
         )
         return self.head(interacted)[:num_candidates]
 
-    def _tokens(self, embeddings: dict[str, JaggedTensor], keys: list[str], bias: Tensor) -> Tensor:
-        """``[N, model_dim]``: the sum over ``keys`` of each feature's table projection, plus ``bias``."""
-        out = bias
+    def _tokens(
+        self, embeddings: dict[str, JaggedTensor], keys: list[str], bias: Tensor, multiple: int = 1
+    ) -> tuple[Tensor, int]:
+        """``([N + pad, model_dim], pad)``: the sum over ``keys`` of each feature's table projection, plus ``bias``,
+        the projections' inputs padded with ``pad`` zero rows to a multiple of ``multiple``."""
+        out, pad = bias, 0
         for key in keys:
-            out = out + self.feature_proj[self._table_of[key]](concat_sequence_embeddings(embeddings, [key]))
-        return out
+            x = concat_sequence_embeddings(embeddings, [key])
+            pad = -x.shape[0] % multiple
+            out = out + self.feature_proj[self._table_of[key]](_pad_rows(x, pad))
+        return out, pad
 
     def _loss(self, logits: Tensor, labels: Tensor) -> tuple[Tensor, list[Tensor]]:
         num_tasks = logits.shape[1]
