@@ -16,7 +16,8 @@ pooled user features, hundreds of candidates per user.
   ``GEM5DStrategy(train_pipeline=True)`` (world size 1: torchrec's sharded tables and gem5d's train step,
   without FSDP2 over a single rank; the next batch, pinned, copied and its embedding input path prepared on a
   side stream; ``--compile-layers``: each HSTU layer compiled too; ``--token-multiple N``: token counts padded
-  to multiples of N by a padding user, so GEMMs meet few row counts), Base Batch Shuffling in the DataModule;
+  to multiples of N by a padding user, so GEMMs meet few row counts; ``--fused-optimizer``: AdamW's fused
+  kernel), Base Batch Shuffling in the DataModule;
 - kit-fp8-saved: the kit stack with ``MXFP8Precision(saved_activations="fp8")``: what the HSTU layers and the
   candidate interaction save for the backward is stored in MXFP8 (the summary line compares its peak memory,
   step time and per-step losses with the kit stack's).
@@ -93,7 +94,13 @@ def run_stack(
     kit = stack.startswith("kit")
     saved = "fp8" if stack == "kit-fp8-saved" else None  # the GDPA layers' saved activations in FP8
     mx = kit and args.kit_precision in ("mxfp8", "mxfp8-attention")  # else bf16 autocast, as the plain stack
-    model = gem_ranker(source, args, "auto" if kit else "padded", token_multiple=args.token_multiple if kit else None)
+    model = gem_ranker(
+        source,
+        args,
+        "auto" if kit else "padded",
+        token_multiple=args.token_multiple if kit else None,
+        fused_optimizer=args.fused_optimizer and kit,
+    )
     cuda = args.device == "cuda"
     pinned = kit and cuda  # the kit's pipeline copies pinned batches asynchronously
     micro = 1 if kit else args.plain_micro_batches  # the plain stack may need several to fit in memory
@@ -208,6 +215,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         default=None,
         help="the kit stack pads each batch's history and candidate tokens to multiples of this with a padding user "
         "(GEMRanker's token_multiple): few distinct GEMM row counts instead of a new one every step",
+    )
+    parser.add_argument(
+        "--fused-optimizer", action="store_true", help="the kit stack's AdamW in its fused kernel (GEMRanker's option)"
     )
     parser.add_argument(
         "--kit-precision",

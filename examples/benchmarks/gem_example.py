@@ -90,8 +90,10 @@ def gem_ranker(
     args: argparse.Namespace,
     attention_impl: str = "auto",
     token_multiple: int | None = None,
+    fused_optimizer: bool = False,
 ) -> GEMRanker:
-    """The GEM example at the shape arguments' widths (AdamW, lr 1e-4); ``token_multiple``: GEMRanker's."""
+    """The GEM example at the shape arguments' widths (AdamW, lr 1e-4); ``token_multiple`` and ``fused_optimizer``:
+    GEMRanker's."""
     from lightning_gem.components import GEMRanker
 
     return GEMRanker(
@@ -104,6 +106,7 @@ def gem_ranker(
         attention_impl=attention_impl,
         lr=1e-4,
         token_multiple=token_multiple,
+        fused_optimizer=fused_optimizer,
     )
 
 

@@ -83,6 +83,27 @@ def test_token_multiple_pads_with_a_user_that_changes_nothing(batches, self_inte
         torch.testing.assert_close(grads_p[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_fused_optimizer_is_adamw_fused_over_the_same_groups(batches) -> None:
+    """fused_optimizer=True: AdamW with ``fused=True`` (its numerics are PyTorch's) over the same parameter groups
+    and weight decays as the default multi-tensor one; a step with it trains every group."""
+    torch.manual_seed(0)
+    schema = batches.ranking_schema()
+    plain, fused = _tiny(schema, weight_decay=0.01), _tiny(schema, weight_decay=0.01, fused_optimizer=True)
+    opt_plain, opt_fused = plain.configure_optimizers(), fused.configure_optimizers()
+    assert opt_plain.defaults["fused"] is None and opt_fused.defaults["fused"] is True
+    names = {id(p): n for n, p in plain.named_parameters()}
+    names_fused = {id(p): n for n, p in fused.named_parameters()}
+    groups = [([names[id(p)] for p in g["params"]], g["weight_decay"]) for g in opt_plain.param_groups]
+    assert groups == [([names_fused[id(p)] for p in g["params"]], g["weight_decay"]) for g in opt_fused.param_groups]
+    assert [wd for _, wd in groups] == [0.01, 0.0]
+    before = [[p.detach().clone() for p in g["params"]] for g in opt_fused.param_groups]
+    batch = batches.make_ranking_batch(schema, history_lengths=[0, 1, 5, 3], candidate_counts=[2, 0, 3, 1])
+    fused.training_step(batch, 0).backward()
+    opt_fused.step()
+    for group, old in zip(opt_fused.param_groups, before, strict=True):
+        assert any(not torch.equal(p, o) for p, o in zip(group["params"], old, strict=True))
+
+
 def test_a_batch_without_any_candidate(batches) -> None:
     schema = batches.ranking_schema(pooled=False, num_dense=0, has_time=False, tasks=("ctr",))
     model = _tiny(schema, esmm=False)
