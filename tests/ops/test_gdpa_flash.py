@@ -250,6 +250,42 @@ def test_auto_inference_skips_the_log_sum_exp(auto_with_stand_in: dict) -> None:
     assert sorted(key[-2:] for key in forward_keys) == [(False, False), (False, True), (True, True)]
 
 
+def test_flash_eager_calls_skip_the_ops_and_keep_the_natural_lse(
+    auto_with_stand_in: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """impl="flash" in plain eager training calls runs FA4's forward and backward through a Function of its own (no
+    op dispatch), FA4's natural-log log-sum-exp handed on as it is; a traced call (here under FlopCounterMode) goes
+    through the ops, in the kit's base-2 format. Both give the float64 reference's gradients."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    monkeypatch.setattr(flash, "unsupported", lambda *args, **kwargs: None)  # the stand-in runs on CPU
+    monkeypatch.setattr(flash, "require_flash", lambda: None)
+    offsets = torch.tensor([0, 20, 20, 33])
+    q, k, v = (torch.randn(33, 2, 16, generator=torch.Generator().manual_seed(n)) for n in range(3))
+    grad_out = torch.randn(33, 2, 16, generator=torch.Generator().manual_seed(3))
+    options = dict(activation="softmax", causal=True, scale=0.25)
+    spec = Spec(offsets, offsets, None, None, window=None, block_size=None, **options)
+    f64 = [t.double() for t in (q, k, v)]
+    expected = gdpa_reference_backward(grad_out.double(), *f64, spec)
+
+    def grads() -> tuple:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = gdpa(*leaves, offsets, impl="flash", max_seq_len_q=20, max_seq_len_kv=20, **options)
+        return torch.autograd.grad(out, leaves, grad_out)
+
+    eager = grads()
+    assert auto_with_stand_in["ran"] == ["flash fwd", "flash bwd natural lse"]
+    assert auto_with_stand_in["natural_lse"] == [True]
+    auto_with_stand_in["ran"].clear()
+    with FlopCounterMode(display=False) as counter:
+        traced = grads()
+    assert auto_with_stand_in["ran"] == ["flash fwd", "flash bwd"]  # the ops' base-2 log-sum-exp
+    assert counter.get_total_flops() > 0
+    for got_eager, got_traced, want in zip(eager, traced, expected, strict=True):
+        torch.testing.assert_close(got_eager.double(), want, rtol=0, atol=1e-5)
+        torch.testing.assert_close(got_traced, got_eager, rtol=0, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # FlashAttention-4 itself (GPU with FA4 installed)
 

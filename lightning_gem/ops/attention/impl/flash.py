@@ -279,6 +279,30 @@ _gdpa_flash_op.register_autograd(_backward, setup_context=_setup_context)
 register_flop_formulas(torch.ops.lightning_gem.gdpa_flash, torch.ops.lightning_gem.gdpa_flash_backward, saved_outputs=2)
 
 
+class _FlashEager(torch.autograd.Function):
+    """FA4's forward and backward without the custom ops' dispatch, for plain eager calls that record a graph
+    (``plain_eager``: nothing traces or counts them), as the Triton path's eager Function: the dispatch and the
+    ops' generated autograd wrapper cost host time and nothing else there, and FA4's own natural-log log-sum-exp
+    goes from its forward to its backward as it is (the ops' output is the kit's base-2 one: two launches each way
+    fewer)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> Tensor:
+        out, lse = flash_forward(q, k, v, spec, natural_lse=True)
+        ctx.mark_non_differentiable(lse)
+        save_exact(out, lse)  # as the op's setup: the backward's dO . O against dP would cancel to noise in FP8
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spec = spec
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = flash_backward(grad_out, q, k, v, out, lse, ctx.spec, natural_lse=True)
+        return dq, dk, dv, None
+
+
 def gdpa_flash(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, self_attention: bool) -> Tensor:
     """GDPA through FlashAttention-4 (``impl="flash"``), differentiable; inputs validated by
     :func:`lightning_gem.ops.gdpa`. A missing length hint is read from the offsets (one device sync).
@@ -293,7 +317,9 @@ def gdpa_flash(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, self_attention: b
         raise ValueError(f"impl='flash' cannot compute {reason}; impl='triton' or impl='auto' can")
     require_flash()
     spec = with_length_hints(spec, q, k)
-    if plain_eager((q, k, v, spec.q_offsets, spec.kv_offsets)) and not records_graph(q, k, v):
+    if plain_eager((q, k, v, spec.q_offsets, spec.kv_offsets)):
+        if records_graph(q, k, v):
+            return _FlashEager.apply(q, k, v, spec)
         # Nothing will differentiate the call: FA4 runs without the log-sum-exp.
         return flash_forward(q, k, v, spec, need_lse=False)[0]
     return _gdpa_flash_op(q, k, v, *spec)[0]
