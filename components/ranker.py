@@ -172,7 +172,8 @@ class GEMRanker(L.LightningModule):
             user (zero inputs to the feature projections, :func:`append_padding_user`; its outputs are dropped
             before the loss, the real users' are unchanged since its tokens attend only to its own): every GEMM
             over tokens then meets a few row counts instead of a new one each jagged batch, which would cost the
-            host 7-12x a repeated one (the library selects a kernel per new shape). None: no padding.
+            host 7-12x a repeated one (the library selects a kernel per new shape). FLOP counters count the padding
+            user's products too (fewer than ``token_multiple`` tokens a side a batch). None: no padding.
         fused_optimizer: AdamW's fused implementation (``fused=True``: the whole update in one kernel per group of
             tensors) instead of its multi-tensor one (several kernels a step): less host time a step.
 
