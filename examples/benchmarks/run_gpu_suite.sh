@@ -48,7 +48,11 @@ ml1m_step() {  # name checkpoint-file-pattern config...: fit on MovieLens-1M (th
 
 for s in "${steps[@]}"; do
   case $s in
-    tests) step tests 600 $PY -m pytest -q -p no:cacheprovider -m gpu -s tests ;;
+    tests)  # a process a test file: a kernel fault leaves its process's CUDA context unusable, not the other files'
+      for f in $(grep -rl "pytest.mark.gpu" tests --include="test_*.py" | sort); do
+        name=$(basename "$f" .py)
+        step "tests_${name#test_}" 600 $PY -m pytest -q -p no:cacheprovider -m gpu -s "$f"
+      done ;;
     attention)  # every backend on 200 random jagged shapes per mode, then the shape grid against FA4 and the rest
       step attention_sweep 600 $PY examples/benchmarks/attention_check.py \
         sweep --modes grid --impls triton,flash,auto --dims 64,128,256 --out "$OUT/attention_sweep.json"
