@@ -143,8 +143,8 @@ def candidate_tiles(
     Short query segments (candidates over a history) get query tiles no taller than the longest one.
     ``fp8`` (the forward on FP8 codes): key tiles of 32 or more, the least an FP8 tensor-core product sums over
     (``P V`` sums over a key tile), so BlockAttention blocks of 16 take the general tiles (masked at block edges).
-    With ``fp8`` and ``pointwise_targets`` (a pointwise activation with targets) the forward over head dim 128 takes
-    no tile of more than 64 query rows (:func:`fp8_tiles_fault`).
+    With ``fp8`` and ``pointwise_targets`` (a pointwise activation with targets) the forward leaves out the tiles
+    :func:`fp8_tiles_fault` refuses.
     """
     if device.type != "cuda":
         return [Tiles(16, 16, 1, 1)]
@@ -170,9 +170,6 @@ def candidate_tiles(
         return [Tiles(edge, 64, 8, 2), Tiles(edge, edge, 8, 2)] if kernel == "fwd" else [Tiles(64, edge, 8, 2)]
     short = length_bucket(max_len_q)
     if kernel == "fwd":
-        if fp8 and pointwise_targets and head_dim > 128:
-            tiles = [Tiles(min(short, 64), 64, 4, 2), Tiles(min(short, 64), 32, 4, 3)]
-            return list(dict.fromkeys(tiles))
         if short <= 64:
             return [Tiles(short, 64, 4, 3), Tiles(short, 128, 4, 3), Tiles(short, 128, 8, 3)]
         # Narrow key tiles over 4 warps first: the plan for untimed shapes, and the faster causal jagged forward at
@@ -185,8 +182,9 @@ def candidate_tiles(
         # halve that, and taller tiles over 8 warps reuse each key tile twice as often. The 128-row tile over 8 warps
         # comes first: it is the plan of untimed calls (a graph traced with dynamic shapes), and the one the tuner
         # picks on the head-dim-256 cells of the attention grid (docs/benchmarks.md, Attention).
-        return [Tiles(128, 64, 8, 2), Tiles(128, 32, 8, 3), Tiles(128, 32, 8, 2), Tiles(64, 64, 4, 2),
-                Tiles(64, 32, 4, 3)]  # fmt: skip
+        tiles = [Tiles(128, 64, 8, 2), Tiles(128, 32, 8, 3), Tiles(128, 32, 8, 2), Tiles(64, 64, 4, 2),
+                 Tiles(64, 32, 4, 3)]  # fmt: skip
+        return [t for t in tiles if not (fp8 and fp8_tiles_fault(t, head_dim, pointwise_targets))]
     # Backward tiles hold two fp32 accumulators (dK, dV) of BLOCK_N x D: at D = 128, 64-key tiles over 8
     # warps keep them in registers, where 4 warps spill hundreds of bytes per thread.
     if kernel == "dkdv":
@@ -205,12 +203,13 @@ def candidate_tiles(
     return [Tiles(64, 64, 8, 2), Tiles(64, 32, 8, 2)]
 
 
-def fp8_tiles_fault(tiles: Tiles, head_dim: int, activation: str, has_targets: bool) -> bool:
-    """Whether the FP8 forward at these tiles faults on sm_90: with a pointwise activation, targets and head dim over
-    128, every tile of 128 query rows over 8 warps stopped with "CUDA error: misaligned address" on an H100 (Triton
-    3.6; fast math on or off; the same tiles run softmax with targets, and pointwise without targets or in bf16),
-    which leaves the process's CUDA context unusable, so such a launch is refused before it is made."""
-    return activation != "softmax" and has_targets and head_dim > 128 and tiles.block_m > 64
+def fp8_tiles_fault(tiles: Tiles, head_dim: int, pointwise_targets: bool) -> bool:
+    """Whether the FP8 forward at these tiles faults on sm_90: with a pointwise activation and targets
+    (``pointwise_targets``) at head dim over 128, every tile of 128 query rows over 8 warps stopped with "CUDA error:
+    misaligned address" on an H100 (Triton 3.6; fast math on or off; the same tiles run softmax with targets, and
+    pointwise without targets or in bf16), which leaves the process's CUDA context unusable, so such a launch is
+    refused before it is made."""
+    return pointwise_targets and head_dim > 128 and tiles.block_m > 64
 
 
 def backward_candidates(

@@ -359,6 +359,7 @@ def gdpa_forward(
         descriptors = _kv_descriptors(k, v, tiles.block_n) if meta["TMA"] else (k, v)
         launch(_gdpa_fwd_kernel, grid, (*args[:5], *descriptors, *args[5:]), meta)
 
+    pointwise_targets = not softmax and num_targets is not None
     if tiles is None:
         # With FlashAttention-4 a candidate, a call that keeps no log-sum-exp (nothing differentiates it) is its own
         # key: FA4 skips computing it there, so the fastest candidate can differ from a training call's.
@@ -368,14 +369,14 @@ def gdpa_forward(
 
         def candidates() -> list[Tiles | str]:
             tiles = candidate_tiles("fwd", q.dtype, q.device, head_dim, block_size=block_size, max_len_q=max_seq_len_q,
-                                    fp8=fp8, pointwise_targets=not softmax and num_targets is not None)  # fmt: skip
+                                    fp8=fp8, pointwise_targets=pointwise_targets)  # fmt: skip
             return [*tiles, FLASH] if use_flash else tiles
 
         tiles, meta = pick_launch(
             key, (q.device.type, fast), candidates, lambda t: run(t, options(t)), (q, k, v), options
         )
     else:
-        if fp8 and fp8_tiles_fault(tiles, head_dim, activation, num_targets is not None):
+        if fp8 and fp8_tiles_fault(tiles, head_dim, pointwise_targets):
             raise ValueError(f"tiles={tiles}: the FP8 forward of a pointwise activation with targets at head dim "
                              f"{head_dim} takes tiles of at most 64 query rows")  # fmt: skip
         meta = options(tiles)
