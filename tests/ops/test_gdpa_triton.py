@@ -37,6 +37,21 @@ MASKS = [
 LAYOUTS = ("self", "self_targets", "cross", "shared_kv")
 
 
+if importlib.util.find_spec("triton") is not None:  # else the tests that need it skip
+    import triton
+    import triton.language as tl
+
+    from lightning_gem.ops.attention.impl.triton._common import _program_ids
+
+    @triton.jit
+    def _order_kernel(OUT, group):
+        """Adds each program's launch index (from 1) at the (pair, z) that ``_program_ids`` gives it."""
+        a, head, z = _program_ids(group)
+        heads, num_z = tl.num_programs(1), tl.num_programs(2)
+        launched = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + heads * tl.program_id(2))
+        tl.atomic_add(OUT + (a * heads + head) * num_z + z, launched + 1)
+
+
 def _slow_beyond(values: list, quick: int, *, unpack: bool = False) -> list:
     """``values`` as parameters (each one tuple of several arguments with ``unpack``), those past the first
     ``quick`` marked ``slow``: the quick loop (``-m "not slow"``) keeps a representative few, the full suite runs
@@ -231,6 +246,54 @@ def test_split_dkdv_programs(device: str, layout: str, activation: str, one_laun
                                   dq_tiles=dq_tiles, split_dkdv=True)  # fmt: skip
 
     _check_against_reference(inputs, options, f"{layout}/{activation}/split/{one_launch}", run=run)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 7, 100])
+def test_program_order(device: str, group: int) -> None:
+    """``_program_ids`` maps the launch order of a ``(A, H, Z)`` grid onto every (a, head, z) once: ``group`` pairs
+    (a, head) at a time, each group z by z, the last group holding what is left."""
+    num_a, heads, num_z = 5, 3, 4
+    out = torch.zeros(num_a * heads * num_z, dtype=torch.int32, device=device)
+    _order_kernel[(num_a, heads, num_z)](out, group)
+    expected = []  # launch index of each (pair, z), pair = a * heads + head
+    for first in range(0, num_a * heads, group):
+        size = min(group, num_a * heads - first)
+        expected += [(first + i, z) for z in range(num_z) for i in range(size)]
+    want = torch.zeros(num_a * heads * num_z, dtype=torch.int32)
+    for launched, (pair, z) in enumerate(expected):
+        want[pair * num_z + z] = launched + 1
+    torch.testing.assert_close(out.cpu(), want)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("one_launch", [False, True])
+@pytest.mark.parametrize("layout", _slow_beyond(list(LAYOUTS), 2))
+def test_small_pair_groups(device: str, layout: str, one_launch: bool, group: int, monkeypatch) -> None:
+    """The kernels with their programs in groups of one or three (segment, head) pairs (on a GPU a group holds what
+    fits in the L2 cache, on the interpreter's small shapes every pair): forward, the dK/dV kernel with atomic dQ
+    (SiLU) and the one-launch kernel (softmax), every layout, under a causal window, against the float64
+    reference."""
+    from lightning_gem.ops.attention.impl.triton import backward, forward
+    from lightning_gem.ops.attention.impl.triton._tuning import Tiles
+
+    monkeypatch.setattr(forward, "pair_group", lambda device, size: group)
+    monkeypatch.setattr(backward, "pair_group", lambda device, size: group)
+    inputs = _inputs(layout, 43, torch.float32, device)
+    activation = "softmax" if one_launch else "silu"
+    options = _options(activation, True, 9, None)
+    kv_offsets = inputs.q_offsets if inputs.kv_offsets is None else inputs.kv_offsets
+    jagged = (inputs.q_offsets, kv_offsets, inputs.kv_index, inputs.num_targets)
+    tiles = Tiles(16, 16, 1, 1) if device == "cpu" else Tiles(32, 32, 4, 2)
+    lens = {"max_seq_len_q": max(inputs.q_lengths), "max_seq_len_kv": max(inputs.kv_lengths)}
+
+    def run(grad_out: torch.Tensor) -> tuple:
+        spec = Spec(*jagged, **options, **lens)
+        out, lse = forward.gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=tiles)
+        dq_tiles = tiles if one_launch else None
+        return out, backward.gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, spec, dkdv_tiles=tiles,
+                                           dq_tiles=dq_tiles)  # fmt: skip
+
+    _check_against_reference(inputs, options, f"{layout}/{activation}/group {group}/{one_launch}", run=run)
 
 
 @pytest.mark.gpu

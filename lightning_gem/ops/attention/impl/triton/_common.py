@@ -30,6 +30,7 @@ __all__ = [
     "launch",
     "mode_flags",
     "next_power_of_2",
+    "pair_group",
 ]
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) = exp2(x * LOG2E): kernels keep scores in base 2 for softmax
@@ -56,6 +57,25 @@ def _pow2_ceil(x):
     exponent = (bits >> 23) & 0xFF
     exponent = tl.where((bits & 0x7FFFFF) != 0, exponent + 1, exponent)
     return (exponent << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _program_ids(group):
+    """This program's ``(a, head, z)`` on a grid ``(A, H, Z)``, in an order that keeps what a program streams in the
+    L2 cache: the programs, counted as launched (axis 0 fastest), take the first ``group`` (a, head) pairs at ``z``
+    0, then at 1, up to ``Z - 1``, then the next ``group`` pairs the same way. Programs that run together then
+    share their pairs' operands (a segment's keys and values read by each of its query tiles, or its queries and
+    output gradients read by each of its key tiles) instead of each reading its own from memory; and within a group
+    the programs of lower ``z`` (which the kernels give the costliest tiles) start first."""
+    num_a = tl.num_programs(0)
+    heads = tl.num_programs(1)
+    num_z = tl.num_programs(2)
+    r = tl.program_id(0) + num_a * (tl.program_id(1) + heads * tl.program_id(2))
+    first = r // (group * num_z) * group  # the group's first pair
+    size = tl.minimum(group, num_a * heads - first)  # the last group may hold fewer
+    within = r - first * num_z
+    pair = first + within % size
+    return pair // heads, (pair % heads).to(tl.int64), within // size
 
 
 @triton.jit
@@ -456,6 +476,26 @@ def _dq_key_blocks(
                      mask=col_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))  # fmt: skip
         dq_MD = tl.dot(ds_MN, k_ND, dq_MD, input_precision=DOT_PRECISION)
     return dq_MD
+
+
+# The share of the L2 cache :func:`pair_group` plans a launch's groups of (segment, head) pairs to fill.
+L2_SHARE = 0.5
+_L2_BYTES: dict[int, int] = {}
+
+
+def pair_group(device: torch.device, bytes_per_pair: int | torch.SymInt) -> int | torch.SymInt:
+    """How many (segment, head) pairs :func:`_program_ids` runs together: as many as fill :data:`L2_SHARE` of
+    ``device``'s L2 cache with ``bytes_per_pair`` each (what one pair's programs stream, at the longest segment),
+    at least one. Off CUDA devices (the interpreter) the cache of a Hopper GPU (50 MiB) is assumed. A symbolic size
+    (a traced call's length hint) gives a symbolic count, without a guard on it."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        l2 = _L2_BYTES.get(index)
+        if l2 is None:
+            l2 = _L2_BYTES[index] = torch.cuda.get_device_properties(index).L2_cache_size
+    else:
+        l2 = 50 << 20
+    return torch.sym_max(1, int(l2 * L2_SHARE) // torch.sym_max(1, bytes_per_pair))
 
 
 def fast_math(q: torch.Tensor) -> bool:

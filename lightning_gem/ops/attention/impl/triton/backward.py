@@ -10,7 +10,10 @@ With ``S = scale Q K^T`` and ``O = P V``: ``dV = P^T dO``, ``dP = dO V^T``; soft
 ``dS = P * (dP - delta)`` with ``delta = rowsum(dO * O)`` precomputed and ``P`` rebuilt from the saved
 log-sum-exp; pointwise ``dS = mask * act'(S) * dP / Lk``; then ``dQ = scale dS K``, ``dK = scale dS^T Q``.
 
-The programs themselves live in :mod:`.backward_programs`. ``precision="fp8"``: ``S`` and ``dP`` are recomputed on
+Programs run in groups of (segment, head) pairs whose streamed operands fit in a share of the L2 cache together
+(:func:`._common._program_ids`): the key tiles of a pair that run at the same time read its queries and output
+gradients from memory once, and add into its dQ rows in the cache. The programs themselves live in
+:mod:`.backward_programs`. ``precision="fp8"``: ``S`` and ``dP`` are recomputed on
 FP8 row codes of q, k, v and dO (made here, one scale per token and head), dK, dV and dQ in the inputs' dtype.
 
 kv sharing (``kv_index``): a kv segment's dK/dV program loops over the query segments that map to it,
@@ -30,6 +33,7 @@ from torch import Tensor
 from lightning_gem.ops._launch import plain_eager
 from lightning_gem.ops.attention.impl.triton._common import (
     _load_tile,
+    _program_ids,
     cdiv,
     dense_rows,
     fast_math,
@@ -37,6 +41,7 @@ from lightning_gem.ops.attention.impl.triton._common import (
     launch,
     mode_flags,
     next_power_of_2,
+    pair_group,
 )
 from lightning_gem.ops.attention.impl.triton._tuning import (
     FLASH,
@@ -83,7 +88,7 @@ def _bwd_delta_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["group"])  # a per-batch count: no recompile when it changes
 def _gdpa_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ,  # [Tq, H, D], [Tk, H, D], [Tk, H, DV], [Tq, H, DV], [H, Tq] x2, like k v q
     DQ_DESC,  # DQ as [Tq, H * D] in tiles of [BLOCK_M, D] (DQ_TMA), else unused
@@ -91,7 +96,7 @@ def _gdpa_bwd_dkdv_kernel(
     Q8, K8, V8, DO8, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE,  # with FP8: row codes like q k v dO (dense), [H, T] fp32
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_qs_h, stride_ks_h,
-    scale, window, block_size,
+    scale, window, block_size, group,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
@@ -105,25 +110,26 @@ def _gdpa_bwd_dkdv_kernel(
     arguments are not read."""
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
     fp8 = (Q8, K8, V8, DO8, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE, stride_qs_h, stride_ks_h)
+    kv_seg, head, index = _program_ids(group)
     _dkdv_programs(
         Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_DESC, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
         stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
-        scale, window, block_size, tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2), fp8,
+        scale, window, block_size, kv_seg, head, index, fp8,
         HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, FUSED_DQ, DQ_TMA,
         ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, SPLIT, FP8,
     )  # fmt: skip
 
 
 # Per-batch counts: Triton would otherwise compile a new variant whenever one of them turns divisible by 16 or 1.
-@triton.jit(do_not_specialize=["num_segments", "num_kv_segments", "num_key_tiles", "num_query_tiles"])
+@triton.jit(do_not_specialize=["num_segments", "num_kv_segments", "num_key_tiles", "num_query_tiles", "group"])
 def _gdpa_bwd_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ,  # [Tq, H, D], [Tk, H, D], [Tk, H, DV], [Tq, H, DV], [H, Tq] x2, like k v q
     Q_OFFSETS, KV_OFFSETS, KV_INDEX, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,  # [B + 1], [Bkv + 1], [B] x2, [Bkv + 1], [B]
     Q8, K8, V8, DO8, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE,  # with FP8: row codes like q k v dO (dense), [H, T] fp32
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_qs_h, stride_ks_h,
-    scale, window, block_size, num_segments, num_kv_segments, num_key_tiles, num_query_tiles,
+    scale, window, block_size, num_segments, num_kv_segments, num_key_tiles, num_query_tiles, group,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
@@ -138,9 +144,7 @@ def _gdpa_bwd_kernel(
     ``S`` and ``dP`` from the row codes (:func:`gdpa_backward`); else those arguments are not read."""
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
     fp8 = (Q8, K8, V8, DO8, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE, stride_qs_h, stride_ks_h)
-    seg = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-    z = tl.program_id(2)
+    seg, head, z = _program_ids(group)
     paired = tl.minimum(num_key_tiles, num_query_tiles)
     is_dq = tl.where(z < 2 * paired, z % 2 == 1, num_query_tiles > num_key_tiles)
     index = tl.where(z < 2 * paired, z // 2, z - paired)
@@ -313,6 +317,11 @@ def gdpa_backward(
     else:  # placeholders, never read
         codes, code_strides = (q, k, v, grad_out) * 2, (0, 0)
     has_keys = k.shape[0] > 0
+    # What the programs of one (segment, head) pair read from memory (pair_group): a key tile its queries and output
+    # gradients (and the fp32 dQ rows it adds into), a dQ program its keys and values.
+    q_bytes = (max_seq_len_q or num_q) * (head_dim + head_dim_v) * q.element_size()
+    kv_bytes = (max_seq_len_kv or k.shape[0]) * (head_dim + head_dim_v) * k.element_size()
+    dq32_bytes = (max_seq_len_q or num_q) * head_dim * 4
     # dQ: in q's dtype where a plan writes it directly; fp32 for the atomic kernel's adds. Made when first needed.
     dq_buffers: dict[torch.dtype, Tensor] = {}
 
@@ -367,7 +376,7 @@ def gdpa_backward(
                 dq_desc = _row_tiles(dq32, tiles.block_m) if bulk else q_offsets  # a placeholder, never read
                 args = (q, k, v, grad_out, base2_lse(), delta, dk, dv, dq32, dq_desc, q_offsets, kv_offsets, targets,
                         seg_offsets, seg_order, *codes, *strides, *dq32.stride()[:2], *code_strides, scale,
-                        window or 0, block_size or 1)  # fmt: skip
+                        window or 0, block_size or 1, pair_group(q.device, q_bytes + dq32_bytes))  # fmt: skip
                 grid = (num_kv_segments, heads, num_key_tiles * (2 if plan.split else 1))
                 launch(_gdpa_bwd_dkdv_kernel, grid, args, meta if bulk or not plan.tma else {**meta, "DQ_TMA": False})
             return
@@ -379,7 +388,8 @@ def gdpa_backward(
             return
         args = (q, k, v, grad_out, base2_lse(), delta, dk, dv, dq, q_offsets, kv_offsets, kv_map, targets, seg_offsets,
                 seg_order, *codes, *strides, *dq.stride()[:2], *code_strides, scale, window or 0, block_size or 1,
-                num_segments, num_kv_segments, num_dkdv, num_query_tiles)  # fmt: skip
+                num_segments, num_kv_segments, num_dkdv, num_query_tiles,
+                pair_group(q.device, q_bytes + kv_bytes))  # fmt: skip
         grid = (max(num_segments, num_kv_segments), heads, num_dkdv + num_query_tiles)
         launch(_gdpa_bwd_kernel, grid, args, meta)
 

@@ -16,9 +16,10 @@ Key and value tiles are read through pointers, or (``TMA``, plain eager calls on
 by the copy engine: whole tiles, so an edge tile also reads rows past its segment's end (the next segment's, or
 zeros past the tensor), which the mask of the edge stages drops like any other disallowed key.
 
-Schedule: query blocks are launched last block first (grid axis 2, the slowest, counts down), so the
-costliest tiles of causal attention, the late blocks of the longest sequences, start in the first wave
-instead of trailing behind the short sequences; programs past a segment's end return at once.
+Schedule (:func:`._common._program_ids`): programs run in groups of (segment, head) pairs whose keys and values
+fit in a share of the L2 cache together, so the query tiles of a pair that run at the same time read its keys and
+values from memory once; within a group, query blocks run last block first, so the costliest tiles of causal
+attention start before the cheap ones. Programs past a segment's end return at once.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from lightning_gem.ops.attention.impl.triton._common import (
     _load_tile,
     _position,
     _pow2_ceil,
+    _program_ids,
     _query_tile_keys,
     _scaled_activation,
     _stage_range,
@@ -53,6 +55,7 @@ from lightning_gem.ops.attention.impl.triton._common import (
     launch,
     mode_flags,
     next_power_of_2,
+    pair_group,
 )
 from lightning_gem.ops.attention.impl.triton._tuning import (
     FLASH,
@@ -149,7 +152,7 @@ def _fwd_key_blocks(
     return acc_MDV, m_M, l_M
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["group"])  # a per-batch count: no recompile when it changes
 def _gdpa_fwd_kernel(
     Q, K, V, OUT, LSE,  # [Tq, H, D], [Tk, H, D], [Tk, H, DV], [Tq, H, DV], [H, Tq] fp32
     K_DESC, V_DESC,  # with TMA: K and V as tensor descriptors (:func:`_kv_descriptors`); else never read
@@ -157,7 +160,7 @@ def _gdpa_fwd_kernel(
     V_OFFSETS,  # with FP8: [Bkv + 1] the kv segments' first columns in V's transposed codes (multiples of 16)
     Q_OFFSETS, KV_OFFSETS, KV_INDEX, NUM_TARGETS,  # [B + 1], [Bkv + 1], [B], [B]
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_lse_h,
-    stride_qs_h, stride_ks_h, scale, window, block_size,
+    stride_qs_h, stride_ks_h, scale, window, block_size, group,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
@@ -169,9 +172,8 @@ def _gdpa_fwd_kernel(
     are read from ``*_SCALE`` and ``K_NORM``; the output is in OUT's dtype either way."""
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
     qk_scale = scale * LOG2E  # softmax scores in base 2
-    seg = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-    m_start = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M  # last query blocks first
+    seg, head, z = _program_ids(group)
+    m_start = (tl.num_programs(2) - 1 - z) * BLOCK_M  # last query blocks first
     q_start = tl.load(Q_OFFSETS + seg).to(tl.int64)
     len_q = (tl.load(Q_OFFSETS + seg + 1) - q_start).to(tl.int32)
     if m_start >= len_q:
@@ -326,6 +328,8 @@ def gdpa_forward(
     else:
         operands, scales, v_strides = (q, k, v), (q,) * 5, (*v_strides[:2], 1)  # placeholders are never read
     out_strides = out.stride()
+    # What the query tiles of one (segment, head) pair read from memory: its keys and values
+    kv_bytes = (spec.max_seq_len_kv or k.shape[0]) * (head_dim + head_dim_v) * operands[1].element_size()
     args = (
         *operands, out, lse, *scales,
         q_offsets, kv_offsets,
@@ -333,7 +337,7 @@ def gdpa_forward(
         q_offsets if num_targets is None else num_targets,
         q_strides[0], q_strides[1], k_strides[0], k_strides[1], *v_strides, out_strides[0],
         out_strides[1], lse.stride(0) if softmax else 0, scales[0].stride(0), scales[1].stride(0),
-        scale, window or 0, block_size or 1,
+        scale, window or 0, block_size or 1, pair_group(q.device, kv_bytes),
     )  # fmt: skip
     flags = mode_flags(activation, causal, window, block_size, kv_index, num_targets)
     tma = tma and not fp8 and kv_descriptors_ok(q, k, v)
