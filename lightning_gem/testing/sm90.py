@@ -21,7 +21,7 @@ __all__ = ["LoopUse", "Resources", "compile_kernel", "resources"]
 # Pointer arguments in fp32 (the rest of the upper-case arguments are bf16 tensors), and the offset-like ones.
 _FP32 = ("LSE", "DELTA", "DQ", "Q_SCALE", "K_SCALE", "V_SCALE", "DO_SCALE", "K_NORM", "SCALE", "NORM", "AMAX")
 _FP8 = ("CODES", "V_T", "Q8", "K8", "V8", "DO8")  # the FP8 quantizer's outputs, the FP8 backward's row codes
-_OFFSETS = ("Q_OFFSETS", "KV_OFFSETS", "KV_INDEX", "NUM_TARGETS", "SEG_OFFSETS", "SEG_ORDER")
+_OFFSETS = ("Q_OFFSETS", "KV_OFFSETS", "KV_INDEX", "NUM_TARGETS", "SEG_OFFSETS", "SEG_ORDER", "BY_LENGTH")
 
 
 def compile_kernel(kernel, meta: dict, offsets: str = "*i32"):

@@ -44,9 +44,9 @@ if importlib.util.find_spec("triton") is not None:  # else the tests that need i
     from lightning_gem.ops.attention.impl.triton._common import _program_ids
 
     @triton.jit
-    def _order_kernel(OUT, group):
+    def _order_kernel(OUT, ORDER, group, BY_LENGTH: tl.constexpr):
         """Adds each program's launch index (from 1) at the (pair, z) that ``_program_ids`` gives it."""
-        a, head, z = _program_ids(group)
+        a, head, z = _program_ids(group, ORDER, BY_LENGTH)
         heads, num_z = tl.num_programs(1), tl.num_programs(2)
         launched = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + heads * tl.program_id(2))
         tl.atomic_add(OUT + (a * heads + head) * num_z + z, launched + 1)
@@ -248,20 +248,30 @@ def test_split_dkdv_programs(device: str, layout: str, activation: str, one_laun
     _check_against_reference(inputs, options, f"{layout}/{activation}/split/{one_launch}", run=run)
 
 
+@pytest.mark.parametrize("by_length", [False, True])
 @pytest.mark.parametrize("group", [1, 2, 3, 7, 100])
-def test_program_order(device: str, group: int) -> None:
+def test_program_order(device: str, group: int, by_length: bool) -> None:
     """``_program_ids`` maps the launch order of a ``(A, H, Z)`` grid onto every (a, head, z) once: ``group`` pairs
-    (a, head) at a time, each group z by z, the last group holding what is left."""
+    (a, head) at a time, each group z by z, the last group holding what is left; with ``BY_LENGTH`` the pairs' ``a``
+    in the order given (the segments longest first)."""
+    from lightning_gem.ops.attention.impl.derived import segments_by_length
+
     num_a, heads, num_z = 5, 3, 4
+    offsets = torch.tensor([0, 3, 3, 10, 11, 19])  # lengths 3, 0, 7, 1, 8: longest first 4, 2, 0, 3, 1
+    order = segments_by_length(offsets)
+    assert order.tolist() == ([4, 2, 0, 3, 1])
     out = torch.zeros(num_a * heads * num_z, dtype=torch.int32, device=device)
-    _order_kernel[(num_a, heads, num_z)](out, group)
-    expected = []  # launch index of each (pair, z), pair = a * heads + head
+    _order_kernel[(num_a, heads, num_z)](out, order.to(device), group, by_length)
+    expected = []  # launch index of each (a, head, z), pairs counted a * heads + head over a in launch order
     for first in range(0, num_a * heads, group):
         size = min(group, num_a * heads - first)
         expected += [(first + i, z) for z in range(num_z) for i in range(size)]
     want = torch.zeros(num_a * heads * num_z, dtype=torch.int32)
     for launched, (pair, z) in enumerate(expected):
-        want[pair * num_z + z] = launched + 1
+        a, head = divmod(pair, heads)
+        if by_length:
+            a = order[a].item()
+        want[(a * heads + head) * num_z + z] = launched + 1
     torch.testing.assert_close(out.cpu(), want)
 
 

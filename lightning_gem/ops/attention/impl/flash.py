@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from lightning_gem.imports import FA4_AVAILABLE, FA4_INSTALL
 from lightning_gem.ops._launch import plain_eager, records_graph
+from lightning_gem.ops.attention.impl.derived import made_from
 from lightning_gem.ops.attention.ops import register_flop_formulas
 from lightning_gem.ops.attention.spec import HINTS_SCHEMA, MODE_SCHEMA, Spec, with_length_hints
 from lightning_gem.ops.mx.saved import save_exact
@@ -115,39 +114,17 @@ def block_offsets(offsets: Tensor, block_size: int, num_rows: int) -> Tensor:
     return torch.cat([starts, starts.new_full((1,), num_rows)]).to(torch.int32)
 
 
-# What _varlen_args made from an offsets tensor (int32 copies, block offsets), kept while that tensor lives and is
-# not modified in place: every layer's forward and backward in a step take the same offsets, which are then
-# converted once a step instead of twice a layer (each conversion is a launch, host time in small calls).
-_MADE: dict[int, tuple[weakref.ref, int, dict]] = {}
-
-
-def _made_from(offsets: Tensor, what: tuple, make: Callable[[], Tensor]) -> Tensor:
-    """``make()``, remembered for ``(offsets, what)`` until ``offsets`` is freed or modified in place (its version
-    counter moves); not remembered while a CUDA graph is captured (the tensor would live in the graph's pool).
-    Keyed by the tensor's id with a weak reference to it (tensors compare elementwise, so they key no dict)."""
-    if offsets.is_cuda and torch.cuda.is_current_stream_capturing():
-        return make()
-    key, version = id(offsets), offsets._version
-    entry = _MADE.get(key)
-    if entry is None or entry[0]() is not offsets or entry[1] != version:
-        entry = _MADE[key] = (weakref.ref(offsets, lambda _, key=key: _MADE.pop(key, None)), version, {})
-    made = entry[2].get(what)
-    if made is None:
-        made = entry[2][what] = make()
-    return made
-
-
 def _int32(offsets: Tensor) -> Tensor:
     if offsets.dtype == torch.int32:  # already FA4's (and never kept: it would keep itself alive)
         return offsets
-    return _made_from(offsets, ("int32",), lambda: offsets.to(torch.int32))
+    return made_from(offsets, ("int32",), lambda: offsets.to(torch.int32))
 
 
 def _varlen_args(spec: Spec, num_q: int) -> dict[str, object]:
     """FA4's varlen keywords: int32 cumulative lengths and Python-int maximum lengths."""
     if spec.block_size is not None:  # self-attention: queries and keys share the block segments
         size, offsets = spec.block_size, spec.q_offsets
-        blocks = _made_from(offsets, ("blocks", size, num_q), lambda: block_offsets(offsets, size, num_q))
+        blocks = made_from(offsets, ("blocks", size, num_q), lambda: block_offsets(offsets, size, num_q))
         longest = min(spec.block_size, int(spec.max_seq_len_q))
         return dict(cu_seqlens_q=blocks, cu_seqlens_k=blocks, max_seqlen_q=longest, max_seqlen_k=longest)
     cu_q = _int32(spec.q_offsets)

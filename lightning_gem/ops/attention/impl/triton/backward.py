@@ -12,7 +12,8 @@ log-sum-exp; pointwise ``dS = mask * act'(S) * dP / Lk``; then ``dQ = scale dS K
 
 Programs run in groups of (segment, head) pairs whose streamed operands fit in a share of the L2 cache together
 (:func:`._common._program_ids`): the key tiles of a pair that run at the same time read its queries and output
-gradients from memory once, and add into its dQ rows in the cache. The programs themselves live in
+gradients from memory once, and add into its dQ rows in the cache; without a kv index the pairs are taken longest
+segment first. The programs themselves live in
 :mod:`.backward_programs`. ``precision="fp8"``: ``S`` and ``dP`` are recomputed on
 FP8 row codes of q, k, v and dO (made here, one scale per token and head), dK, dV and dQ in the inputs' dtype.
 
@@ -31,6 +32,7 @@ import triton.language as tl
 from torch import Tensor
 
 from lightning_gem.ops._launch import plain_eager
+from lightning_gem.ops.attention.impl.derived import segments_by_length
 from lightning_gem.ops.attention.impl.triton._common import (
     _load_tile,
     _program_ids,
@@ -93,6 +95,7 @@ def _gdpa_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ,  # [Tq, H, D], [Tk, H, D], [Tk, H, DV], [Tq, H, DV], [H, Tq] x2, like k v q
     DQ_DESC,  # DQ as [Tq, H * D] in tiles of [BLOCK_M, D] (DQ_TMA), else unused
     Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,  # [B + 1], [Bkv + 1], [B], [Bkv + 1], [B]
+    BY_LENGTH,  # [Bkv] without a kv index: the segments longest first (int32); else never read
     Q8, K8, V8, DO8, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE,  # with FP8: row codes like q k v dO (dense), [H, T] fp32
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_qs_h, stride_ks_h,
@@ -110,7 +113,7 @@ def _gdpa_bwd_dkdv_kernel(
     arguments are not read."""
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
     fp8 = (Q8, K8, V8, DO8, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE, stride_qs_h, stride_ks_h)
-    kv_seg, head, index = _program_ids(group)
+    kv_seg, head, index = _program_ids(group, BY_LENGTH, not HAS_KV_INDEX)
     _dkdv_programs(
         Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_DESC, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
@@ -126,6 +129,7 @@ def _gdpa_bwd_dkdv_kernel(
 def _gdpa_bwd_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ,  # [Tq, H, D], [Tk, H, D], [Tk, H, DV], [Tq, H, DV], [H, Tq] x2, like k v q
     Q_OFFSETS, KV_OFFSETS, KV_INDEX, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,  # [B + 1], [Bkv + 1], [B] x2, [Bkv + 1], [B]
+    BY_LENGTH,  # [B] without a kv index: the segments longest first (int32); else never read
     Q8, K8, V8, DO8, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE,  # with FP8: row codes like q k v dO (dense), [H, T] fp32
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh, stride_qs_h, stride_ks_h,
@@ -144,7 +148,7 @@ def _gdpa_bwd_kernel(
     ``S`` and ``dP`` from the row codes (:func:`gdpa_backward`); else those arguments are not read."""
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
     fp8 = (Q8, K8, V8, DO8, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE, stride_qs_h, stride_ks_h)
-    seg, head, z = _program_ids(group)
+    seg, head, z = _program_ids(group, BY_LENGTH, not HAS_KV_INDEX)
     paired = tl.minimum(num_key_tiles, num_query_tiles)
     is_dq = tl.where(z < 2 * paired, z % 2 == 1, num_query_tiles > num_key_tiles)
     index = tl.where(z < 2 * paired, z // 2, z - paired)
@@ -296,8 +300,10 @@ def gdpa_backward(
         return torch.zeros_like(q), dk.zero_(), dv.zero_()
     if kv_index is None:
         seg_offsets = seg_order = q_offsets  # placeholders, never read
+        by_length = segments_by_length(kv_offsets)
     else:
         seg_offsets, seg_order = _segments_by_kv(kv_index, num_kv_segments)
+        by_length = q_offsets  # a placeholder, never read
     flags = mode_flags(activation, causal, window, block_size, kv_index, num_targets)
     fast = fast_math(q)
     dk_strides, dv_strides = dk.stride(), dv.stride()
@@ -375,7 +381,7 @@ def gdpa_backward(
                 bulk = plan.tma and plain_eager((q, k, v, grad_out))
                 dq_desc = _row_tiles(dq32, tiles.block_m) if bulk else q_offsets  # a placeholder, never read
                 args = (q, k, v, grad_out, base2_lse(), delta, dk, dv, dq32, dq_desc, q_offsets, kv_offsets, targets,
-                        seg_offsets, seg_order, *codes, *strides, *dq32.stride()[:2], *code_strides, scale,
+                        seg_offsets, seg_order, by_length, *codes, *strides, *dq32.stride()[:2], *code_strides, scale,
                         window or 0, block_size or 1, pair_group(q.device, q_bytes + dq32_bytes))  # fmt: skip
                 grid = (num_kv_segments, heads, num_key_tiles * (2 if plan.split else 1))
                 launch(_gdpa_bwd_dkdv_kernel, grid, args, meta if bulk or not plan.tma else {**meta, "DQ_TMA": False})
@@ -387,8 +393,8 @@ def gdpa_backward(
         if num_dkdv + num_query_tiles == 0:
             return
         args = (q, k, v, grad_out, base2_lse(), delta, dk, dv, dq, q_offsets, kv_offsets, kv_map, targets, seg_offsets,
-                seg_order, *codes, *strides, *dq.stride()[:2], *code_strides, scale, window or 0, block_size or 1,
-                num_segments, num_kv_segments, num_dkdv, num_query_tiles,
+                seg_order, by_length, *codes, *strides, *dq.stride()[:2], *code_strides, scale, window or 0,
+                block_size or 1, num_segments, num_kv_segments, num_dkdv, num_query_tiles,
                 pair_group(q.device, q_bytes + kv_bytes))  # fmt: skip
         grid = (max(num_segments, num_kv_segments), heads, num_dkdv + num_query_tiles)
         launch(_gdpa_bwd_kernel, grid, args, meta)

@@ -18,8 +18,9 @@ zeros past the tensor), which the mask of the edge stages drops like any other d
 
 Schedule (:func:`._common._program_ids`): programs run in groups of (segment, head) pairs whose keys and values
 fit in a share of the L2 cache together, so the query tiles of a pair that run at the same time read its keys and
-values from memory once; within a group, query blocks run last block first, so the costliest tiles of causal
-attention start before the cheap ones. Programs past a segment's end return at once.
+values from memory once; the pairs are taken longest segment first (without a kv index), and within a group query
+blocks run last block first, so the costliest tiles of causal attention start before the cheap ones. Programs past
+a segment's end return at once.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from torch import Tensor
 from lightning_gem.ops._launch import plain_eager
 from lightning_gem.ops.attention.fp8 import BOUND_SLACK as _BOUND_SLACK
 from lightning_gem.ops.attention.fp8 import P_SCALE
+from lightning_gem.ops.attention.impl.derived import segments_by_length
 from lightning_gem.ops.attention.impl.triton._common import (
     E4M3_GRID_FIRST,
     LOG2E,
@@ -159,6 +161,7 @@ def _gdpa_fwd_kernel(
     Q_SCALE, K_SCALE, V_SCALE, K_NORM,  # with FP8: [H, Tq], [H, Tk], [Bkv, H, DV], [Bkv, H] fp32; else never read
     V_OFFSETS,  # with FP8: [Bkv + 1] the kv segments' first columns in V's transposed codes (multiples of 16)
     Q_OFFSETS, KV_OFFSETS, KV_INDEX, NUM_TARGETS,  # [B + 1], [Bkv + 1], [B], [B]
+    BY_LENGTH,  # [B] without a kv index: the segments longest first (int32); else never read
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_vd, stride_ot, stride_oh, stride_lse_h,
     stride_qs_h, stride_ks_h, scale, window, block_size, group,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -172,7 +175,7 @@ def _gdpa_fwd_kernel(
     are read from ``*_SCALE`` and ``K_NORM``; the output is in OUT's dtype either way."""
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
     qk_scale = scale * LOG2E  # softmax scores in base 2
-    seg, head, z = _program_ids(group)
+    seg, head, z = _program_ids(group, BY_LENGTH, not HAS_KV_INDEX)
     m_start = (tl.num_programs(2) - 1 - z) * BLOCK_M  # last query blocks first
     q_start = tl.load(Q_OFFSETS + seg).to(tl.int64)
     len_q = (tl.load(Q_OFFSETS + seg + 1) - q_start).to(tl.int32)
@@ -335,6 +338,7 @@ def gdpa_forward(
         q_offsets, kv_offsets,
         q_offsets if kv_index is None else kv_index,  # placeholders are never read (HAS_* is False)
         q_offsets if num_targets is None else num_targets,
+        q_offsets if kv_index is not None else segments_by_length(kv_offsets),
         q_strides[0], q_strides[1], k_strides[0], k_strides[1], *v_strides, out_strides[0],
         out_strides[1], lse.stride(0) if softmax else 0, scales[0].stride(0), scales[1].stride(0),
         scale, window or 0, block_size or 1, pair_group(q.device, kv_bytes),
