@@ -220,6 +220,32 @@ def test_other_tile_shapes(device: str, block_m: int, block_n: int, mask: tuple,
         torch.testing.assert_close(got.cpu().double(), want, rtol=0, atol=1e-5)
 
 
+def _launched_case(
+    layout: str, seed: int, activation: str, device: str, *, one_launch: bool, split: bool = False
+) -> tuple[GDPAInputs, dict, Callable]:
+    """Inputs of ``layout``, the options of ``activation`` under a causal window, and a ``run(grad_out)`` for
+    :func:`_check_against_reference` that calls the launchers directly with fixed tiles: the forward, then the dK/dV
+    kernel with atomic dQ or (``one_launch``) the one-launch kernel, dK and dV in programs of their own with
+    ``split``."""
+    from lightning_gem.ops.attention.impl.triton._tuning import Tiles
+    from lightning_gem.ops.attention.impl.triton.backward import gdpa_backward
+    from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
+
+    inputs = _inputs(layout, seed, torch.float32, device)
+    options = _options(activation, True, 9, None)
+    kv_offsets = inputs.q_offsets if inputs.kv_offsets is None else inputs.kv_offsets
+    tiles = Tiles(16, 16, 1, 1) if device == "cpu" else Tiles(32, 32, 4, 2)
+    spec = Spec(inputs.q_offsets, kv_offsets, inputs.kv_index, inputs.num_targets, **options,
+                max_seq_len_q=max(inputs.q_lengths), max_seq_len_kv=max(inputs.kv_lengths))  # fmt: skip
+
+    def run(grad_out: torch.Tensor) -> tuple:
+        out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=tiles)
+        return out, gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, spec, dkdv_tiles=tiles,
+                                  dq_tiles=tiles if one_launch else None, split_dkdv=split)  # fmt: skip
+
+    return inputs, options, run
+
+
 @pytest.mark.parametrize("one_launch", [False, True])
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
 @pytest.mark.parametrize("layout", _slow_beyond(list(LAYOUTS), 2))
@@ -227,24 +253,7 @@ def test_split_dkdv_programs(device: str, layout: str, activation: str, one_laun
     """dK and dV in programs of their own, the dK one adding dQ or (``one_launch``) beside dQ programs of the same
     launch: every layout (targets, shared and cross kv segments) and both activation families, under a causal
     window, against the float64 reference."""
-    from lightning_gem.ops.attention.impl.triton._tuning import Tiles
-    from lightning_gem.ops.attention.impl.triton.backward import gdpa_backward
-    from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
-
-    inputs = _inputs(layout, 41, torch.float32, device)
-    options = _options(activation, True, 9, None)
-    kv_offsets = inputs.q_offsets if inputs.kv_offsets is None else inputs.kv_offsets
-    jagged = (inputs.q_offsets, kv_offsets, inputs.kv_index, inputs.num_targets)
-    tiles = Tiles(16, 16, 1, 1) if device == "cpu" else Tiles(32, 32, 4, 2)
-    lens = {"max_seq_len_q": max(inputs.q_lengths), "max_seq_len_kv": max(inputs.kv_lengths)}
-
-    def run(grad_out: torch.Tensor) -> tuple:
-        spec = Spec(*jagged, **options, **lens)
-        out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, spec)
-        dq_tiles = tiles if one_launch else None
-        return out, gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, spec, dkdv_tiles=tiles,
-                                  dq_tiles=dq_tiles, split_dkdv=True)  # fmt: skip
-
+    inputs, options, run = _launched_case(layout, 41, activation, device, one_launch=one_launch, split=True)
     _check_against_reference(inputs, options, f"{layout}/{activation}/split/{one_launch}", run=run)
 
 
@@ -284,25 +293,11 @@ def test_small_pair_groups(device: str, layout: str, one_launch: bool, group: in
     (SiLU) and the one-launch kernel (softmax), every layout, under a causal window, against the float64
     reference."""
     from lightning_gem.ops.attention.impl.triton import backward, forward
-    from lightning_gem.ops.attention.impl.triton._tuning import Tiles
 
     monkeypatch.setattr(forward, "pair_group", lambda device, size: group)
     monkeypatch.setattr(backward, "pair_group", lambda device, size: group)
-    inputs = _inputs(layout, 43, torch.float32, device)
     activation = "softmax" if one_launch else "silu"
-    options = _options(activation, True, 9, None)
-    kv_offsets = inputs.q_offsets if inputs.kv_offsets is None else inputs.kv_offsets
-    jagged = (inputs.q_offsets, kv_offsets, inputs.kv_index, inputs.num_targets)
-    tiles = Tiles(16, 16, 1, 1) if device == "cpu" else Tiles(32, 32, 4, 2)
-    lens = {"max_seq_len_q": max(inputs.q_lengths), "max_seq_len_kv": max(inputs.kv_lengths)}
-
-    def run(grad_out: torch.Tensor) -> tuple:
-        spec = Spec(*jagged, **options, **lens)
-        out, lse = forward.gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=tiles)
-        dq_tiles = tiles if one_launch else None
-        return out, backward.gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, spec, dkdv_tiles=tiles,
-                                           dq_tiles=dq_tiles)  # fmt: skip
-
+    inputs, options, run = _launched_case(layout, 43, activation, device, one_launch=one_launch)
     _check_against_reference(inputs, options, f"{layout}/{activation}/group {group}/{one_launch}", run=run)
 
 
