@@ -178,7 +178,7 @@ def test_triton_forward_on_codes(layout: str, activation: str, mask: tuple) -> N
     emulated = gdpa_fp8_reference(inputs.q, inputs.k, inputs.v, spec).double()
     allowed = 2 * float((emulated - ref).abs().max()) + 1e-6
     assert float((out.cpu().double() - ref).abs().max()) <= allowed
-    if activation != "softmax" and layout != "self_targets" and device == "cpu":
+    if activation != "softmax" and device == "cpu":
         # Pointwise rows round the same P as the emulation where S is summed as it is (the interpreter); the GPU's FP8
         # MMAs sum S coarser, so a P near a rounding boundary may take the next code there.
         torch.testing.assert_close(out.cpu().double(), emulated, rtol=1e-5, atol=1e-6)

@@ -232,10 +232,9 @@ def _gdpa_fwd_kernel(
         if not FP8:
             v_own = V + k_start * stride_vt + head * stride_vh
         k_own_MD = _load_tile(k_own, offs_m, stride_kt, offs_d, own, HEAD_DIM, BLOCK_D, True)
-        if FP8:  # the transposed codes, read row by row
-            own_ptrs = v_own + offs_m[:, None] * stride_vt + offs_dv[None, :] * stride_vd
-            v_own_MDV = tl.load(own_ptrs, mask=own[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
-            v_own_MDV = v_own_MDV.to(tl.float32)
+        if FP8:  # the transposed codes: the own keys' columns
+            vt_own_DVM = tl.load(v_own + offs_dv[:, None] * stride_vd + offs_m[None, :] * stride_vt,
+                                 mask=(offs_dv[:, None] < HEAD_DIM_V) & own[None, :], other=0.0)  # fmt: skip
         else:
             v_own_MDV = _load_tile(v_own, offs_m, stride_vt, offs_dv, own, HEAD_DIM_V, BLOCK_DV, True).to(tl.float32)
         qk_own_M = tl.sum(q_MD.to(tl.float32) * k_own_MD.to(tl.float32), axis=1)
@@ -244,14 +243,25 @@ def _gdpa_fwd_kernel(
         if ACTIVATION == "softmax":
             m_M = tl.where(own, qk_own_M * qk_scale, float("-inf"))
             l_M = tl.where(own, 1.0, 0.0)
-            acc_MDV = tl.where(own[:, None], v_own_MDV, 0.0)
+            if FP8:  # p = 1 at the row's own max: its code is p_code_M, exactly
+                acc_MDV = tl.where(own[:, None], tl.trans(vt_own_DVM).to(tl.float32) * p_code_M[:, None], 0.0)
+            else:
+                acc_MDV = tl.where(own[:, None], v_own_MDV, 0.0)
         else:
             # A row vector: through _activation (_scaled_activation's one-tanh form here gave misaligned-address
             # faults on an H100 with some tile candidates)
             p_own_M = tl.where(own, _activation(qk_own_M * scale, ACTIVATION, FAST), 0.0)
-            acc_MDV = p_own_M[:, None] * v_own_MDV
-        if FP8:  # in the units of the codes' products
-            acc_MDV = acc_MDV * p_code_M[:, None]
+            if FP8:
+                # One product of the codes with P's codes on a diagonal: the term lands in the accumulator's layout
+                # (formed elementwise in the codes' load layout, its conversion to the accumulator's faulted with
+                # "misaligned address" at 128-row tiles over head dims above 128 on an H100), and its weight is
+                # rounded to a code like every other weight of the row.
+                p_own_MM = tl.where(offs_m[:, None] == offs_m[None, :], (p_own_M * p_code_M)[:, None], 0.0)
+                if E4M3_GRID_FIRST:
+                    p_own_MM = _e4m3_grid(p_own_MM)
+                acc_MDV = tl.dot(p_own_MM.to(vt_own_DVM.dtype), tl.trans(vt_own_DVM), input_precision=DOT_PRECISION)
+            else:
+                acc_MDV = p_own_M[:, None] * v_own_MDV
 
     lo, full_lo, full_hi, hi = _query_tile_keys(
         m_start, len_q, shift, num_history, window, block_size, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_BLOCK,
