@@ -284,6 +284,21 @@ def test_program_order(device: str, group: int, by_length: bool) -> None:
     torch.testing.assert_close(out.cpu(), want)
 
 
+def test_pair_group() -> None:
+    """Pairs a group holds: as many as fill half of the L2 cache (a Hopper's 50 MiB off CUDA), at least one; a
+    symbolic size (a traced call's hint) gives a symbolic count and no guard on it."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from lightning_gem.ops.attention.impl.triton._common import pair_group
+
+    cpu = torch.device("cpu")
+    assert pair_group(cpu, 4 << 20) == 6  # 25 MiB over 4 MiB a pair (4096 keys x 256 x 2 for K and V, bf16)
+    assert pair_group(cpu, 1 << 40) == 1 and pair_group(cpu, 0) == 25 << 20
+    env = ShapeEnv()
+    count = pair_group(cpu, env.create_unbacked_symint() * 1024)
+    assert isinstance(count, torch.SymInt) and not env.guards
+
+
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("one_launch", [False, True])
 @pytest.mark.parametrize("layout", _slow_beyond(list(LAYOUTS), 2))
