@@ -36,6 +36,7 @@ from lightning_gem import jagged
 from lightning_gem.data.balancing import AttentionCostModel
 from lightning_gem.data.batch import RankingBatch
 from lightning_gem.data.schema import RankingSchema, RetrievalSchema, SparseFeature
+from lightning_gem.graphs import ShapeGraphs, length_bucket
 from lightning_gem.metrics import BinaryAUROC, NormalizedEntropy
 from lightning_gem.ops.attention import ACTIVATIONS, IMPLS
 
@@ -176,6 +177,12 @@ class GEMRanker(L.LightningModule):
             user's products too (fewer than ``token_multiple`` tokens a side a batch). None: no padding.
         fused_optimizer: AdamW's fused implementation (``fused=True``: the whole update in one kernel per group of
             tensors) instead of its multi-tensor one (several kernels a step): less host time a step.
+        cuda_graphs: in training, run the history encoder and the candidate interaction through CUDA graphs
+            (:class:`lightning_gem.graphs.ShapeGraphs`: forward and backward captured once per token count and
+            length bucket, then replayed), their length hints rounded up to powers of two
+            (:func:`lightning_gem.graphs.length_bucket`). Needs ``token_multiple`` (else every jagged batch would be
+            a new shape) and CUDA; evaluation runs eagerly. Not with torch.compile'd or activation-checkpointed
+            layers.
 
     Example:
         >>> from lightning_gem.data.schema import RankingSchema, SparseFeature
@@ -212,10 +219,13 @@ class GEMRanker(L.LightningModule):
         attention_impl: str = "auto",
         token_multiple: int | None = None,
         fused_optimizer: bool = False,
+        cuda_graphs: bool = False,
     ) -> None:
         super().__init__()
         if token_multiple is not None and token_multiple < 1:
             raise ValueError(f"`token_multiple` must be >= 1 or None, got {token_multiple}")
+        if cuda_graphs and token_multiple is None:
+            raise ValueError("`cuda_graphs=True` needs `token_multiple`: unpadded jagged batches are a new shape each")
         # Checked here, not only in the layers: under the CLI the layers are built at fit start (configure_model).
         check_option(attention_activation, "attention_activation", ACTIVATIONS)
         check_option(interaction_activation, "interaction_activation", ACTIVATIONS)
@@ -355,7 +365,12 @@ class GEMRanker(L.LightningModule):
                 max_history = max(max_history, history_pad)
             if type(max_candidates) is int:
                 max_candidates = max(max_candidates, candidate_pad)
-        history = self.encoder(
+        encoder, interaction = self.encoder, self.interaction
+        if self.hparams.get("cuda_graphs") and not torch.compiler.is_compiling():
+            encoder, interaction = self._graphs()
+            max_history = length_bucket(max_history)
+            max_candidates = None if max_candidates is None else length_bucket(max_candidates)
+        history = encoder(
             history_tokens, history_offsets, time_deltas=time_deltas, max_seq_len=max_history, check_offsets=False
         )
         context = [segment_mean(history, history_offsets)]
@@ -378,7 +393,7 @@ class GEMRanker(L.LightningModule):
             user = jagged.segment_ids(candidate_offsets, candidates.shape[0])
             candidates = candidates + context_BND.sum(dim=1)[user]
             context_BND = None
-        interacted = self.interaction(
+        interacted = interaction(
             candidates,
             candidate_offsets,
             history,
@@ -389,6 +404,14 @@ class GEMRanker(L.LightningModule):
             check_offsets=False,
         )
         return self.head(interacted)[:num_candidates]
+
+    def _graphs(self) -> tuple[ShapeGraphs, ShapeGraphs]:
+        """The encoder's and the interaction's CUDA graphs (``cuda_graphs``), made on first use; kept outside the
+        module tree (they hold the same modules)."""
+        graphs = self.__dict__.get("_shape_graphs")
+        if graphs is None or graphs[0].module is not self.encoder or graphs[1].module is not self.interaction:
+            graphs = self.__dict__["_shape_graphs"] = (ShapeGraphs(self.encoder), ShapeGraphs(self.interaction))
+        return graphs
 
     def _tokens(
         self, embeddings: dict[str, JaggedTensor], keys: list[str], bias: Tensor, multiple: int = 1

@@ -91,9 +91,10 @@ def gem_ranker(
     attention_impl: str = "auto",
     token_multiple: int | None = None,
     fused_optimizer: bool = False,
+    cuda_graphs: bool = False,
 ) -> GEMRanker:
-    """The GEM example at the shape arguments' widths (AdamW, lr 1e-4); ``token_multiple`` and ``fused_optimizer``:
-    GEMRanker's."""
+    """The GEM example at the shape arguments' widths (AdamW, lr 1e-4); ``token_multiple``, ``fused_optimizer`` and
+    ``cuda_graphs``: GEMRanker's."""
     from lightning_gem.components import GEMRanker
 
     return GEMRanker(
@@ -107,6 +108,7 @@ def gem_ranker(
         lr=1e-4,
         token_multiple=token_multiple,
         fused_optimizer=fused_optimizer,
+        cuda_graphs=cuda_graphs,
     )
 
 

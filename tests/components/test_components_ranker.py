@@ -379,3 +379,87 @@ def test_validation_metrics_over_two_gloo_ranks_are_one_process_metrics() -> Non
         assert metrics.keys() == single.keys()
         for name, value in single.items():
             assert metrics[name] == pytest.approx(value, rel=1e-6, abs=1e-7), name
+
+
+def test_cuda_graphs_options_are_checked(batches) -> None:
+    """cuda_graphs needs token_multiple (at construction), CUDA tensors (at the first training call: no silent eager
+    run), and layers neither compiled nor activation-checkpointed."""
+    schema = batches.ranking_schema()
+    with pytest.raises(ValueError, match="`cuda_graphs=True` needs `token_multiple`"):
+        _tiny(schema, cuda_graphs=True)
+    model = _tiny(schema, cuda_graphs=True, token_multiple=8)
+    batch = batches.make_ranking_batch(schema, history_lengths=[0, 1, 5, 3], candidate_counts=[2, 0, 3, 1])
+    with pytest.raises(ValueError, match="CUDA graphs need CUDA tensors"):
+        model.training_step(batch, 0)
+    model.eval()
+    with torch.no_grad():
+        assert model(batch).shape == (6, 2)  # evaluation runs eagerly
+    model.train()
+    model.encoder.layers[0].compile()
+    cuda = type("Cuda", (), {"is_cuda": True})  # past the device check, to the module check (made before capture)
+    with pytest.raises(ValueError, match="compiled or activation-checkpointed modules: JaggedHistoryEncoder.layers.0"):
+        model._graphs()[0]._capture(None, (cuda(),))
+
+
+def test_cuda_graphs_call_the_encoder_and_interaction_as_eager(batches, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the captures replaced by their bound calls (a capture needs a GPU), cuda_graphs gives the eager model's
+    logits, loss and gradients, and a batch of the same padded token counts and length buckets replays the same two
+    signatures (encoder, interaction) instead of adding new ones."""
+    from lightning_gem.graphs import ShapeGraphs
+
+    captured = []
+    monkeypatch.setattr(ShapeGraphs, "_capture", lambda self, bound, tensors: captured.append(bound) or bound)
+    torch.manual_seed(0)
+    schema = batches.ranking_schema()
+    eager = _tiny(schema, token_multiple=8)
+    graphed = _tiny(schema, token_multiple=8, cuda_graphs=True)
+    graphed.load_state_dict(eager.state_dict())
+    batch = batches.make_ranking_batch(schema, history_lengths=[0, 1, 5, 3], candidate_counts=[2, 0, 3, 1])
+    results = []
+    for model in (eager, graphed):
+        loss = model.training_step(batch, 0)
+        loss.backward()
+        results.append((loss, {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}))
+    (loss, grads), (loss_g, grads_g) = results
+    torch.testing.assert_close(loss_g, loss)
+    assert grads_g.keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_g[name], grad, msg=name)
+    assert len(captured) == 2
+    # Other lengths, the same padded token counts (16 and 8) and length buckets (8 and 4): the same signatures.
+    other = batches.make_ranking_batch(schema, history_lengths=[2, 4, 0, 6], candidate_counts=[1, 3, 0, 2])
+    with pytest.raises(RuntimeError, match="parameters already hold gradients"):
+        graphed.training_step(other, 0)  # a replay's gradient buffers would be accumulated into
+    graphed.zero_grad()
+    graphed.training_step(other, 0).backward()
+    assert len(captured) == 2
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_train_as_eager_gpu(batches) -> None:
+    """Captured and replayed on a GPU: three optimizer steps on batches of two signatures give the eager model's
+    losses and parameters (bf16 autocast, as under ``precision="bf16-mixed"``)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(0)
+    schema = batches.ranking_schema()
+    models = [_tiny(schema, token_multiple=8, attention_impl="triton", cuda_graphs=g).cuda() for g in (False, True)]
+    models[1].load_state_dict(models[0].state_dict())
+    shapes = [([0, 1, 5, 3], [2, 0, 3, 1]), ([2, 4, 0, 6], [1, 3, 0, 2]), ([9, 1, 2, 3], [2, 2, 2, 2])]
+    losses = []
+    for model in models:
+        optimizer = model.configure_optimizers()
+        losses.append([])
+        for step, (history, candidates) in enumerate(shapes * 2):
+            generator = torch.Generator().manual_seed(step)
+            batch = batches.make_ranking_batch(schema, history, candidates, generator=generator)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model.training_step(batch.to(torch.device("cuda")), step)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[-1].append(loss.item())
+    assert models[1]._graphs()[0].num_graphs >= 2
+    torch.testing.assert_close(torch.tensor(losses[1]), torch.tensor(losses[0]), rtol=1e-3, atol=1e-4)
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-3, atol=1e-4, msg=name)

@@ -1,0 +1,130 @@
+"""ShapeGraphs: one capture per call signature, the bound call's arguments, and where it runs the module as it is.
+The captures themselves need a GPU (the GPU test in tests/components/test_components_ranker.py); here a stand-in
+capture returns the bound module, so what is checked is which calls would replay which graph."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from lightning_gem.graphs import ShapeGraphs, length_bucket
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: Tensor, offsets: Tensor, *, extra: Tensor | None = None, power: int = 1) -> Tensor:
+        out = (x * self.weight) ** power + offsets[-1]
+        return out if extra is None else out + extra
+
+
+class _Counted(ShapeGraphs):
+    """Captures nothing: the 'graph' is the bound module itself, and each capture is recorded."""
+
+    def __init__(self, module: nn.Module, **kwargs: object) -> None:
+        super().__init__(module, **kwargs)
+        self.captured: list[tuple] = []
+
+    def _capture(self, bound, tensors):
+        self.captured.append(tuple(tuple(t.shape) for t in tensors))
+        return bound
+
+
+def test_one_capture_per_signature() -> None:
+    module = _Scaled()
+    graphs = _Counted(module)
+    x, offsets = torch.randn(4, requires_grad=True), torch.tensor([0, 4])
+    graphs(x, offsets)
+    graphs(torch.randn(4, requires_grad=True), torch.tensor([0, 3]))  # same shapes and arguments: replayed
+    assert graphs.num_graphs == 1
+    graphs(torch.randn(8, requires_grad=True), offsets)  # a new token count
+    graphs(x, offsets, power=2)  # another value of a non-tensor argument
+    graphs(x.detach(), offsets)  # requires_grad differs
+    graphs(x, offsets, extra=torch.ones(4))  # one more tensor
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # CPU autocast: the CUDA autocast state is unchanged
+        graphs(x, offsets)
+    assert graphs.num_graphs == 5
+    assert graphs.captured[0] == ((4,), (2,))
+
+
+def test_bound_call_takes_the_tensors_and_keeps_the_rest() -> None:
+    """What a graph would run: the module with the call's non-tensor arguments fixed and its tensors fed in
+    order; outputs and gradients are the module's."""
+    torch.manual_seed(0)
+    module = _Scaled()
+    graphs = _Counted(module)
+    x, offsets, extra = torch.randn(5, requires_grad=True), torch.tensor([0, 2, 5]), torch.randn(5)
+    out = graphs(x, offsets, extra=extra, power=3)
+    (grad_x, grad_w) = torch.autograd.grad(out.sum(), (x, module.weight))
+    want = module(x, offsets, extra=extra, power=3)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close((grad_x, grad_w), torch.autograd.grad(want.sum(), (x, module.weight)))
+    assert list(graphs.captured) == [((5,), (3,), (5,))]
+
+
+def test_eval_no_grad_and_full_run_the_module_as_it_is(caplog: pytest.LogCaptureFixture) -> None:
+    module = _Scaled()
+    graphs = _Counted(module, max_graphs=2)
+    x, offsets = torch.randn(3, requires_grad=True), torch.tensor([0, 3])
+    with torch.no_grad():
+        graphs(x, offsets)
+    module.eval()
+    graphs(x, offsets)
+    module.train()
+    assert graphs.num_graphs == 0
+    graphs(x, offsets)
+    graphs(torch.randn(4), offsets)
+    with caplog.at_level(logging.WARNING, logger="lightning_gem.graphs"):
+        out = graphs(torch.randn(6), offsets)  # a third signature: eager, said once
+        graphs(torch.randn(7), offsets)
+    assert graphs.num_graphs == 2
+    assert out.shape == (6,)
+    assert [r.message for r in caplog.records].count(
+        "ShapeGraphs(_Scaled): 2 signatures captured (max_graphs); new ones run eagerly"
+    ) == 1
+
+
+def test_capture_needs_cuda_tensors() -> None:
+    graphs = ShapeGraphs(_Scaled())
+    with pytest.raises(ValueError, match=r"CUDA graphs need CUDA tensors: _Scaled got \['cpu'\]"):
+        graphs(torch.randn(3, requires_grad=True), torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match="max_graphs"):
+        ShapeGraphs(_Scaled(), max_graphs=0)
+
+
+def test_length_bucket() -> None:
+    assert [length_bucket(n) for n in (1, 2, 5, 4096, 4097)] == [1, 2, 8, 4096, 8192]
+
+
+def test_symbolic_tracing_traces_the_module() -> None:
+    """A symbolic trace (as a train pipeline's model rewrite makes) goes through the module itself."""
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = _Scaled()
+            self.__dict__["graphs"] = _Counted(self.inner)
+
+        def forward(self, x: Tensor, offsets: Tensor) -> Tensor:
+            return self.graphs(x, offsets, power=2)
+
+    outer = Outer()
+    traced = torch.fx.symbolic_trace(outer)
+    assert outer.graphs.num_graphs == 0
+    x, offsets = torch.randn(3), torch.tensor([0, 3])
+    torch.testing.assert_close(traced(x, offsets), outer.inner(x, offsets, power=2))
+
+
+def test_dispatch_modes_run_the_module() -> None:
+    """Under a FLOP counter (a dispatch mode) nothing is captured: the counter sees the module's own operations."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    graphs = _Counted(nn.Linear(4, 4))
+    with FlopCounterMode(display=False) as counter:
+        graphs(torch.randn(2, 4, requires_grad=True))
+    assert graphs.num_graphs == 0 and counter.get_total_flops() == 2 * 2 * 4 * 4
