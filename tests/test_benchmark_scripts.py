@@ -264,6 +264,22 @@ def test_e2e_preset_runs_the_kit_stack_with_uniform_histories(tmp_path: Path) ->
     assert len(exact) == len(fp8) and exact[0] == fp8[0]  # the same first forward; FP8 changes backwards only
 
 
+@pytest.mark.slow
+def test_e2e_compares_the_kit_with_its_eager_self(tmp_path: Path) -> None:
+    """``kit-eager`` is the kit stack without its host-time options; beside ``kit`` the summary gives their per-step
+    loss gaps on the same batches (padding users change no real user's loss)."""
+    out = tmp_path / "e2e.json"
+    printed = _run(
+        "e2e.py", "--device", "cpu", "--tiny", "--stacks", "kit,kit-eager", "--token-multiple", "8",
+        "--fused-optimizer", "--kit-precision", "bf16", "--root", str(tmp_path), "--out", str(out),
+    )  # fmt: skip
+    assert "kit against kit-eager over 4 steps: per-step loss gap largest" in printed
+    results = json.loads(out.read_text())
+    fast, eager = results["kit"]["losses"], results["kit-eager"]["losses"]
+    assert len(fast) == len(eager) == 4
+    assert max(abs(a - b) for a, b in zip(fast, eager, strict=True)) < 1e-4
+
+
 def test_sweep_plans_parse_tiles_and_flags() -> None:
     """``attention_sweep.py --plans`` (and ``kernel_resources.py --plans``) names the backward plans it times."""
     parse_plan = _benchmark("attention_sweep").parse_plan

@@ -17,7 +17,11 @@ pooled user features, hundreds of candidates per user.
   without FSDP2 over a single rank; the next batch, pinned, copied and its embedding input path prepared on a
   side stream; ``--compile-layers``: each HSTU layer compiled too; ``--token-multiple N``: token counts padded
   to multiples of N by a padding user, so GEMMs meet few row counts; ``--fused-optimizer``: AdamW's fused
-  kernel), Base Batch Shuffling in the DataModule;
+  kernel; ``--cuda-graphs``: the encoder and the interaction replayed from CUDA graphs), Base Batch Shuffling in the
+  DataModule;
+- kit-eager (and kit-eager-2, the same again): the kit stack without ``--token-multiple``, ``--fused-optimizer``,
+  ``--cuda-graphs`` and ``--compile-layers``; with the kit stack the summary compares their per-step losses on the
+  same batches (the second eager run gives the gap that nondeterministic kernels alone make);
 - kit-fp8-saved: the kit stack with ``MXFP8Precision(saved_activations="fp8")``: what the HSTU layers and the
   candidate interaction save for the backward is stored in MXFP8 (the summary line compares its peak memory,
   step time and per-step losses with the kit stack's).
@@ -69,7 +73,7 @@ from lightning_gem.data import GEMDataModule, SyntheticRankingSource
 from lightning_gem.flops import model_flops, peak_tflops
 from lightning_gem.precision import MXFP8Precision
 
-STACKS = ("plain", "kit", "kit-fp8-saved")
+STACKS = ("plain", "kit", "kit-fp8-saved", "kit-eager", "kit-eager-2")
 
 _NVIDIA_HSTU = {
     "model_dim": 1024,
@@ -92,14 +96,16 @@ def run_stack(
     """Train ``stack`` for warm-up + timed steps on ``source``; returns its measurements."""
     L.seed_everything(args.seed, verbose=False)
     kit = stack.startswith("kit")
+    fast = kit and not stack.startswith("kit-eager")  # the host-time options apply (kit-eager: without them)
     saved = "fp8" if stack == "kit-fp8-saved" else None  # the GDPA layers' saved activations in FP8
     mx = kit and args.kit_precision in ("mxfp8", "mxfp8-attention")  # else bf16 autocast, as the plain stack
     model = gem_ranker(
         source,
         args,
         "auto" if kit else "padded",
-        token_multiple=args.token_multiple if kit else None,
-        fused_optimizer=args.fused_optimizer and kit,
+        token_multiple=args.token_multiple if fast else None,
+        fused_optimizer=args.fused_optimizer and fast,
+        cuda_graphs=args.cuda_graphs and fast,
     )
     cuda = args.device == "cuda"
     pinned = kit and cuda  # the kit's pipeline copies pinned batches asynchronously
@@ -113,7 +119,7 @@ def run_stack(
     trainer = L.Trainer(
         accelerator="gpu" if cuda else "cpu",
         devices=1,
-        strategy=GEM5DStrategy(train_pipeline=True, compile_layers=args.compile_layers) if kit else "auto",
+        strategy=GEM5DStrategy(train_pipeline=True, compile_layers=args.compile_layers and fast) if kit else "auto",
         precision=None if mx else ("bf16-mixed" if cuda else "32-true"),
         plugins=[MXFP8Precision(attention=args.kit_precision == "mxfp8-attention", saved_activations=saved)]
         if mx
@@ -155,6 +161,25 @@ def _late_loss(losses: list[float]) -> float:
     """Mean training loss of the last quarter of the steps (of all of them when there are fewer than 4)."""
     tail = losses[-max(len(losses) // 4, 1) :] if losses else [float("nan")]
     return statistics.fmean(tail)
+
+
+def _loss_gaps(results: dict[str, dict]) -> str:
+    """The kit stack's per-step losses against the kit without its host-time options (``kit-eager``), on the same
+    batches: largest and mean gap, and where ``kit-eager-2`` ran (the same eager stack again, differing only by
+    nondeterministic kernels such as atomic adds), the same figures between the two eager runs as the noise floor."""
+
+    def gaps(a: list[float], b: list[float]) -> tuple[float, float]:
+        diffs = [abs(x - y) for x, y in zip(a, b, strict=False)] or [float("nan")]
+        return max(diffs), statistics.fmean(diffs)
+
+    eager = results["kit-eager"]["losses"]
+    worst, mean = gaps(results["kit"]["losses"], eager)
+    line = f"kit against kit-eager over {len(eager)} steps: per-step loss gap largest {worst:.4g}, mean {mean:.4g}"
+    if "kit-eager-2" in results:
+        worst2, mean2 = gaps(results["kit-eager-2"]["losses"], eager)
+        line += f"; kit-eager run twice: largest {worst2:.4g}, mean {mean2:.4g}"
+    speedup = results["kit-eager"]["step_ms"] / results["kit"]["step_ms"]
+    return f"{line}; step time kit-eager / kit {speedup:.2f}x"
 
 
 def useful_flops_per_step(source: SyntheticRankingSource, args: argparse.Namespace) -> float:
@@ -218,6 +243,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     )
     parser.add_argument(
         "--fused-optimizer", action="store_true", help="the kit stack's AdamW in its fused kernel (GEMRanker's option)"
+    )
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="the kit stack's encoder and interaction through CUDA graphs (GEMRanker's cuda_graphs; needs "
+        "--token-multiple)",
     )
     parser.add_argument(
         "--kit-precision",
@@ -291,6 +322,8 @@ def main() -> None:
             f"FP8 saved activations: peak memory {fp8['peak_gib'] / exact['peak_gib'] - 1:+.1%}, step time "
             f"{fp8['step_ms'] / exact['step_ms'] - 1:+.1%}, largest per-step loss gap {gap:.4f} (same batches)"
         )
+    if {"kit", "kit-eager"} <= results.keys():
+        print(_loss_gaps(results))
     if args.out is not None:
         summary = {"args": {k: str(v) for k, v in vars(args).items()}, "device": device, "useful_flops": useful}
         args.out.write_text(json.dumps({**summary, **results}, indent=1))
