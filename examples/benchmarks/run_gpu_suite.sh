@@ -98,15 +98,22 @@ for s in "${steps[@]}"; do
           --num-layers 8 --batch-size 32 --steps 10 --warmup 5 --root "$OUT/e2e_$w" --out "$OUT/e2e_$w.json"
       done
       # Host time at the default width (host-bound) and at NVIDIA's HSTU shapes, bf16: the kit as it is, then with
-      # token counts padded to multiples of 1024 (GEMMs meet repeated row counts) and AdamW's fused kernel; the
-      # profile splits each step into kernel families and host gaps
-      for v in "" "--token-multiple 1024 --fused-optimizer"; do
+      # token counts padded to multiples of 1024 (GEMMs meet repeated row counts) and AdamW's fused kernel, then with
+      # the encoder and interaction replayed from CUDA graphs too; the profile splits each step into kernel families
+      # and host gaps
+      for v in "" "--token-multiple 1024 --fused-optimizer" "--token-multiple 1024 --fused-optimizer --cuda-graphs"; do
         tag=$([ -n "$v" ] && echo padded || echo plain)
+        [[ "$v" == *graphs* ]] && tag=graphs
         step e2e_host_$tag 400 $PY examples/benchmarks/e2e.py --stacks kit --kit-precision bf16 --warmup 30 \
           --steps 20 --profile-steps 3 $v --root "$OUT/e2e_host_$tag" --out "$OUT/e2e_host_$tag.json"
         step e2e_nvidia_$tag 500 $PY examples/benchmarks/e2e.py --preset nvidia-hstu --stacks kit --kit-precision bf16 \
           --warmup 50 --steps 30 --profile-steps 2 $v --root "$OUT/e2e_nvidia_$tag" --out "$OUT/e2e_nvidia_$tag.json"
       done
+      # The fast path's losses against the kit's plain eager path over 100 steps, same batches, with a second eager
+      # run as the gap nondeterministic kernels alone make
+      step e2e_losses 600 $PY examples/benchmarks/e2e.py --stacks kit,kit-eager,kit-eager-2 --kit-precision bf16 \
+        --warmup 5 --steps 95 --token-multiple 1024 --fused-optimizer --cuda-graphs --root "$OUT/e2e_losses" \
+        --out "$OUT/e2e_losses.json"
       # The kit with its HSTU layers compiled, at the default width (host-bound) and at 4096
       step e2e_compiled 600 $PY examples/benchmarks/e2e.py --stacks kit --compile-layers --root "$OUT/e2e_compiled" \
         --out "$OUT/e2e_compiled.json"
