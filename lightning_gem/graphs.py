@@ -91,6 +91,10 @@ class ShapeGraphs:
         self._pool: Any = None
         self._full_logged = False
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Captured graphs belong to this process's device memory: a copy (deepcopy, pickle) starts without them.
+        return {**self.__dict__, "_graphs": {}, "_pool": None, "_full_logged": False}
+
     @property
     def num_graphs(self) -> int:
         """Signatures captured so far."""

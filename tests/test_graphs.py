@@ -128,3 +128,14 @@ def test_dispatch_modes_run_the_module() -> None:
     with FlopCounterMode(display=False) as counter:
         graphs(torch.randn(2, 4, requires_grad=True))
     assert graphs.num_graphs == 0 and counter.get_total_flops() == 2 * 2 * 4 * 4
+
+
+def test_a_copy_starts_without_graphs() -> None:
+    """deepcopy (and pickle) of a model holding ShapeGraphs: the copy calls its own module and has captured nothing."""
+    import copy
+
+    graphs = _Counted(_Scaled())
+    graphs(torch.randn(3, requires_grad=True), torch.tensor([0, 3]))
+    clone = copy.deepcopy(graphs)
+    assert graphs.num_graphs == 1 and clone.num_graphs == 0
+    assert clone.module is not graphs.module and clone._params == [clone.module.weight]
