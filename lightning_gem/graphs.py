@@ -66,9 +66,9 @@ class ShapeGraphs:
     every call need padding or bucketing first: ``GEMRanker(token_multiple=...)`` and :func:`length_bucket`).
 
     Compiled or activation-checkpointed submodules are refused at capture. What a captured call may not do (as any
-    CUDA graph): read device values on the host, or depend on anything but
-    its arguments' shapes and its non-tensor arguments. Outputs are the graph's own buffers, overwritten by the
-    next replay of the same signature: use them within the step. Graphs of one instance share one memory pool,
+    CUDA graph): read device values on the host, or depend on anything but its arguments' shapes and its non-tensor
+    arguments. Outputs are the graph's own buffers, overwritten by the next replay of the same signature: use them
+    within the step. Graphs of one instance share one memory pool,
     which holds as long as one signature's forward and backward run before the next signature's forward (a training
     step does). Gradients may not accumulate over several calls (parameters must hold no gradient when a call
     starts, as after ``zero_grad()``). Under autocast the capture disables autocast's weight cache (as graphs
