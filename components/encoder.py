@@ -19,8 +19,8 @@ from torch import Tensor, nn
 from lightning_gem import jagged
 from lightning_gem.data.balancing import AttentionCostModel
 from lightning_gem.flops import attention_cost_coefficients, linear_flops
-from lightning_gem.graphs import length_bucket
 from lightning_gem.ops import gdpa
+from lightning_gem.ops._launch import next_power_of_2
 from lightning_gem.ops.attention import ACTIVATIONS, IMPLS, PRECISIONS
 
 if TYPE_CHECKING:
@@ -762,7 +762,7 @@ class JaggedHistoryEncoder(nn.Module):
         if type(max_seq_len) is int and max_seq_len > 1 and time_buckets_BLL is None and self._layers_compiled():
             # A compiled layer's graph holds its int arguments as constants: a power-of-two bound (still an upper
             # bound of every length) keeps jagged batches to a few graphs instead of one per longest length.
-            max_seq_len = length_bucket(max_seq_len)
+            max_seq_len = next_power_of_2(max_seq_len)
         for index, layer in enumerate(self.layers):
             x = layer(
                 x,

@@ -36,8 +36,9 @@ from lightning_gem import jagged
 from lightning_gem.data.balancing import AttentionCostModel
 from lightning_gem.data.batch import RankingBatch
 from lightning_gem.data.schema import RankingSchema, RetrievalSchema, SparseFeature
-from lightning_gem.graphs import ShapeGraphs, length_bucket
+from lightning_gem.graphs import ShapeGraphs
 from lightning_gem.metrics import BinaryAUROC, NormalizedEntropy
+from lightning_gem.ops._launch import next_power_of_2
 from lightning_gem.ops.attention import ACTIVATIONS, IMPLS
 
 from .embeddings import (
@@ -179,10 +180,9 @@ class GEMRanker(L.LightningModule):
             tensors) instead of its multi-tensor one (several kernels a step): less host time a step.
         cuda_graphs: in training, run the history encoder and the candidate interaction through CUDA graphs
             (:class:`lightning_gem.graphs.ShapeGraphs`: forward and backward captured once per token count and
-            length bucket, then replayed), their length hints rounded up to powers of two
-            (:func:`lightning_gem.graphs.length_bucket`). Needs ``token_multiple`` (else every jagged batch would be
-            a new shape) and CUDA; evaluation runs eagerly. Not with torch.compile'd or activation-checkpointed
-            layers.
+            length bucket, then replayed), their length hints rounded up to powers of two. Needs ``token_multiple``
+            (else every jagged batch would be a new shape) and CUDA; evaluation runs eagerly. Not with
+            torch.compile'd or activation-checkpointed layers.
 
     Example:
         >>> from lightning_gem.data.schema import RankingSchema, SparseFeature
@@ -368,8 +368,8 @@ class GEMRanker(L.LightningModule):
         encoder, interaction = self.encoder, self.interaction
         if self.hparams.get("cuda_graphs") and not torch.compiler.is_compiling():
             encoder, interaction = self._graphs()
-            max_history = length_bucket(max_history)
-            max_candidates = None if max_candidates is None else length_bucket(max_candidates)
+            max_history = next_power_of_2(max_history)
+            max_candidates = None if max_candidates is None else next_power_of_2(max_candidates)
         history = encoder(
             history_tokens, history_offsets, time_deltas=time_deltas, max_seq_len=max_history, check_offsets=False
         )

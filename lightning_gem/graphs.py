@@ -19,20 +19,9 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from lightning_gem.ops._launch import plain_eager
 
-__all__ = ["ShapeGraphs", "length_bucket"]
+__all__ = ["ShapeGraphs"]
 
 log = logging.getLogger(__name__)
-
-
-def length_bucket(length: int) -> int:
-    """``length`` rounded up to a power of two (at least 1): still an upper bound of every sequence it bounded, and
-    a jagged batch's longest sequence then takes one of a few values instead of a new one each batch.
-
-    Example:
-        >>> [length_bucket(n) for n in (0, 1, 3, 64, 65)]
-        [1, 1, 4, 64, 128]
-    """
-    return 1 << max(int(length) - 1, 0).bit_length()
 
 
 class _Bound(nn.Module):
@@ -59,20 +48,19 @@ class ShapeGraphs:
     of a call (its tensors' shapes, dtypes and ``requires_grad``, the values of its other arguments, the autocast
     state), replayed for every later call of that signature with the new tensors copied in.
 
-    Not a module of its own: it holds ``module`` without registering it, so parameters and checkpoints are the
-    module's as they are. Eval mode, no-grad calls, traced calls (compilers, symbolic tracing), calls under a
-    dispatch mode (FLOP counters) and calls on tensor subclasses run ``module`` as it is. Once ``max_graphs``
-    signatures are captured, a new one runs ``module`` eagerly and says so once in the log (shapes that change
-    every call need padding or bucketing first: ``GEMRanker(token_multiple=...)`` and :func:`length_bucket`).
+    Not a module of its own: it holds ``module`` without registering it, so parameters and checkpoints are the module's
+    as they are. Eval mode, no-grad calls, traced calls (compilers, symbolic tracing), calls under a dispatch mode (FLOP
+    counters) and calls on tensor subclasses run ``module`` as it is. Once ``max_graphs`` signatures are captured, a new
+    one runs ``module`` eagerly and says so once in the log (shapes that change every call need padding or bucketing
+    first: ``GEMRanker(token_multiple=...)``, length hints rounded up to powers of two).
 
-    Compiled or activation-checkpointed submodules are refused at capture. What a captured call may not do (as any
-    CUDA graph): read device values on the host, or depend on anything but its arguments' shapes and its non-tensor
+    Compiled or activation-checkpointed submodules are refused at capture. What a captured call may not do (as any CUDA
+    graph): read device values on the host, or depend on anything but its arguments' shapes and its non-tensor
     arguments. Outputs are the graph's own buffers, overwritten by the next replay of the same signature: use them
-    within the step. Graphs of one instance share one memory pool,
-    which holds as long as one signature's forward and backward run before the next signature's forward (a training
-    step does). Gradients may not accumulate over several calls (parameters must hold no gradient when a call
-    starts, as after ``zero_grad()``). Under autocast the capture disables autocast's weight cache (as graphs
-    require); the casts are then part of the graph.
+    within the step. Graphs of one instance share one memory pool, which holds as long as one signature's forward and
+    backward run before the next signature's forward (a training step does). Gradients may not accumulate over several
+    calls (parameters must hold no gradient when a call starts, as after ``zero_grad()``). Under autocast the capture
+    disables autocast's weight cache (as graphs require); the casts are then part of the graph.
 
     Args:
         module: what to call; its parameters get their gradients by autograd as usual.

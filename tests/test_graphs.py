@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_gem.graphs import ShapeGraphs, length_bucket
+from lightning_gem.graphs import ShapeGraphs
+from lightning_gem.ops._launch import next_power_of_2
 
 
 class _Scaled(nn.Module):
@@ -97,8 +98,9 @@ def test_capture_needs_cuda_tensors() -> None:
         ShapeGraphs(_Scaled(), max_graphs=0)
 
 
-def test_length_bucket() -> None:
-    assert [length_bucket(n) for n in (1, 2, 5, 4096, 4097)] == [1, 2, 8, 4096, 8192]
+def test_length_hints_round_up_to_powers_of_two() -> None:
+    """The rounding cuda_graphs applies to length hints (ops._launch.next_power_of_2)."""
+    assert [next_power_of_2(n) for n in (0, 1, 2, 3, 5, 64, 65, 4096, 4097)] == [1, 1, 2, 4, 8, 64, 128, 4096, 8192]
 
 
 def test_symbolic_tracing_traces_the_module() -> None:

@@ -13,9 +13,9 @@ log-sum-exp; pointwise ``dS = mask * act'(S) * dP / Lk``; then ``dQ = scale dS K
 Programs run in groups of (segment, head) pairs whose streamed operands fit in a share of the L2 cache together
 (:func:`._common._program_ids`): the key tiles of a pair that run at the same time read its queries and output
 gradients from memory once, and add into its dQ rows in the cache; without a kv index the pairs are taken longest
-segment first. The programs themselves live in
-:mod:`.backward_programs`. ``precision="fp8"``: ``S`` and ``dP`` are recomputed on
-FP8 row codes of q, k, v and dO (made here, one scale per token and head), dK, dV and dQ in the inputs' dtype.
+segment first. The programs themselves live in :mod:`.backward_programs`. ``precision="fp8"``: ``S`` and ``dP``
+are recomputed on FP8 row codes of q, k, v and dO (made here, one scale per token and head), dK, dV and dQ in the
+inputs' dtype.
 
 kv sharing (``kv_index``): a kv segment's dK/dV program loops over the query segments that map to it,
 listed by a CSR built on the device without a sync (``seg_offsets`` / ``seg_order``), so contributions add
