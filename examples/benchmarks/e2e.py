@@ -272,6 +272,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         use_tiny_shapes(args)
     if "kit-fp8-saved" in args.stacks and args.kit_precision == "bf16":
         parser.error("--stacks kit-fp8-saved stores saved activations through MXFP8Precision: not with bf16")
+    if args.cuda_graphs and args.token_multiple is None:
+        parser.error("--cuda-graphs needs --token-multiple (GEMRanker's cuda_graphs: unpadded batches are new shapes)")
     if args.batch_size % args.plain_micro_batches:
         parser.error(f"--batch-size {args.batch_size} must be a multiple of --plain-micro-batches")
     stacks = [s.strip() for s in args.stacks.split(",")]
