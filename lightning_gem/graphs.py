@@ -43,6 +43,24 @@ class _Bound(nn.Module):
         return self.module(*args, **kwargs)
 
 
+class _OwnGradients:
+    """A backward pre-hook on a replay's outputs: before the graph's backward runs, each parameter that holds a
+    gradient gets a copy of it. A replay's parameter gradients are the graph's own buffers, which autograd hands to a
+    parameter without a gradient as its ``.grad``; the next replay writes the same buffers, so a gradient kept from
+    an earlier call (accumulation, or ``zero_grad(set_to_none=False)``) would be overwritten, then added to itself."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.done = False
+
+    def __call__(self, grad_outputs: tuple[Tensor | None, ...]) -> None:
+        if not self.done:
+            self.done = True
+            for param in self.params:
+                if param.grad is not None:
+                    param.grad = param.grad.clone()
+
+
 class ShapeGraphs:
     """Calls ``module`` through CUDA graphs in training: one forward and one backward graph captured per signature
     of a call (its tensors' shapes, dtypes and ``requires_grad``, the values of its other arguments, the autocast
@@ -58,9 +76,10 @@ class ShapeGraphs:
     graph): read device values on the host, or depend on anything but its arguments' shapes and its non-tensor
     arguments. Outputs are the graph's own buffers, overwritten by the next replay of the same signature: use them
     within the step. Graphs of one instance share one memory pool, which holds as long as one signature's forward and
-    backward run before the next signature's forward (a training step does). Gradients may not accumulate over several
-    calls (parameters must hold no gradient when a call starts, as after ``zero_grad()``). Under autocast the capture
-    disables autocast's weight cache (as graphs require); the casts are then part of the graph.
+    backward run before the next signature's forward (a training step does). Gradients accumulate over calls as in
+    eager mode: a gradient a parameter holds when a replay's backward starts is first copied out of the graph's
+    buffers (one copy a parameter, only then). Under autocast the capture disables autocast's weight cache (as graphs
+    require); the casts are then part of the graph.
 
     Args:
         module: what to call; its parameters get their gradients by autograd as usual.
@@ -103,14 +122,6 @@ class ShapeGraphs:
             torch.is_autocast_enabled("cuda"),
             torch.get_autocast_dtype("cuda"),
         )
-        for param in self._params:
-            if param.grad is not None:
-                # A replay's gradients are the graph's own buffers, which autograd may hand to a parameter as its
-                # .grad: a second call before the optimizer's step would overwrite, then double, the first's.
-                raise RuntimeError(
-                    f"ShapeGraphs({type(self.module).__name__}): parameters already hold gradients; accumulating "
-                    "gradients over several calls is not supported (zero them to None between steps)"
-                )
         graphed = self._graphs.get(key)
         if graphed is None:
             if len(self._graphs) >= self.max_graphs:
@@ -123,7 +134,13 @@ class ShapeGraphs:
                     self._full_logged = True
                 return self.module(*args, **kwargs)
             graphed = self._graphs[key] = self._capture(_Bound(self.module, leaves, spec), tensors)
-        return graphed(*tensors)
+        out = graphed(*tensors)
+        nodes = {t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, Tensor) and t.grad_fn is not None}
+        if nodes:
+            own = _OwnGradients(self._params)
+            for node in nodes:
+                node.register_prehook(own)
+        return out
 
     def _capture(self, bound: _Bound, tensors: tuple[Tensor, ...]) -> Callable[..., Any]:
         """``bound``'s forward and backward captured on copies of ``tensors`` (the graphs' own input buffers)."""

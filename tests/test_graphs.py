@@ -53,6 +53,56 @@ def test_one_capture_per_signature() -> None:
     assert graphs.captured[0] == ((4,), (2,))
 
 
+class _StaticGradient(torch.autograd.Function):
+    """``x * weight`` whose backward returns views of buffers it owns and overwrites on every call, as a replayed
+    graph's backward does."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, buffers: tuple[Tensor, Tensor]) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.buffers = buffers
+        return x * weight
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x, grad_weight = ctx.buffers
+        grad_x.copy_(grad * weight)
+        grad_weight.copy_((grad * x).sum())
+        return grad_x.detach(), grad_weight.detach(), None
+
+
+class _StaticBuffers(ShapeGraphs):
+    """Each 'capture' is ``_StaticGradient`` with buffers of its own."""
+
+    def _capture(self, bound, tensors):
+        buffers = (torch.zeros_like(tensors[0]), torch.zeros(()))
+        return lambda x, offsets: _StaticGradient.apply(x, self.module.weight, buffers) + offsets[-1]
+
+
+@pytest.mark.parametrize("zero", ["none", "in place", "accumulate"])
+def test_gradients_held_at_a_backward_are_not_the_graphs_buffers(zero: str) -> None:
+    """A replay's parameter gradient is a view of the graph's buffer, which autograd keeps as ``.grad`` when the
+    parameter had none; the next replay overwrites that buffer. Gradients over two calls then equal eager mode's,
+    whether they are set to None between the calls, zeroed in place, or accumulated."""
+    results = []
+    for graphs in (None, _StaticBuffers(_Scaled())):
+        module = _Scaled() if graphs is None else graphs.module
+        call = module if graphs is None else graphs
+        grads = []
+        for step in range(3):
+            x = torch.full((4,), float(step + 1), requires_grad=True)
+            call(x, torch.tensor([0, 4])).sum().backward()
+            grads.append(module.weight.grad.clone())
+            if zero == "none":
+                module.weight.grad = None
+            elif zero == "in place":
+                module.weight.grad.zero_()
+        results.append(grads)
+    assert results[1] == results[0]
+    assert results[0][-1] == (6.0 * 4 if zero == "accumulate" else 3.0 * 4)
+
+
 def test_bound_call_takes_the_tensors_and_keeps_the_rest() -> None:
     """What a graph would run: the module with the call's non-tensor arguments fixed and its tensors fed in
     order; outputs and gradients are the module's."""
