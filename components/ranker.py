@@ -182,7 +182,10 @@ class GEMRanker(L.LightningModule):
             (:class:`lightning_gem.graphs.ShapeGraphs`: forward and backward captured once per token count and
             length bucket, then replayed), their length hints rounded up to powers of two. Needs ``token_multiple``
             (else every jagged batch would be a new shape) and CUDA; evaluation runs eagerly. Not with
-            torch.compile'd or activation-checkpointed layers.
+            torch.compile'd or activation-checkpointed layers, nor with gradients accumulated over batches
+            (``accumulate_grad_batches``) or zeroed in place: a replay's backward refuses parameters holding one.
+            Each captured signature keeps its own input, output and gradient buffers (more memory the more token
+            counts a run meets).
 
     Example:
         >>> from lightning_gem.data.schema import RankingSchema, SparseFeature

@@ -43,22 +43,25 @@ class _Bound(nn.Module):
         return self.module(*args, **kwargs)
 
 
-class _OwnGradients:
-    """A backward pre-hook on a replay's outputs: before the graph's backward runs, each parameter that holds a
-    gradient gets a copy of it. A replay's parameter gradients are the graph's own buffers, which autograd hands to a
-    parameter without a gradient as its ``.grad``; the next replay writes the same buffers, so a gradient kept from
-    an earlier call (accumulation, or ``zero_grad(set_to_none=False)``) would be overwritten, then added to itself."""
+class _NoHeldGradients:
+    """A backward pre-hook on a replay's outputs: refuses the backward when a parameter of the module holds a
+    gradient. A replay's parameter gradients are the graph's own buffers, which autograd keeps as a parameter's
+    ``.grad`` when it has none; the graphs' next replays overwrite those buffers, so a gradient kept into another
+    call's backward (accumulation, ``zero_grad(set_to_none=False)``) would be wrong. Checked when the backward starts,
+    so gradients may be set to None before the forward or after it (Lightning zeroes between the forward and the
+    backward)."""
 
-    def __init__(self, params: list[nn.Parameter]) -> None:
+    def __init__(self, module: nn.Module, params: list[nn.Parameter]) -> None:
+        self.module = module
         self.params = params
-        self.done = False
 
     def __call__(self, grad_outputs: tuple[Tensor | None, ...]) -> None:
-        if not self.done:
-            self.done = True
-            for param in self.params:
-                if param.grad is not None:
-                    param.grad = param.grad.clone()
+        if any(param.grad is not None for param in self.params):
+            raise RuntimeError(
+                f"ShapeGraphs({type(self.module).__name__}): parameters hold gradients when a replay's backward "
+                "starts; gradients cannot accumulate over calls or be zeroed in place (set them to None: "
+                "zero_grad(set_to_none=True), Lightning's default)"
+            )
 
 
 class ShapeGraphs:
@@ -76,9 +79,9 @@ class ShapeGraphs:
     graph): read device values on the host, or depend on anything but its arguments' shapes and its non-tensor
     arguments. Outputs are the graph's own buffers, overwritten by the next replay of the same signature: use them
     within the step. Graphs of one instance share one memory pool, which holds as long as one signature's forward and
-    backward run before the next signature's forward (a training step does). Gradients accumulate over calls as in
-    eager mode: a gradient a parameter holds when a replay's backward starts is first copied out of the graph's
-    buffers (one copy a parameter, only then). Under autocast the capture disables autocast's weight cache (as graphs
+    backward run before the next signature's forward (a training step does). Parameters must hold no gradient when a
+    replay's backward starts (set to None before it, as Lightning's default ``zero_grad`` does after the forward):
+    gradients cannot accumulate over calls. Under autocast the capture disables autocast's weight cache (as graphs
     require); the casts are then part of the graph.
 
     Args:
@@ -136,10 +139,9 @@ class ShapeGraphs:
             graphed = self._graphs[key] = self._capture(_Bound(self.module, leaves, spec), tensors)
         out = graphed(*tensors)
         nodes = {t.grad_fn for t in tree_flatten(out)[0] if isinstance(t, Tensor) and t.grad_fn is not None}
-        if nodes:
-            own = _OwnGradients(self._params)
-            for node in nodes:
-                node.register_prehook(own)
+        check = _NoHeldGradients(self.module, self._params)
+        for node in nodes:
+            node.register_prehook(check)
         return out
 
     def _capture(self, bound: _Bound, tensors: tuple[Tensor, ...]) -> Callable[..., Any]:

@@ -80,11 +80,11 @@ class _StaticBuffers(ShapeGraphs):
         return lambda x, offsets: _StaticGradient.apply(x, self.module.weight, buffers) + offsets[-1]
 
 
-@pytest.mark.parametrize("zero", ["none", "in place", "accumulate"])
-def test_gradients_held_at_a_backward_are_not_the_graphs_buffers(zero: str) -> None:
-    """A replay's parameter gradient is a view of the graph's buffer, which autograd keeps as ``.grad`` when the
-    parameter had none; the next replay overwrites that buffer. Gradients over two calls then equal eager mode's,
-    whether they are set to None between the calls, zeroed in place, or accumulated."""
+@pytest.mark.parametrize("order", ["after the step", "after the forward"])
+def test_gradients_set_to_none_train_as_eager(order: str) -> None:
+    """A replay's parameter gradient is a view of the graph's buffer (kept as ``.grad`` when the parameter had none)
+    that the next replay overwrites. Gradients set to None after each step, or between the forward and the backward
+    (Lightning's order), give eager mode's gradients."""
     results = []
     for graphs in (None, _StaticBuffers(_Scaled())):
         module = _Scaled() if graphs is None else graphs.module
@@ -92,15 +92,28 @@ def test_gradients_held_at_a_backward_are_not_the_graphs_buffers(zero: str) -> N
         grads = []
         for step in range(3):
             x = torch.full((4,), float(step + 1), requires_grad=True)
-            call(x, torch.tensor([0, 4])).sum().backward()
-            grads.append(module.weight.grad.clone())
-            if zero == "none":
+            loss = call(x, torch.tensor([0, 4])).sum()
+            if order == "after the forward":
                 module.weight.grad = None
-            elif zero == "in place":
-                module.weight.grad.zero_()
+            loss.backward()
+            grads.append(module.weight.grad.clone())
+            if order == "after the step":
+                module.weight.grad = None
         results.append(grads)
-    assert results[1] == results[0]
-    assert results[0][-1] == (6.0 * 4 if zero == "accumulate" else 3.0 * 4)
+    assert results[1] == results[0] == [torch.tensor(4.0 * (step + 1)) for step in range(3)]
+
+
+@pytest.mark.parametrize("zero", ["in place", "accumulate"])
+def test_gradients_held_at_a_replays_backward_are_refused(zero: str) -> None:
+    """Gradients zeroed in place or accumulated would meet the graph's buffers: the second backward raises, naming
+    the fix, before the graph's backward runs."""
+    graphs = _StaticBuffers(_Scaled())
+    graphs(torch.ones(4, requires_grad=True), torch.tensor([0, 4])).sum().backward()
+    if zero == "in place":
+        graphs.module.weight.grad.zero_()
+    loss = graphs(torch.ones(4, requires_grad=True), torch.tensor([0, 4])).sum()
+    with pytest.raises(RuntimeError, match="set_to_none=True"):
+        loss.backward()
 
 
 def test_bound_call_takes_the_tensors_and_keeps_the_rest() -> None:
@@ -191,3 +204,43 @@ def test_a_copy_starts_without_graphs() -> None:
     clone = copy.deepcopy(graphs)
     assert graphs.num_graphs == 1 and clone.num_graphs == 0
     assert clone.module is not graphs.module and clone._params == [clone.module.weight]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("order", ["after the step", "after the forward"])
+def test_captured_steps_train_as_eager_gpu(order: str) -> None:
+    """Captured and replayed on a GPU (two signatures, each replayed): the losses and parameters of six AdamW steps
+    equal eager mode's, with the gradients set to None after the optimizer's step or between the forward and the
+    backward (Lightning's order); zeroing them in place instead is refused at the next backward."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8)).cuda()
+    results = []
+    for graphed in (False, True):
+        module = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8)).cuda()
+        module.load_state_dict(eager.state_dict())
+        call = ShapeGraphs(module) if graphed else module
+        optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+        losses = []
+        for step in range(6):
+            generator = torch.Generator("cuda").manual_seed(step)
+            x = torch.randn(8 if step % 2 else 4, 16, device="cuda", generator=generator)
+            loss = call(x.requires_grad_()).square().mean()
+            if order == "after the forward":
+                optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if order == "after the step":
+                optimizer.zero_grad()
+            losses.append(loss.item())
+        if graphed:
+            assert call.num_graphs == 2
+            optimizer.zero_grad(set_to_none=False)
+            with pytest.raises(RuntimeError, match="set_to_none=True"):
+                call(x).sum().backward()
+        results.append((losses, [p.detach().clone() for p in module.parameters()]))
+    (losses, params), (losses_g, params_g) = results
+    assert losses_g == pytest.approx(losses, rel=1e-5, abs=1e-6)
+    for p, q in zip(params, params_g, strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)

@@ -428,15 +428,20 @@ def test_cuda_graphs_call_the_encoder_and_interaction_as_eager(batches, monkeypa
     assert len(captured) == 2
     # Other lengths, the same padded token counts (16 and 8) and length buckets (8 and 4): the same signatures.
     other = batches.make_ranking_batch(schema, history_lengths=[2, 4, 0, 6], candidate_counts=[1, 3, 0, 2])
-    graphed.training_step(other, 0).backward()  # gradients accumulate, as Lightning's order leaves them at a forward
+    loss = graphed.training_step(other, 0)
+    with pytest.raises(RuntimeError, match="set_to_none=True"):
+        loss.backward()  # gradients held from the first call: refused
+    loss = graphed.training_step(other, 0)
+    graphed.zero_grad()  # Lightning's order: between the forward and the backward
+    loss.backward()
     assert len(captured) == 2
 
 
 @pytest.mark.gpu
 def test_cuda_graphs_train_as_eager_gpu(batches) -> None:
     """Captured and replayed on a GPU: six optimizer steps on batches of two signatures give the eager model's
-    losses and parameters (bf16 autocast, as under ``precision="bf16-mixed"``), with the gradients zeroed as
-    Lightning does (between the forward and the backward), set to None or zeroed in place."""
+    losses and parameters (bf16 autocast, as under ``precision="bf16-mixed"``), with the gradients set to None as
+    Lightning does (between the forward and the backward)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     torch.manual_seed(0)
@@ -453,7 +458,7 @@ def test_cuda_graphs_train_as_eager_gpu(batches) -> None:
             batch = batches.make_ranking_batch(schema, history, candidates, generator=generator)
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model.training_step(batch.to(torch.device("cuda")), step)
-            optimizer.zero_grad(set_to_none=step % 2 == 0)  # Lightning's order: after the forward
+            optimizer.zero_grad()  # Lightning's order: after the forward
             loss.backward()
             optimizer.step()
             losses[-1].append(loss.item())

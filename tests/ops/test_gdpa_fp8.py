@@ -368,23 +368,28 @@ def test_triton_fp8_bf16_gpu(layout: str, activation: str, dim: int) -> None:
         assert err <= allowed, f"{tiles}: {err} > {allowed}"
 
 
-def test_fp8_pointwise_targets_keep_to_short_query_tiles() -> None:
-    """The FP8 forward of a pointwise activation with targets over head dim 128 faulted on an H100 at every 128-row
-    tile: the tuner lists none there, and such tiles passed explicitly raise, naming the argument (before a launch)."""
+def test_fp8_pointwise_targets_over_head_dim_128_keep_to_8_warps() -> None:
+    """The FP8 forward of a pointwise activation with targets over head dim 128 computed wrong target rows on an H100
+    at every tile over 4 warps: the tuner lists none there, and such tiles passed explicitly raise, naming the
+    argument (before a launch)."""
     forward = _triton_forward()
     from lightning_gem.ops.attention.impl.triton._tuning import Tiles, candidate_tiles
 
     cuda = torch.device("cuda")
     for dim in (192, 256):
-        listed = candidate_tiles("fwd", torch.bfloat16, cuda, dim, fp8=True, pointwise_targets=True)
-        assert listed and all(t.block_m <= 64 for t in listed), listed
-    assert any(t.block_m == 128 for t in candidate_tiles("fwd", torch.bfloat16, cuda, 256, fp8=True))
-    assert any(t.block_m == 128 for t in candidate_tiles("fwd", torch.bfloat16, cuda, 128, fp8=True,
+        for max_len_q in (1 << 30, 40):  # general and short-query tiles
+            listed = candidate_tiles("fwd", torch.bfloat16, cuda, dim, fp8=True, pointwise_targets=True,
+                                     max_len_q=max_len_q)  # fmt: skip
+            assert listed and all(t.num_warps == 8 for t in listed), listed
+    assert any(t.block_m == 128 for t in candidate_tiles("fwd", torch.bfloat16, cuda, 256, fp8=True,
+                                                         pointwise_targets=True))  # fmt: skip
+    assert any(t.num_warps == 4 for t in candidate_tiles("fwd", torch.bfloat16, cuda, 256, fp8=True))
+    assert any(t.num_warps == 4 for t in candidate_tiles("fwd", torch.bfloat16, cuda, 128, fp8=True,
                                                          pointwise_targets=True))  # fmt: skip
     inputs, jagged = _inputs("self_targets", 8, torch.float32, dim=160)
     spec = Spec(*jagged, "silu", True, None, None, 160**-0.5, max_seq_len_q=70, max_seq_len_kv=70, precision="fp8")
     with pytest.raises(ValueError, match="tiles="):
-        forward.gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=Tiles(128, 64, 8, 2))
+        forward.gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=Tiles(64, 64, 4, 2))
 
 
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])

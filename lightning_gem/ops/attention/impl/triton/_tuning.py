@@ -148,6 +148,9 @@ def candidate_tiles(
     """
     if device.type != "cuda":
         return [Tiles(16, 16, 1, 1)]
+    if kernel == "fwd" and fp8 and pointwise_targets:
+        tiles = candidate_tiles(kernel, dtype, device, head_dim, block_size=block_size, max_len_q=max_len_q, fp8=True)
+        return [t for t in tiles if not fp8_tiles_fault(t, head_dim, pointwise_targets)]
     if dtype == torch.float32:
         return [Tiles(32, 32, 4, 2)]
     edge = _block_tiles(block_size)
@@ -182,9 +185,8 @@ def candidate_tiles(
         # halve that, and taller tiles over 8 warps reuse each key tile twice as often. The 128-row tile over 8 warps
         # comes first: it is the plan of untimed calls (a graph traced with dynamic shapes), and the one the tuner
         # picks on the head-dim-256 cells of the attention grid (docs/benchmarks.md, Attention).
-        tiles = [Tiles(128, 64, 8, 2), Tiles(128, 32, 8, 3), Tiles(128, 32, 8, 2), Tiles(64, 64, 4, 2),
-                 Tiles(64, 32, 4, 3)]  # fmt: skip
-        return [t for t in tiles if not (fp8 and fp8_tiles_fault(t, head_dim, pointwise_targets))]
+        return [Tiles(128, 64, 8, 2), Tiles(128, 32, 8, 3), Tiles(128, 32, 8, 2), Tiles(64, 64, 4, 2),
+                Tiles(64, 32, 4, 3)]  # fmt: skip
     # Backward tiles hold two fp32 accumulators (dK, dV) of BLOCK_N x D: at D = 128, 64-key tiles over 8
     # warps keep them in registers, where 4 warps spill hundreds of bytes per thread.
     if kernel == "dkdv":
@@ -204,12 +206,12 @@ def candidate_tiles(
 
 
 def fp8_tiles_fault(tiles: Tiles, head_dim: int, pointwise_targets: bool) -> bool:
-    """Whether the FP8 forward at these tiles faults on sm_90: with a pointwise activation and targets
-    (``pointwise_targets``) at head dim over 128, every tile of 128 query rows over 8 warps stopped with "CUDA error:
-    misaligned address" on an H100 (Triton 3.6; fast math on or off; the same tiles run softmax with targets, and
-    pointwise without targets or in bf16), which leaves the process's CUDA context unusable, so such a launch is
-    refused before it is made."""
-    return pointwise_targets and head_dim > 128 and tiles.block_m > 64
+    """Whether the FP8 forward at these tiles computes wrong values on sm_90: with a pointwise activation and targets
+    (``pointwise_targets``) at head dims over 128, tiles over 4 warps gave non-finite or wrong rows at the targets on
+    an H100 (Triton 3.6; the own-target term's product of the value codes with the row's weights on a diagonal),
+    where the same tiles run softmax, and pointwise attention at head dims up to 128, and tiles over 8 warps (64 or
+    128 query rows) match the emulation. Such tiles are left out of the candidates, and refused when passed."""
+    return pointwise_targets and head_dim > 128 and tiles.num_warps < 8
 
 
 def backward_candidates(

@@ -396,7 +396,7 @@ def gdpa_forward(
     else:
         if fp8 and fp8_tiles_fault(tiles, head_dim, pointwise_targets):
             raise ValueError(f"tiles={tiles}: the FP8 forward of a pointwise activation with targets at head dim "
-                             f"{head_dim} takes tiles of at most 64 query rows")  # fmt: skip
+                             f"{head_dim} takes tiles over 8 warps")  # fmt: skip
         meta = options(tiles)
     if tiles == FLASH:
         from lightning_gem.ops.attention.impl.flash import flash_forward
