@@ -43,7 +43,7 @@ from lightning_gem.ops.attention.impl.triton._tuning import (
     split_candidates,
 )
 from lightning_gem.ops.attention.impl.triton.backward import bulk_reduction_ok, gdpa_backward
-from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward, kv_descriptors_ok
+from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward, kv_descriptors_ok, warp_specialize_fault
 from lightning_gem.ops.attention.ops import gdpa_flops
 from lightning_gem.ops.attention.spec import Spec
 
@@ -112,28 +112,31 @@ def sweep_case(
     if not quick:
         shapes = _unique(shapes + [Tiles(*s) for s in FORWARD_SHAPES.get(head_dim, [])])
 
-    # Each shape with pointer loads of the key and value tiles and, where the GPU has them, tensor-descriptor loads.
-    variants = [(tiles, False) for tiles in shapes]
+    # Each shape with pointer loads of the key and value tiles and, where the GPU has them, tensor-descriptor loads,
+    # and then the warp-specialized loop (4 warps: each shape's rows and keys at 4 warps) where it can run.
+    variants = [(tiles, False, False) for tiles in shapes]
     if kv_descriptors_ok(q, k, v):
-        variants += [(tiles, True) for tiles in shapes]
+        variants += [(tiles, True, False) for tiles in shapes]
+        specialized = _unique([t._replace(num_warps=4) for t in shapes])
+        variants += [(t, True, True) for t in specialized if warp_specialize_fault(q, t, True, False, False) is None]
 
-    def forward(variant: tuple[Tiles, bool]) -> tuple:
-        return gdpa_forward(q, k, v, spec, tiles=variant[0], tma=variant[1])
+    def forward(variant: tuple[Tiles, bool, bool]) -> tuple:
+        return gdpa_forward(q, k, v, spec, tiles=variant[0], tma=variant[1], warp_specialize=variant[2])
 
     _compile_all(variants, forward)
     print("  forward:")
     for variant in variants:
-        tiles, tma = variant
-        label = f"{tuple(tiles)}{' tma' if tma else ''}"
+        tiles, tma, ws = variant
+        label = f"{tuple(tiles)}{' tma' if tma else ''}{' ws' if ws else ''}"
         try:
             ms = _bench(lambda t=variant: forward(t))
         except Exception as error:
             print(f"    failed     {label}: {type(error).__name__}")
             continue
-        result["forward"].append({"tiles": list(tiles), "tma": tma, "ms": ms, "tflops": fwd_flops / ms / 1e9})
+        result["forward"].append({"tiles": list(tiles), "tma": tma, "ws": ws, "ms": ms, "tflops": fwd_flops / ms / 1e9})
         print(f"    {ms * 1e3:8.1f} us {fwd_flops / ms / 1e9:7.1f} TF/s  {label}")
     best = min(result["forward"], key=lambda r: r["ms"])
-    best_variant = (Tiles(*best["tiles"]), best["tma"])
+    best_variant = (Tiles(*best["tiles"]), best["tma"], best["ws"])
     if "bwd" not in parts:
         return result
 

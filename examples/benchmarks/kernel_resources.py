@@ -80,7 +80,7 @@ def main() -> None:
         for tiles in candidate_tiles("fwd", torch.bfloat16, cuda, args.dim):
             # Key and value tiles through pointers, through tensor descriptors, then the products on FP8 codes.
             for variant in ("", "tma", "fp8"):
-                meta = {**options, **tile_meta(tiles), "TMA": variant == "tma", "FP8": variant == "fp8"}
+                meta = {**options, **tile_meta(tiles), "TMA": variant == "tma", "FP8": variant == "fp8", "WS": False}
                 meta["FAST"] = options["FAST"] and variant != "tma"  # as the launcher compiles them
                 compiled = compile_kernel(forward._gdpa_fwd_kernel, meta)
                 print(_row(f"fwd {tuple(tiles)} {variant}".rstrip(), compiled), flush=True)

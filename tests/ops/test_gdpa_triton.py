@@ -646,6 +646,80 @@ def test_forward_descriptor_loads(device: str, layout: str, activation: str, mas
     torch.testing.assert_close(out.cpu().double(), gdpa_reference(*cpu64, cpu_spec), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("mask", _slow_beyond(MASKS, 3), ids=lambda m: f"causal{int(m[0])}-w{m[1]}-bs{m[2]}")
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize("layout", ["self", "cross", "shared_kv"])
+def test_forward_warp_specialized(layout: str, activation: str, mask: tuple) -> None:
+    """The warp-specialized forward (one loop over every key tile of a query tile, each masked; Q, K and V through
+    tensor descriptors; query tiles past their segment's end run no key tile instead of returning): every layout
+    without targets and every mask rule, segments ending inside tiles, against the float64 reference."""
+    if _triton_device() != "cpu":
+        pytest.skip("the interpreter's run; the compiled kernel: test_forward_warp_specialized_bf16_gpu")
+    from lightning_gem.ops.attention.impl.triton._tuning import Tiles
+    from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
+
+    inputs = _inputs(layout, 31, torch.float32, "cpu", q_lengths=[45, 1, 0, 33, 20])
+    options = _options(activation, *mask)
+    kv_offsets = inputs.q_offsets if inputs.kv_offsets is None else inputs.kv_offsets
+    jagged = (inputs.q_offsets, kv_offsets, inputs.kv_index, inputs.num_targets)
+    spec = Spec(*jagged, **options, max_seq_len_q=max(inputs.q_lengths), max_seq_len_kv=max(inputs.kv_lengths))
+    out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=Tiles(16, 16, 4, 1), tma=True,
+                            warp_specialize=True)  # fmt: skip
+    reference = gdpa_reference(inputs.q.double(), inputs.k.double(), inputs.v.double(), spec)
+    torch.testing.assert_close(out.double(), reference, rtol=0, atol=1e-5)
+    plain_out, plain_lse = gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=Tiles(16, 16, 4, 1), tma=True)
+    torch.testing.assert_close(lse, plain_lse, rtol=0, atol=1e-5)  # the log-sum-exp the backward reads
+
+
+def test_warp_specialize_refuses_what_it_cannot_run() -> None:
+    """``warp_specialize=True`` names what it needs: tiles of 4 warps, descriptor loads (``tma``), no targets and q's
+    heads as one dense row; a call it cannot run raises before any launch."""
+    from lightning_gem.ops.attention.impl.triton._tuning import Tiles
+    from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward, warp_specialize_fault
+
+    inputs = _inputs("self_targets", 3, torch.float32, "cpu")
+    jagged = (inputs.q_offsets, inputs.q_offsets, None, inputs.num_targets)
+    spec = Spec(*jagged, **_options("silu", True, None, None), max_seq_len_q=MAX_LEN, max_seq_len_kv=MAX_LEN)
+    q, k, v = inputs.q, inputs.k, inputs.v
+    with pytest.raises(ValueError, match="`warp_specialize=True`: not with `num_targets`"):
+        gdpa_forward(q, k, v, spec, tiles=Tiles(16, 16, 4, 1), tma=True, warp_specialize=True)
+    assert "4 warps" in warp_specialize_fault(q, Tiles(64, 64, 8, 2), True, False, False)
+    assert "4 warps" in warp_specialize_fault(q, None, True, False, False)  # the tuner's choice: never
+    assert "tma" in warp_specialize_fault(q, Tiles(64, 64, 4, 2), False, False, False)
+    assert "tma" in warp_specialize_fault(q, Tiles(64, 64, 4, 2), True, True, False)  # FP8 codes
+    strided = torch.randn(q.shape[0], q.shape[1], 2 * q.shape[2])[..., : q.shape[2]]  # a split projection's view
+    assert "dense" in warp_specialize_fault(strided, Tiles(64, 64, 4, 2), True, False, False)
+    assert warp_specialize_fault(q, Tiles(64, 64, 4, 2), True, False, False) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_forward_warp_specialized_bf16_gpu(activation: str, dim: int) -> None:
+    """The compiled warp-specialized forward, bf16, at tiles of 4 warps, within the bf16 budget of the float64
+    reference on jagged segments (empty, length 1, ending inside tiles)."""
+    if not torch.cuda.is_available() or _triton_device() != "cuda":
+        pytest.skip("needs a CUDA GPU with compiled (not interpreted) Triton kernels")
+    from lightning_gem.ops.attention.impl.triton._tuning import Tiles
+    from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward, kv_descriptors_ok
+
+    inputs = _inputs("cross", 23, torch.bfloat16, "cuda", q_lengths=[300, 0, 1, 64, 517, 3], max_len=520, dim=dim,
+                     dim_v=dim)  # fmt: skip
+    if not kv_descriptors_ok(inputs.q, inputs.k, inputs.v):
+        pytest.skip("descriptor loads need an sm_90+ GPU")
+    options = {**_options(activation, True, None, None), "scale": 1 / math.sqrt(dim)}
+    jagged = (inputs.q_offsets, inputs.kv_offsets, inputs.kv_index, None)
+    lens = {"max_seq_len_q": max(inputs.q_lengths), "max_seq_len_kv": max(inputs.kv_lengths)}
+    for tiles in (Tiles(64, 64, 4, 2), Tiles(64, 32, 4, 3), Tiles(128, 64, 4, 2)):
+
+        def run(grad_out: torch.Tensor, tiles=tiles) -> tuple:
+            spec = Spec(*jagged, **options, **lens)
+            out, _ = gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=tiles, tma=True, warp_specialize=True)
+            return out, _run_triton(inputs, grad_out, **options, **lens)[1]
+
+        _check_against_reference(inputs, options, f"{activation} D={dim} ws {tiles}", run=run)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dim", [64, 128, 256])
 @pytest.mark.parametrize("activation", ["softmax", "silu"])

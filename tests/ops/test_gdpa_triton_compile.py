@@ -17,9 +17,9 @@ import sys
 import pytest
 
 # Two specializations that between them turn on every mode flag, a head dim below its block (96 of 128), int32 and
-# int64 offsets, the forward with key and value tiles through tensor descriptors, the atomic-dQ dK/dV kernel (dQ
-# through bulk tensor reductions), the one-launch dK/dV + dQ kernel (both with dK and dV in one program, and in
-# programs of their own) and the short-query kernel.
+# int64 offsets, the forward with key and value tiles through tensor descriptors (and its warp-specialized loop), the
+# atomic-dQ dK/dV kernel (dQ through bulk tensor reductions), the one-launch dK/dV + dQ kernel (both with dK and dV in
+# one program, and in programs of their own) and the short-query kernel.
 _COMPILE = r"""
 import json
 from lightning_gem.ops.attention.impl.triton import backward, backward_short, forward, quantize
@@ -39,11 +39,16 @@ sizes = {}
 for flags, offsets, (bm, bn, warps, stages), fused in modes:
     common = dict(flags, BLOCK_M=bm, BLOCK_N=bn, DOT_PRECISION="tf32", FAST=True)
     name = flags["ACTIVATION"]
-    forward_meta = dict(common, TMA=False, FP8=False)
+    forward_meta = dict(common, TMA=False, FP8=False, WS=False)
     sizes[f"fwd {name}"] = compile_one(forward._gdpa_fwd_kernel, forward_meta, offsets, warps, stages)
     if fused:  # key and value tiles through tensor descriptors (power-of-two head dims), as the launcher compiles them
         sizes[f"fwd tma {name}"] = compile_one(forward._gdpa_fwd_kernel, dict(forward_meta, TMA=True, FAST=False),
                                                offsets, warps, stages)
+        # The warp-specialized loop: Triton partitions it (a producer warp group, setmaxnreg) at 4 warps
+        ws = compile_kernel(forward._gdpa_fwd_kernel, dict(forward_meta, TMA=True, FAST=False, WS=True, num_warps=4,
+                                                           num_stages=stages), offsets=offsets)  # fmt: skip
+        assert "async_task_id" in ws.asm["ttgir"] and "setmaxnreg" in ws.asm["ptx"], "not warp-specialized"
+        sizes[f"fwd ws {name}"] = len(ws.asm["cubin"])
     short = {k: v for k, v in common.items() if k not in ("HAS_KV_INDEX", "HAS_TARGETS")}
     sizes[f"short {name}"] = compile_one(backward_short._gdpa_bwd_short_kernel, dict(short, BLOCK_M=32), offsets, 4,
                                          stages)
@@ -61,7 +66,7 @@ for zero_dq in (False, True):  # with ZERO_DQ it also zeroes the atomic plans' f
     sizes[f"delta zero_dq {zero_dq}"] = compile_one(backward._bwd_delta_kernel, delta, "*i64", 4, 1)
 # The FP8 path: the forward on E4M3 codes, the backward's S and dP on row codes (the atomic-dQ kernel with dK and dV
 # in programs of their own, the one-launch kernel with targets' row-wise terms), and the three kernels of its quantizer.
-fp8 = dict(modes[0][0], BLOCK_M=128, BLOCK_N=64, DOT_PRECISION="tf32", FAST=True, TMA=False, FP8=True)
+fp8 = dict(modes[0][0], BLOCK_M=128, BLOCK_N=64, DOT_PRECISION="tf32", FAST=True, TMA=False, FP8=True, WS=False)
 sizes["fwd fp8"] = compile_one(forward._gdpa_fwd_kernel, fp8, "*i32", 8, 3)
 bwd_fp8 = dict(modes[1][0], BLOCK_M=64, BLOCK_N=64, DOT_PRECISION="tf32", FAST=True, FP8=True)
 sizes["dkdv split fp8"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(bwd_fp8, FUSED_DQ=True, DQ_TMA=False,
@@ -92,7 +97,7 @@ def test_kernels_compile_for_sm90() -> None:
     result = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     sizes = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(sizes) == 21
+    assert len(sizes) == 22
     assert all(size > 0 for size in sizes.values()), sizes
 
 
@@ -114,14 +119,15 @@ cuda, shared = torch.device("cuda"), {}
 for dim in (128, 256):
     options = call_options("softmax", dim)
     for tiles in candidate_tiles("fwd", torch.bfloat16, cuda, dim):
-        compiled = compile_kernel(forward._gdpa_fwd_kernel, {**options, **tile_meta(tiles), "TMA": False, "FP8": False})
+        meta = {**options, **tile_meta(tiles), "TMA": False, "FP8": False, "WS": False}
+        compiled = compile_kernel(forward._gdpa_fwd_kernel, meta)
         shared[f"fwd {dim} {tuple(tiles)}"] = compiled.metadata.shared
     for plan in backward_candidates(torch.bfloat16, cuda, dim, deterministic=False, tma=True):
         shared[f"bwd {dim} {plan}"] = compile_kernel(plan_kernel(plan), plan_meta(plan, options)).metadata.shared
     for size in (64, 128):  # BlockAttention: tiles of whole blocks
         block = kernel_options(dim, dim, mode_flags("softmax", True, None, size, None, None), torch.bfloat16, True)
         for tiles in candidate_tiles("fwd", torch.bfloat16, cuda, dim, block_size=size):
-            meta = {**block, **tile_meta(tiles), "TMA": False, "FP8": False}
+            meta = {**block, **tile_meta(tiles), "TMA": False, "FP8": False, "WS": False}
             compiled = compile_kernel(forward._gdpa_fwd_kernel, meta)
             shared[f"fwd block {size} {dim} {tuple(tiles)}"] = compiled.metadata.shared
         for plan in backward_candidates(torch.bfloat16, cuda, dim, deterministic=False, block_size=size, tma=True):

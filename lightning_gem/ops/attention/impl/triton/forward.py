@@ -86,16 +86,17 @@ def _fwd_key_blocks(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FAST: tl.constexpr, TMA: tl.constexpr, FP8: tl.constexpr, WS: tl.constexpr = False,
 ):  # fmt: skip
-    """Key blocks ``[n_lo, n_hi)`` of one query tile; ``MASKED`` applies ``allowed`` (else all are allowed).
+    """Key blocks ``[n_lo, n_hi)`` of one query tile; ``MASKED`` applies ``allowed`` (else all are allowed); ``WS``
+    warp-specializes the loop (Triton's producer / consumer partition of the descriptor loads and the products).
 
     ``k_base`` / ``v_base`` point at the segment's first key row of the head, or with ``TMA`` are the tensor
     descriptors of :func:`_kv_descriptors`, read at rows ``kv_row + n`` and the head's columns. With ``FP8`` (the
     recipe of :mod:`lightning_gem.ops.attention.fp8`) ``q``, ``k`` and ``v`` are E4M3 codes: ``sq_M`` the query rows'
     scales, ``ks_base`` the keys' (contiguous), ``v_base`` the head's ``[Dv, Tk]`` transposed codes (channels
     ``stride_vd`` apart) and ``P`` is stored as ``p * p_code_M`` (256 for softmax, ``256 / b_i`` pointwise)."""
-    for n_start in tl.range(n_lo, n_hi, BLOCK_N):
+    for n_start in tl.range(n_lo, n_hi, BLOCK_N, warp_specialize=WS):
         if FP8:  # tiles start on multiples of 16 keys (_query_tile_keys' ALIGN): V's transposed rows copy async
             offs_n = tl.max_contiguous(tl.multiple_of(n_start + tl.arange(0, BLOCK_N), 16), BLOCK_N)
             col_ok = offs_n < hi
@@ -158,6 +159,7 @@ def _fwd_key_blocks(
 def _gdpa_fwd_kernel(
     Q, K, V, OUT, LSE,  # [Tq, H, D], [Tk, H, D], [Tk, H, DV], [Tq, H, DV], [H, Tq] fp32
     K_DESC, V_DESC,  # with TMA: K and V as tensor descriptors (:func:`_kv_descriptors`); else never read
+    Q_DESC,  # with WS: Q as a tensor descriptor of [BLOCK_M, HEAD_DIM] tiles over [Tq, H * D]; else never read
     Q_SCALE, K_SCALE, V_SCALE, K_NORM,  # with FP8: [H, Tq], [H, Tk], [Bkv, H, DV], [Bkv, H] fp32; else never read
     V_OFFSETS,  # with FP8: [Bkv + 1] the kv segments' first columns in V's transposed codes (multiples of 16)
     Q_OFFSETS, KV_OFFSETS, KV_INDEX, NUM_TARGETS,  # [B + 1], [Bkv + 1], [B], [B]
@@ -168,19 +170,23 @@ def _gdpa_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
     HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
-    TMA: tl.constexpr, FP8: tl.constexpr,
+    TMA: tl.constexpr, FP8: tl.constexpr, WS: tl.constexpr,
 ):  # fmt: skip
-    """One query tile of one segment and head. With ``FP8`` (:mod:`lightning_gem.ops.attention.fp8`) Q and K hold
-    E4M3 codes, V the transposed codes ``[H, DV, Tk]`` (``stride_vt`` 1, channels ``stride_vd`` apart) and the scales
-    are read from ``*_SCALE`` and ``K_NORM``; the output is in OUT's dtype either way."""
+    """One query tile of one segment and head. ``WS`` (with ``TMA``, bf16): one warp-specialized loop over every key
+    tile, each masked, with no early exit and Q read through ``Q_DESC``, the form Triton 3.6's sm_90 warp
+    specialization partitions (two loops, a branch in the loop or an early ``return`` it cannot lower). With ``FP8``
+    (:mod:`lightning_gem.ops.attention.fp8`) Q and K hold E4M3 codes, V the transposed codes ``[H, DV, Tk]``
+    (``stride_vt`` 1, channels ``stride_vd`` apart) and the scales are read from ``*_SCALE`` and ``K_NORM``; the
+    output is in OUT's dtype either way."""
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
     qk_scale = scale * LOG2E  # softmax scores in base 2
     seg, head, z = _program_ids(group, BY_LENGTH, not HAS_KV_INDEX)
     m_start = (tl.num_programs(2) - 1 - z) * BLOCK_M  # last query blocks first
     q_start = tl.load(Q_OFFSETS + seg).to(tl.int64)
     len_q = (tl.load(Q_OFFSETS + seg + 1) - q_start).to(tl.int32)
-    if m_start >= len_q:
-        return
+    if not WS:
+        if m_start >= len_q:
+            return
     k_start, len_k, num_history, shift = _kv_segment(
         seg, len_q, KV_OFFSETS, KV_INDEX, NUM_TARGETS, HAS_KV_INDEX, HAS_TARGETS
     )
@@ -191,7 +197,10 @@ def _gdpa_fwd_kernel(
     row_ok = offs_m < len_q
     pos_m = _position(offs_m, shift, num_history)
     q_base = Q + q_start * stride_qt + head * stride_qh
-    q_MD = _load_tile(q_base, offs_m, stride_qt, offs_d, row_ok, HEAD_DIM, BLOCK_D, True)
+    if WS:  # rows past the segment read the next one's (or zeros past Tq): masked like any row not ok
+        q_MD = Q_DESC.load([(q_start + m_start).to(tl.int32), (head * HEAD_DIM).to(tl.int32)])
+    else:
+        q_MD = _load_tile(q_base, offs_m, stride_qt, offs_d, row_ok, HEAD_DIM, BLOCK_D, True)
     if TMA:
         k_base, v_base = K_DESC, V_DESC
         kv_row = k_start.to(tl.int32)
@@ -267,14 +276,23 @@ def _gdpa_fwd_kernel(
         m_start, len_q, shift, num_history, window, block_size, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_BLOCK,
         16 if FP8 else 1,
     )  # fmt: skip
-    for stage in tl.static_range(3):  # masked edge, unmasked inside, masked edge
-        n_lo, n_hi = _stage_range(stage, lo, full_lo, full_hi, hi)
+    if WS:
         acc_MDV, m_M, l_M = _fwd_key_blocks(
-            acc_MDV, m_M, l_M, q_MD, k_base, v_base, kv_row, kv_head, stride_kt, stride_vt, n_lo, n_hi, hi, pos_m,
+            acc_MDV, m_M, l_M, q_MD, k_base, v_base, kv_row, kv_head, stride_kt, stride_vt, lo,
+            tl.where(m_start < len_q, hi, lo), hi, pos_m,  # a tile past its segment's end: no key tiles
             row_ok, qk_scale, scale, num_history, window, block_size, sq_M, ks_base, stride_vd, p_code_M,
-            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1,
-            ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST, TMA, FP8,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, True,
+            ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST, TMA, FP8, True,
         )  # fmt: skip
+    else:
+        for stage in tl.static_range(3):  # masked edge, unmasked inside, masked edge
+            n_lo, n_hi = _stage_range(stage, lo, full_lo, full_hi, hi)
+            acc_MDV, m_M, l_M = _fwd_key_blocks(
+                acc_MDV, m_M, l_M, q_MD, k_base, v_base, kv_row, kv_head, stride_kt, stride_vt, n_lo, n_hi, hi,
+                pos_m, row_ok, qk_scale, scale, num_history, window, block_size, sq_M, ks_base, stride_vd, p_code_M,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, stage != 1,
+                ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST, TMA, FP8,
+            )  # fmt: skip
 
     if FP8:  # back from the codes' units: P's multiplier per row, V's scale per channel
         v_scale_DV = tl.load(V_SCALE + (kv_seg * heads + head) * HEAD_DIM_V + offs_dv, mask=offs_dv < HEAD_DIM_V,
@@ -304,6 +322,7 @@ def gdpa_forward(
     tiles: Tiles | None = None,
     need_lse: bool = True,
     tma: bool = False,
+    warp_specialize: bool = False,
     lse_format: dict | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Launch the forward kernel. Returns ``out [Tq, H, DV]`` (q's dtype) and ``lse [H, Tq]`` (fp32, base 2;
@@ -313,9 +332,12 @@ def gdpa_forward(
     (nothing differentiates the call) lets FlashAttention-4 skip the log-sum-exp (the returned one is then empty).
     ``tma`` reads key and value tiles through tensor descriptors where :func:`kv_descriptors_ok` (else it is
     ignored): a variant ``examples/benchmarks/attention_sweep.py`` times beside each tile shape, not yet a tuner
-    candidate. ``spec.precision == "fp8"`` quantizes q, k and v (:func:`lightning_gem.ops.attention.fp8.quantize_fp8`)
-    (the same codes from :func:`.quantize.quantize_fp8_triton`) and runs the kernel's products on them; the output is in
-    q's dtype either way. ``lse_format`` (a dict): where FlashAttention-4 runs, its own log-sum-exp is returned
+    candidate. ``warp_specialize`` (with ``tiles`` of 4 warps and ``tma``, bf16 or fp16, q's heads one dense row of
+    ``[Tq, H * D]``, no targets): the loop over key tiles warp-specialized (:func:`warp_specialize_fault` says what
+    else it needs), another variant the sweep times, never the tuner's. ``spec.precision == "fp8"`` quantizes q, k
+    and v (:func:`lightning_gem.ops.attention.fp8.quantize_fp8`) (the same codes from
+    :func:`.quantize.quantize_fp8_triton`) and runs the kernel's products on them; the output is in q's dtype either
+    way. ``lse_format`` (a dict): where FlashAttention-4 runs, its own log-sum-exp is returned
     (natural log, ``-inf`` where a row sees nothing; two launches fewer) and ``lse_format["natural"]`` set True, for a
     backward told so (:func:`.backward.gdpa_backward`'s ``natural_lse``).
     """
@@ -355,6 +377,10 @@ def gdpa_forward(
     )  # fmt: skip
     flags = mode_flags(activation, causal, window, block_size, kv_index, num_targets)
     tma = tma and not fp8 and kv_descriptors_ok(q, k, v)
+    if warp_specialize:
+        reason = warp_specialize_fault(q, tiles, tma, fp8, num_targets is not None)
+        if reason is not None:
+            raise ValueError(f"`warp_specialize=True`: {reason}")
     # Triton 3.6 miscompiles the one-instruction tanh of the pointwise activations in a loop fed by descriptor loads
     # at some tile shapes (64 x 64 over 4 warps, 2-3 stages: the launch fails on an H200), so those take the exact form.
     fast = fast_math(q) and not tma
@@ -365,7 +391,8 @@ def gdpa_forward(
     def options(tiles: Tiles | str) -> dict[str, object]:
         if tiles == FLASH:
             return {}
-        return {**kernel_options(head_dim, head_dim_v, flags, dtype, fast), **tile_meta(tiles), "TMA": tma, "FP8": fp8}
+        meta = {**kernel_options(head_dim, head_dim_v, flags, dtype, fast), **tile_meta(tiles), "TMA": tma, "FP8": fp8}
+        return {**meta, "WS": warp_specialize}
 
     def run(tiles: Tiles | str, meta: dict[str, object]) -> None:
         if tiles == FLASH:
@@ -375,7 +402,8 @@ def gdpa_forward(
             return
         grid = (num_segments, heads, max(1, cdiv(max_seq_len_q, tiles.block_m)))
         descriptors = _kv_descriptors(k, v, tiles.block_n) if meta["TMA"] else (k, v)
-        launch(_gdpa_fwd_kernel, grid, (*args[:5], *descriptors, *args[5:]), meta)
+        q_descriptor = _q_descriptor(q, tiles.block_m) if meta["WS"] else q
+        launch(_gdpa_fwd_kernel, grid, (*args[:5], *descriptors, q_descriptor, *args[5:]), meta)
 
     pointwise_targets = not softmax and num_targets is not None
     if tiles is None:
@@ -437,6 +465,31 @@ def kv_descriptors_ok(q: Tensor, k: Tensor, v: Tensor) -> bool:
     if not k.is_cuda:
         return is_interpreted(_gdpa_fwd_kernel)
     return torch.cuda.get_device_capability(k.device)[0] >= 9
+
+
+def warp_specialize_fault(q: Tensor, tiles: Tiles | str | None, tma: bool, fp8: bool, targets: bool) -> str | None:
+    """Why the warp-specialized forward cannot run this call, or None. Triton 3.6 partitions the loop (a producer
+    warp group issuing the descriptor loads, the 4 warps of the tile consuming them) only at 4 warps a tile, with
+    every load of the kernel through tensor descriptors (a pointer load of Q fails an assertion of its lowering,
+    which aborts the process) and no branch before the loop that holds loads (the own-target term of targets)."""
+    if not isinstance(tiles, Tiles) or tiles.num_warps != 4:
+        return f"needs `tiles` of 4 warps, got {tiles}"
+    if fp8 or not tma:
+        return "needs `tma=True` on bf16 or fp16 operands that tensor descriptors can read (kv_descriptors_ok)"
+    if targets:
+        return "not with `num_targets`"
+    head_dim = q.shape[2]
+    if q.stride(2) != 1 or q.stride(1) != head_dim or (q.stride(0) * q.element_size()) % 16 or q.data_ptr() % 16:
+        return "needs q's heads as one dense, 16-byte aligned row of [Tq, H * D]"
+    return None
+
+
+def _q_descriptor(q: Tensor, block_m: int) -> object:
+    """A tensor descriptor over ``q [Tq, H, D]`` seen as ``[Tq, H * D]``, in tiles of one head's ``[block_m, D]``;
+    reads past ``Tq`` give zeros."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(q, [q.shape[0], q.shape[1] * q.shape[2]], [q.stride(0), 1], [block_m, q.shape[2]])
 
 
 def _kv_descriptors(k: Tensor, v: Tensor, block_n: int) -> tuple[object, object]:
