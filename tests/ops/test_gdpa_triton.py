@@ -658,16 +658,17 @@ def test_forward_warp_specialized(layout: str, activation: str, mask: tuple) -> 
     from lightning_gem.ops.attention.impl.triton._tuning import Tiles
     from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
 
-    inputs = _inputs(layout, 31, torch.float32, "cpu", q_lengths=[45, 1, 0, 33, 20])
+    # Three query tiles in the longest segment: the others' second and third run past their ends
+    inputs = _inputs(layout, 31, torch.float32, "cpu", q_lengths=[145, 1, 0, 70, 20], max_len=150)
     options = _options(activation, *mask)
     kv_offsets = inputs.q_offsets if inputs.kv_offsets is None else inputs.kv_offsets
     jagged = (inputs.q_offsets, kv_offsets, inputs.kv_index, inputs.num_targets)
     spec = Spec(*jagged, **options, max_seq_len_q=max(inputs.q_lengths), max_seq_len_kv=max(inputs.kv_lengths))
-    out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=Tiles(16, 16, 4, 1), tma=True,
+    out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=Tiles(64, 16, 4, 1), tma=True,
                             warp_specialize=True)  # fmt: skip
     reference = gdpa_reference(inputs.q.double(), inputs.k.double(), inputs.v.double(), spec)
     torch.testing.assert_close(out.double(), reference, rtol=0, atol=1e-5)
-    plain_out, plain_lse = gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=Tiles(16, 16, 4, 1), tma=True)
+    plain_out, plain_lse = gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=Tiles(64, 16, 4, 1), tma=True)
     torch.testing.assert_close(lse, plain_lse, rtol=0, atol=1e-5)  # the log-sum-exp the backward reads
 
 
@@ -682,8 +683,9 @@ def test_warp_specialize_refuses_what_it_cannot_run() -> None:
     spec = Spec(*jagged, **_options("silu", True, None, None), max_seq_len_q=MAX_LEN, max_seq_len_kv=MAX_LEN)
     q, k, v = inputs.q, inputs.k, inputs.v
     with pytest.raises(ValueError, match="`warp_specialize=True`: not with `num_targets`"):
-        gdpa_forward(q, k, v, spec, tiles=Tiles(16, 16, 4, 1), tma=True, warp_specialize=True)
+        gdpa_forward(q, k, v, spec, tiles=Tiles(64, 16, 4, 1), tma=True, warp_specialize=True)
     assert "4 warps" in warp_specialize_fault(q, Tiles(64, 64, 8, 2), True, False, False)
+    assert "64 query rows" in warp_specialize_fault(q, Tiles(32, 64, 4, 2), True, False, False)
     assert "4 warps" in warp_specialize_fault(q, None, True, False, False)  # the tuner's choice: never
     assert "tma" in warp_specialize_fault(q, Tiles(64, 64, 4, 2), False, False, False)
     assert "tma" in warp_specialize_fault(q, Tiles(64, 64, 4, 2), True, True, False)  # FP8 codes

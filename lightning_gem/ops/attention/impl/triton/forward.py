@@ -469,11 +469,12 @@ def kv_descriptors_ok(q: Tensor, k: Tensor, v: Tensor) -> bool:
 
 def warp_specialize_fault(q: Tensor, tiles: Tiles | str | None, tma: bool, fp8: bool, targets: bool) -> str | None:
     """Why the warp-specialized forward cannot run this call, or None. Triton 3.6 partitions the loop (a producer
-    warp group issuing the descriptor loads, the 4 warps of the tile consuming them) only at 4 warps a tile, with
+    warp group issuing the descriptor loads, the 4 warps of the tile consuming them) only at 4 warps a tile of 64 or
+    more query rows (compiled for sm_90 at every head dim and mode; tiles of 32 rows are left unpartitioned), with
     every load of the kernel through tensor descriptors (a pointer load of Q fails an assertion of its lowering,
     which aborts the process) and no branch before the loop that holds loads (the own-target term of targets)."""
-    if not isinstance(tiles, Tiles) or tiles.num_warps != 4:
-        return f"needs `tiles` of 4 warps, got {tiles}"
+    if not isinstance(tiles, Tiles) or tiles.num_warps != 4 or tiles.block_m < 64:
+        return f"needs `tiles` of 4 warps and at least 64 query rows, got {tiles}"
     if fp8 or not tma:
         return "needs `tma=True` on bf16 or fp16 operands that tensor descriptors can read (kv_descriptors_ok)"
     if targets:
