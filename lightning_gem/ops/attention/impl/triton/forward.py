@@ -402,7 +402,7 @@ def gdpa_forward(
             return
         grid = (num_segments, heads, max(1, cdiv(max_seq_len_q, tiles.block_m)))
         descriptors = _kv_descriptors(k, v, tiles.block_n) if meta["TMA"] else (k, v)
-        q_descriptor = _q_descriptor(q, tiles.block_m) if meta["WS"] else q
+        q_descriptor = _head_tiles(q, tiles.block_m) if meta["WS"] else q
         launch(_gdpa_fwd_kernel, grid, (*args[:5], *descriptors, q_descriptor, *args[5:]), meta)
 
     pointwise_targets = not softmax and num_targets is not None
@@ -454,14 +454,8 @@ def kv_descriptors_ok(q: Tensor, k: Tensor, v: Tensor) -> bool:
     loads): a plain eager call on an sm_90+ GPU (or in Triton's interpreter, which emulates them), power-of-two head
     dims (a tile spans a head's whole row) and each head's row of ``k`` and ``v`` one dense run of a ``[T, H * D]``
     matrix whose rows are 16-byte aligned."""
-    if k.shape[0] == 0 or not plain_eager((q, k, v)):
+    if k.shape[0] == 0 or not plain_eager((q, k, v)) or not (_head_rows_ok(k) and _head_rows_ok(v)):
         return False
-    for t in (k, v):
-        head_dim = t.shape[2]
-        if head_dim != max(16, next_power_of_2(head_dim)) or t.stride(2) != 1 or t.stride(1) != head_dim:
-            return False
-        if (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
-            return False
     if not k.is_cuda:
         return is_interpreted(_gdpa_fwd_kernel)
     return torch.cuda.get_device_capability(k.device)[0] >= 9
@@ -479,26 +473,28 @@ def warp_specialize_fault(q: Tensor, tiles: Tiles | str | None, tma: bool, fp8: 
         return "needs `tma=True` on bf16 or fp16 operands that tensor descriptors can read (kv_descriptors_ok)"
     if targets:
         return "not with `num_targets`"
-    head_dim = q.shape[2]
-    if q.stride(2) != 1 or q.stride(1) != head_dim or (q.stride(0) * q.element_size()) % 16 or q.data_ptr() % 16:
+    if not _head_rows_ok(q):
         return "needs q's heads as one dense, 16-byte aligned row of [Tq, H * D]"
     return None
 
 
-def _q_descriptor(q: Tensor, block_m: int) -> object:
-    """A tensor descriptor over ``q [Tq, H, D]`` seen as ``[Tq, H * D]``, in tiles of one head's ``[block_m, D]``;
-    reads past ``Tq`` give zeros."""
+def _head_rows_ok(t: Tensor) -> bool:
+    """Whether a tensor descriptor can read ``t [T, H, D]`` as ``[T, H * D]`` in tiles of one head's whole row: a
+    power-of-two head dim, each head's row one dense run, rows 16-byte aligned."""
+    head_dim = t.shape[2]
+    if head_dim != max(16, next_power_of_2(head_dim)) or t.stride(2) != 1 or t.stride(1) != head_dim:
+        return False
+    return (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def _head_tiles(t: Tensor, rows: int) -> object:
+    """A tensor descriptor over ``t [T, H, D]`` seen as ``[T, H * D]`` (:func:`_head_rows_ok`), in tiles of one head's
+    ``[rows, D]``; reads past ``T`` give zeros."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor(q, [q.shape[0], q.shape[1] * q.shape[2]], [q.stride(0), 1], [block_m, q.shape[2]])
+    return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [rows, t.shape[2]])
 
 
 def _kv_descriptors(k: Tensor, v: Tensor, block_n: int) -> tuple[object, object]:
-    """Tensor descriptors over ``k [Tk, H, D]`` and ``v [Tk, H, DV]`` seen as ``[Tk, H * D]``, in tiles of one head's
-    ``[block_n, D]``; reads past ``Tk`` give zeros."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return tuple(
-        TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [block_n, t.shape[2]])
-        for t in (k, v)
-    )
+    """Tensor descriptors over ``k [Tk, H, D]`` and ``v [Tk, H, DV]`` in tiles of one head's ``[block_n, D]``."""
+    return _head_tiles(k, block_n), _head_tiles(v, block_n)
