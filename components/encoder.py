@@ -22,6 +22,8 @@ from lightning_gem.flops import attention_cost_coefficients, linear_flops
 from lightning_gem.ops import gdpa
 from lightning_gem.ops._launch import next_power_of_2
 from lightning_gem.ops.attention import ACTIVATIONS, IMPLS, PRECISIONS
+from lightning_gem.ops.pointwise import IMPLS as POINTWISE_IMPLS
+from lightning_gem.ops.pointwise import norm_mul, silu_split
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -43,6 +45,9 @@ __all__ = [
 ]
 
 NormKind = Literal["rms", "layer"]
+
+# The pointwise ops' impl beside each attention impl (HSTULayer's ``pointwise_impl=None``).
+_POINTWISE_BESIDE = {"reference": "reference", "padded": "reference", "triton": "triton"}
 
 
 class RMSNorm(nn.RMSNorm):
@@ -142,6 +147,9 @@ class HSTULayer(nn.Module):
         attention_impl: GDPA ``impl`` (``"auto"``, ``"reference"``, ``"triton"``, or the ``"padded"`` baseline).
         attention_precision: GDPA ``precision`` (None, or ``"fp8"``: the attention's products on FP8 codes; what
             ``MXFP8Precision(attention=True)`` sets); not with a relative attention bias (the dense path).
+        pointwise_impl: ``impl`` of the fused SiLU-split and norm-gate ops (:mod:`lightning_gem.ops.pointwise`);
+            None: ``"reference"`` (PyTorch's unfused ops) beside the reference and padded attention (oracle and
+            baseline), ``"triton"`` beside ``"triton"``, else ``"auto"`` (the kernels on CUDA).
 
     Shapes:
         x: ``[T, dim]`` (sequence parallel: ``[T / S, dim]``); offsets: ``[B + 1]``; num_targets: ``[B]`` or
@@ -174,6 +182,7 @@ class HSTULayer(nn.Module):
         relative_time_buckets: int | None = None,
         attention_impl: str = "auto",
         attention_precision: str | None = None,
+        pointwise_impl: str | None = None,
     ) -> None:
         super().__init__()
         if normalization_length is not None and normalization_length < 1:
@@ -202,6 +211,7 @@ class HSTULayer(nn.Module):
         self.attention_scale = attention_scale
         self.normalization_length = normalization_length
         self.attention_impl = check_option(attention_impl, "attention_impl", IMPLS)
+        self.pointwise_impl = check_option(pointwise_impl, "pointwise_impl", (None, *POINTWISE_IMPLS))
 
         self.input_norm = make_norm(norm, dim)
         self.uvqk = nn.Linear(dim, num_heads * (2 * self.linear_dim + 2 * self.attention_dim))
@@ -261,10 +271,12 @@ class HSTULayer(nn.Module):
                 has ``relative_time_buckets``).
         """
         h, dv, dqk = self.num_heads, self.linear_dim, self.attention_dim
+        pointwise = self.pointwise_impl or _POINTWISE_BESIDE.get(self.attention_impl, "auto")
         uvqk_TX = self.uvqk(self.input_norm(x))  # every token, also when x holds a shard of them
         num_tokens = uvqk_TX.shape[0]
-        uvqk_THX = F.silu(uvqk_TX).view(num_tokens, h, 2 * dv + 2 * dqk)
-        u_THD, v_THD, q_THD, k_THD = uvqk_THX.split([dv, dv, dqk, dqk], dim=-1)
+        # One pass: SiLU, and U, V, Q, K each contiguous (the attention kernels' fastest loads).
+        uvqk_THX = uvqk_TX.view(num_tokens, h, 2 * dv + 2 * dqk)
+        u_THD, v_THD, q_THD, k_THD = silu_split(uvqk_THX, (dv, dv, dqk, dqk), impl=pointwise)
         if self.time_bias is not None and time_buckets is None:
             raise ValueError("`time_buckets` is required: the layer was built with relative_time_buckets")
         if self.relative_bias is not None or self.time_bias is not None:
@@ -305,11 +317,17 @@ class HSTULayer(nn.Module):
                 check_offsets=check_offsets,
                 precision=self.attention_precision,
             )
-        if self.per_head_norm:
-            gated = (self.attention_norm(attn_THD) * u_THD).reshape(num_tokens, h * dv)
-        else:
-            gated = self.attention_norm(attn_THD.reshape(num_tokens, h * dv)) * u_THD.reshape(num_tokens, h * dv)
-        return x + self.dropout(self.output(gated))
+        norm, width = self.attention_norm, dv if self.per_head_norm else h * dv
+        gated = norm_mul(
+            attn_THD.reshape(-1, width),
+            u_THD.reshape(-1, width),
+            norm.weight,
+            getattr(norm, "bias", None),
+            eps=norm.eps,
+            kind="rms" if isinstance(norm, nn.RMSNorm) else "layer",
+            impl=pointwise,
+        )
+        return x + self.dropout(self.output(gated.view(num_tokens, h * dv)))
 
 
 class RelativePositionBias(nn.Module):

@@ -101,8 +101,25 @@ def test_wheel_ships_components_and_strategies(tmp_path: Path) -> None:
         "lightning_gem/strategies/__init__.py",
         "lightning_gem/strategies/activation_checkpointing/planner.py",
         "lightning_gem/ops/attention/impl/reference.py",
+        "lightning_gem/ops/pointwise/impl/triton/kernels.py",
         "lightning_gem/data/datamodule.py",
     ):
         assert expected in names, f"{expected} missing from {wheel.name}"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "lightning-gem = lightning_gem.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_every_package_directory_is_listed_in_pyproject() -> None:
+    """pyproject.toml lists the packages explicitly: a new subpackage left out would be missing from a wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    roots = {"lightning_gem": ROOT / "lightning_gem", "lightning_gem.components": ROOT / "components"}
+    roots["lightning_gem.strategies"] = ROOT / "strategies"
+    on_disk = set()
+    for name, root in roots.items():
+        for init in root.rglob("__init__.py"):
+            parts = init.parent.relative_to(root).parts
+            if not any(p.startswith(".") or p == "__pycache__" for p in parts):
+                on_disk.add(".".join((name, *parts)))
+    assert on_disk <= listed, sorted(on_disk - listed)

@@ -22,6 +22,9 @@ pooled user features, hundreds of candidates per user.
 - kit-eager (and kit-eager-2, the same again): the kit stack without ``--token-multiple``, ``--fused-optimizer``,
   ``--cuda-graphs`` and ``--compile-layers``; with the kit stack the summary compares their per-step losses on the
   same batches (the second eager run gives the gap that nondeterministic kernels alone make);
+- kit-unfused: the kit stack with PyTorch's unfused ops around each HSTU layer's attention (``F.silu`` and a split
+  into strided views, the norm and the gating product) instead of the fused kernels of
+  :mod:`lightning_gem.ops.pointwise`;
 - kit-fp8-saved: the kit stack with ``MXFP8Precision(saved_activations="fp8")``: what the HSTU layers and the
   candidate interaction save for the backward is stored in MXFP8 (the summary line compares its peak memory,
   step time and per-step losses with the kit stack's).
@@ -66,6 +69,7 @@ from gem_example import (
     synthetic_users,
     use_tiny_shapes,
 )
+from lightning_gem.components.encoder import HSTULayer
 from lightning_gem.strategies import GEM5DStrategy
 
 from lightning_gem.callbacks import MFUMonitor
@@ -73,7 +77,7 @@ from lightning_gem.data import GEMDataModule, SyntheticRankingSource
 from lightning_gem.flops import model_flops, peak_tflops
 from lightning_gem.precision import MXFP8Precision
 
-STACKS = ("plain", "kit", "kit-fp8-saved", "kit-eager", "kit-eager-2")
+STACKS = ("plain", "kit", "kit-unfused", "kit-fp8-saved", "kit-eager", "kit-eager-2")
 
 _NVIDIA_HSTU = {
     "model_dim": 1024,
@@ -107,6 +111,10 @@ def run_stack(
         fused_optimizer=args.fused_optimizer and fast,
         cuda_graphs=args.cuda_graphs and fast,
     )
+    if stack == "kit-unfused":  # PyTorch's unfused ops around the attention instead of the fused kernels
+        for layer in model.modules():
+            if isinstance(layer, HSTULayer):
+                layer.pointwise_impl = "reference"
     cuda = args.device == "cuda"
     pinned = kit and cuda  # the kit's pipeline copies pinned batches asynchronously
     micro = 1 if kit else args.plain_micro_batches  # the plain stack may need several to fit in memory

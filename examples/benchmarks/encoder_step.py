@@ -5,8 +5,11 @@ long-tailed users: forward under bf16 autocast (CUDA), a scalar loss, backward. 
 
 - ``torch-norm``: the layers' norms as ``torch.nn.RMSNorm``. Under autocast they get bf16 inputs with fp32
   weights, and ``torch.rms_norm`` then runs its unfused composite;
-- ``kit-norm``: the kit's :class:`~lightning_gem.components.encoder.RMSNorm` (what ``make_norm`` builds),
-  whose weight follows its input's dtype so the fused kernel runs;
+- ``unfused``: the kit's :class:`~lightning_gem.components.encoder.RMSNorm` (what ``make_norm`` builds),
+  whose weight follows its input's dtype so the fused kernel runs, and PyTorch's unfused ops around the attention
+  (``pointwise_impl="reference"``: ``F.silu``, a split into strided views, the norm, then the gating product);
+- ``kit-norm``: the same with the kit's fused SiLU-split and norm-gate kernels (:mod:`lightning_gem.ops.pointwise`,
+  the layers' default on CUDA);
 - ``compiled``: ``kit-norm`` with each layer ``torch.compile`` d (``dynamic=True``: one graph for every
   jagged size).
 
@@ -36,7 +39,7 @@ from gem_example import cprofile_table, device_kernels
 from lightning_gem.components.encoder import JaggedHistoryEncoder, RMSNorm
 from torch import nn
 
-VARIANTS = ("torch-norm", "kit-norm", "compiled")
+VARIANTS = ("torch-norm", "unfused", "kit-norm", "compiled")
 
 
 def build(variant: str, args: argparse.Namespace, device: torch.device) -> JaggedHistoryEncoder:
@@ -49,6 +52,9 @@ def build(variant: str, args: argparse.Namespace, device: torch.device) -> Jagge
         num_heads=args.num_heads,
         max_length=args.max_history_length,
     ).to(device)
+    if variant in ("torch-norm", "unfused"):
+        for layer in encoder.layers:
+            layer.pointwise_impl = "reference"
     if variant == "torch-norm":
         for module in encoder.modules():
             if type(module) is RMSNorm:

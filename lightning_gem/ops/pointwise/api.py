@@ -1,0 +1,133 @@
+"""Public fused pointwise ops of the HSTU layer: validation, defaults and ``impl=`` dispatch.
+
+An HSTU layer (Zhai et al., 2024) computes ``U, V, Q, K = split(SiLU(uvqk(x)))`` before its attention and
+``norm(A) * U`` after it. Unfused, each is several kernels, and the split leaves Q, K and V as strided views of one
+wide activation. ``impl="reference"`` is pure PyTorch (any device, the oracle); ``"triton"`` runs the kernels
+(CUDA, or CPU under ``TRITON_INTERPRET=1``) and never falls back; ``"auto"`` picks Triton for CUDA tensors of
+fp32/fp16/bf16 and the reference otherwise. The kernels compute in fp32 and round once to the input's dtype;
+the reference is the unfused composition (each op rounded to the input's dtype).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_gem.ops.pointwise.impl.reference import norm_mul_reference, silu_split_reference
+
+__all__ = ["IMPLS", "norm_mul", "silu_split"]
+
+IMPLS = ("auto", "reference", "triton")
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_NORMS = ("rms", "layer")
+
+
+def _resolve_impl(impl: str, x: Tensor) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"`impl` must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return "triton" if x.device.type == "cuda" and x.dtype in _FLOAT_DTYPES else "reference"
+    if impl == "triton":
+        from lightning_gem.ops._launch import is_interpreted
+        from lightning_gem.ops.pointwise.impl.triton.kernels import _silu_split_fwd_kernel
+
+        if x.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"impl='triton' takes float16, bfloat16 or float32 inputs, got {x.dtype}")
+        if x.device.type != "cuda" and not is_interpreted(_silu_split_fwd_kernel):
+            raise ValueError(
+                f"impl='triton' needs CUDA tensors, got {x.device} (on CPU the kernels run only under "
+                "TRITON_INTERPRET=1, set before Triton is imported)"
+            )
+    return impl
+
+
+def silu_split(x: Tensor, sizes: Sequence[int], *, impl: str = "auto") -> tuple[Tensor, ...]:
+    """``SiLU(x)`` split along the last dim into parts of ``sizes`` columns, each part contiguous.
+
+    The HSTU layer's ``U, V, Q, K`` from its projection viewed as ``[T, H, 2 Dv + 2 Dqk]``: each part comes out
+    as its own contiguous ``[T, H, P]`` tensor (what the attention kernels load fastest), in one pass over ``x``;
+    the backward writes ``x``'s gradient in one pass over the parts' gradients (a part whose output is unused
+    gets zeros).
+
+    Args:
+        x: ``[..., W]`` float tensor (a non-contiguous one is copied first).
+        sizes: one to four positive column counts summing to ``W``.
+        impl: ``"auto"``, ``"triton"`` or ``"reference"`` (see the module docstring).
+
+    Returns:
+        ``len(sizes)`` tensors of shape ``[..., P]`` in ``x``'s dtype.
+
+    Example:
+        >>> u, v = silu_split(torch.tensor([[0.0, 1.0, -1.0]]), [1, 2])
+        >>> u.shape, v.shape
+        (torch.Size([1, 1]), torch.Size([1, 2]))
+    """
+    sizes = tuple(int(s) for s in sizes)
+    if not 1 <= len(sizes) <= 4 or any(s < 1 for s in sizes):
+        raise ValueError(f"`sizes` must be one to four positive column counts, got {sizes}")
+    if x.dim() < 1 or x.shape[-1] != sum(sizes):
+        raise ValueError(f"`x` must be [..., {sum(sizes)}] (the sum of `sizes` {sizes}), got {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"`x` must be a float tensor, got {x.dtype}")
+    if _resolve_impl(impl, x) == "reference":
+        return silu_split_reference(x, sizes)
+    from lightning_gem.ops.pointwise.impl.triton import silu_split_triton
+
+    lead = x.shape[:-1]
+    parts = silu_split_triton(x.contiguous().view(-1, x.shape[-1]), sizes)
+    return tuple(p.view(*lead, p.shape[-1]) for p in parts)
+
+
+def norm_mul(
+    x: Tensor,
+    gate: Tensor,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    *,
+    eps: float | None = None,
+    kind: str = "rms",
+    impl: str = "auto",
+) -> Tensor:
+    """``norm(x) * gate``: RMSNorm or LayerNorm over the last dim, times a gate of the same shape.
+
+    The HSTU layer's ``attention_norm(A) * U``, in one pass forward and one backward (``dx``, ``dgate`` and the
+    weight's and bias's gradients); nothing but per-row statistics is saved beyond the inputs.
+
+    Args:
+        x: ``[..., N]`` float tensor.
+        gate: the shape of ``x``.
+        weight: ``[N]`` scale of the norm, or None.
+        bias: ``[N]`` shift (LayerNorm only), or None.
+        eps: added to the variance; None: ``torch.finfo(x.dtype).eps``, as ``torch.nn.RMSNorm`` does.
+        kind: ``"rms"`` or ``"layer"``.
+        impl: ``"auto"``, ``"triton"`` or ``"reference"`` (see the module docstring).
+
+    Returns:
+        ``[..., N]`` in ``x``'s dtype.
+
+    Example:
+        >>> x, gate = torch.randn(3, 8), torch.randn(3, 8)
+        >>> torch.allclose(norm_mul(x, gate), torch.nn.functional.rms_norm(x, (8,), eps=1e-6) * gate, atol=1e-5)
+        True
+    """
+    if kind not in _NORMS:
+        raise ValueError(f"`kind` must be one of {_NORMS}, got {kind!r}")
+    if x.dim() < 1 or gate.shape != x.shape:
+        raise ValueError(f"`gate` must have the shape of `x` {tuple(x.shape)}, got {tuple(gate.shape)}")
+    if not x.is_floating_point() or gate.dtype != x.dtype:
+        raise TypeError(f"`x` and `gate` must be float tensors of one dtype, got {x.dtype} and {gate.dtype}")
+    n = x.shape[-1]
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and tuple(t.shape) != (n,):
+            raise ValueError(f"`{name}` must be [{n}], got {tuple(t.shape)}")
+    if bias is not None and kind == "rms":
+        raise ValueError("`bias` is for kind='layer' (RMSNorm has no shift)")
+    eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
+    if _resolve_impl(impl, x) == "reference":
+        return norm_mul_reference(x, gate, weight, bias, eps, kind)
+    from lightning_gem.ops.pointwise.impl.triton import norm_mul_triton
+
+    rows = (x.contiguous().view(-1, n), gate.contiguous().view(-1, n))
+    return norm_mul_triton(*rows, weight, bias, eps, kind == "layer").view(x.shape)

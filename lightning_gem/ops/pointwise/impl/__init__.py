@@ -1,0 +1,1 @@
+"""Implementations of :mod:`lightning_gem.ops.pointwise`: the PyTorch reference and the Triton kernels."""

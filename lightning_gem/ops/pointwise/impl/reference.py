@@ -1,0 +1,32 @@
+"""Pure-PyTorch references of the HSTU layer's fused pointwise ops: any device, autograd, the tests' oracle.
+
+They are the plain PyTorch compositions an unfused layer runs (the Triton kernels compute in fp32 and round once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["norm_mul_reference", "silu_split_reference"]
+
+
+def silu_split_reference(x_RW: Tensor, sizes: Sequence[int]) -> tuple[Tensor, ...]:
+    """``SiLU(x)`` of each ``[..., W]`` row split into parts of ``sizes`` columns (``sum(sizes) == W``; views of one
+    tensor). ``F.silu`` computes reduced-precision inputs in fp32 and rounds once, as the kernel does."""
+    return tuple(F.silu(x_RW).split(list(sizes), dim=-1))
+
+
+def norm_mul_reference(
+    x_RN: Tensor, gate_RN: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, kind: str
+) -> Tensor:
+    """``norm(x) * gate`` over the last dim, RMSNorm (``kind="rms"``) or LayerNorm (``"layer"``): PyTorch's fused
+    norm with its weight (and bias) in ``x``'s dtype, then the product, each rounded to ``x``'s dtype (the unfused
+    layer; exact in fp64, the tests' oracle)."""
+    shape = x_RN.shape[-1:]
+    weight = None if weight is None else weight.to(x_RN.dtype)
+    if kind == "rms":
+        return F.rms_norm(x_RN, shape, weight, eps) * gate_RN
+    return F.layer_norm(x_RN, shape, weight, None if bias is None else bias.to(x_RN.dtype), eps) * gate_RN

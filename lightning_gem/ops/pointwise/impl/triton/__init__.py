@@ -1,0 +1,5 @@
+"""Triton kernels of :mod:`lightning_gem.ops.pointwise` (loaded on first use: importing them needs Triton)."""
+
+from lightning_gem.ops.pointwise.impl.triton.ops import SUPPORTED_DTYPES, norm_mul_triton, silu_split_triton
+
+__all__ = ["SUPPORTED_DTYPES", "norm_mul_triton", "silu_split_triton"]

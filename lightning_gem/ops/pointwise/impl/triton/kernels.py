@@ -1,0 +1,278 @@
+"""Triton kernels of the HSTU layer's pointwise work around its attention, forward and backward.
+
+Legend: ``R`` rows (tokens x heads for per-head work, tokens otherwise), ``W`` a row's width, ``P`` one part's
+columns, ``N`` the normalised width.
+
+- ``silu_split``: ``SiLU`` of the ``uvqk`` projection's rows, written as four contiguous parts (U, V, Q, K): one
+  read and one write, where ``F.silu`` then strided views left the attention with rows it cannot load through
+  tensor descriptors. Its backward multiplies the parts' gradients by ``SiLU'`` straight into the projection's
+  gradient, where autograd concatenated the parts' gradients first (one more read and write of the widest
+  activation of the layer).
+- ``norm_mul``: ``norm(A) * U`` (RMSNorm or LayerNorm of the attention output, gated): one pass forward where the
+  norm and the product were two, and one backward pass for ``dA``, ``dU`` and the weight's partial sums, where
+  the product's backward and the norm's were several kernels and the norm's output was saved for the backward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from lightning_gem.ops._launch import cdiv, launch, next_power_of_2
+
+__all__ = ["norm_mul_backward", "norm_mul_forward", "silu_split_backward", "silu_split_forward"]
+
+# Elements a program holds per part or per tile: a few registers a thread at 4 warps.
+_ELEMENTS = 4096
+
+
+@triton.jit
+def _silu_part_forward(X, OUT, rows, row_ok, start, width, P: tl.constexpr, BLOCK_P: tl.constexpr):
+    cols = tl.arange(0, BLOCK_P)
+    mask = row_ok[:, None] & (cols < P)[None, :]
+    x = tl.load(X + rows[:, None] * width + start + cols[None, :], mask=mask).to(tl.float32)
+    y = x * tl.sigmoid(x)
+    tl.store(OUT + rows[:, None] * P + cols[None, :], y.to(OUT.dtype.element_ty), mask=mask)
+
+
+# Per-batch sizes (jagged token counts): no new compiled variant when their divisibility by 16 changes.
+@triton.jit(do_not_specialize=["num_rows"])
+def _silu_split_fwd_kernel(
+    X, OUT0, OUT1, OUT2, OUT3,  # [R, W]; [R, P0] ... [R, P3]
+    num_rows,
+    P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < num_rows
+    width = P0 + P1 + P2 + P3
+    _silu_part_forward(X, OUT0, rows, row_ok, 0, width, P0, BLOCK_P)
+    if P1 > 0:
+        _silu_part_forward(X, OUT1, rows, row_ok, P0, width, P1, BLOCK_P)
+    if P2 > 0:
+        _silu_part_forward(X, OUT2, rows, row_ok, P0 + P1, width, P2, BLOCK_P)
+    if P3 > 0:
+        _silu_part_forward(X, OUT3, rows, row_ok, P0 + P1 + P2, width, P3, BLOCK_P)
+
+
+@triton.jit
+def _silu_part_backward(
+    X, GRAD, DX, rows, row_ok, start, width, P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
+    HAS_GRAD: tl.constexpr,
+):  # fmt: skip
+    cols = tl.arange(0, BLOCK_P)
+    mask = row_ok[:, None] & (cols < P)[None, :]
+    offsets = rows[:, None] * width + start + cols[None, :]
+    if HAS_GRAD:
+        x = tl.load(X + offsets, mask=mask).to(tl.float32)
+        g = tl.load(GRAD + rows[:, None] * P + cols[None, :], mask=mask).to(tl.float32)
+        s = tl.sigmoid(x)
+        dx = g * s * (1.0 + x * (1.0 - s))
+    else:  # a part without a gradient (unused output): its columns of dX are zeros
+        dx = tl.zeros((BLOCK_R, BLOCK_P), dtype=tl.float32)
+    tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _silu_split_bwd_kernel(
+    X, G0, G1, G2, G3, DX,  # [R, W]; [R, P0] ... [R, P3]; [R, W]
+    num_rows,
+    P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_R: tl.constexpr, HAS0: tl.constexpr, HAS1: tl.constexpr, HAS2: tl.constexpr, HAS3: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < num_rows
+    width = P0 + P1 + P2 + P3
+    _silu_part_backward(X, G0, DX, rows, row_ok, 0, width, P0, BLOCK_P, BLOCK_R, HAS0)
+    if P1 > 0:
+        _silu_part_backward(X, G1, DX, rows, row_ok, P0, width, P1, BLOCK_P, BLOCK_R, HAS1)
+    if P2 > 0:
+        _silu_part_backward(X, G2, DX, rows, row_ok, P0 + P1, width, P2, BLOCK_P, BLOCK_R, HAS2)
+    if P3 > 0:
+        _silu_part_backward(X, G3, DX, rows, row_ok, P0 + P1 + P2, width, P3, BLOCK_P, BLOCK_R, HAS3)
+
+
+@triton.jit
+def _normalize(x, row_ok, col_ok, N: tl.constexpr, eps, LAYER: tl.constexpr):
+    """``(x - mean) * rstd`` of fp32 rows (zeros in padding columns), with ``mean`` (0 for RMSNorm) and ``rstd``."""
+    x = tl.where(row_ok[:, None] & col_ok[None, :], x, 0.0)
+    if LAYER:
+        mean = tl.sum(x, axis=1) / N
+        x = tl.where(col_ok[None, :], x - mean[:, None], 0.0)
+    else:
+        mean = tl.zeros_like(tl.sum(x, axis=1))
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
+    return x * rstd[:, None], mean, rstd
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _norm_mul_fwd_kernel(
+    X, GATE, WEIGHT, BIAS, Y, MEAN, RSTD,  # [R, N], [R, N], [N], [N], [R, N], [R], [R]
+    num_rows, eps,
+    N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, LAYER: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < num_rows, cols < N
+    mask = row_ok[:, None] & col_ok[None, :]
+    offsets = rows[:, None] * N + cols[None, :]
+    x = tl.load(X + offsets, mask=mask).to(tl.float32)
+    xhat, mean, rstd = _normalize(x, row_ok, col_ok, N, eps, LAYER)
+    y = xhat
+    if WEIGHT is not None:
+        y = y * tl.load(WEIGHT + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if BIAS is not None:
+        y = y + tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    gate = tl.load(GATE + offsets, mask=mask).to(tl.float32)
+    tl.store(Y + offsets, (y * gate).to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+    if LAYER:
+        tl.store(MEAN + rows, mean, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_tiles"])
+def _norm_mul_bwd_kernel(
+    GRAD, X, GATE, WEIGHT, BIAS, MEAN, RSTD, DX, DGATE, DW_PART, DB_PART,  # [R, N] x 3, [N] x 2, [R] x 2, [R, N] x 2,
+    num_rows, num_tiles,  # [G, N] x 2 (G programs)
+    N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, LAYER: tl.constexpr,
+):  # fmt: skip
+    """Persistent programs over row tiles: each accumulates its share of the weight's (and bias's) gradient in
+    registers and writes it once, to row ``program_id`` of ``DW_PART`` (``DB_PART``); the launcher sums them."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    if WEIGHT is not None:
+        w = tl.load(WEIGHT + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if BIAS is not None:
+        b = tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for tile in range(pid, num_tiles, tl.num_programs(0)):
+        rows = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        row_ok = rows < num_rows
+        mask = row_ok[:, None] & col_ok[None, :]
+        offsets = rows[:, None] * N + cols[None, :]
+        x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        if LAYER:
+            x = x - tl.load(MEAN + rows, mask=row_ok, other=0.0)[:, None]
+        xhat = tl.where(mask, x * rstd[:, None], 0.0)
+        g = tl.load(GRAD + offsets, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(GATE + offsets, mask=mask, other=0.0).to(tl.float32)
+        normed = xhat
+        if WEIGHT is not None:
+            normed = normed * w[None, :]
+        if BIAS is not None:
+            normed = normed + b[None, :]
+        tl.store(DGATE + offsets, (g * normed).to(DGATE.dtype.element_ty), mask=mask)
+        dnormed = g * gate
+        dw += tl.sum(dnormed * xhat, axis=0)
+        db += tl.sum(dnormed, axis=0)
+        dxhat = dnormed * w[None, :] if WEIGHT is not None else dnormed
+        dx = dxhat - xhat * (tl.sum(dxhat * xhat, axis=1) / N)[:, None]
+        if LAYER:
+            dx = dx - (tl.sum(dxhat, axis=1) / N)[:, None]
+        tl.store(DX + offsets, (dx * rstd[:, None]).to(DX.dtype.element_ty), mask=mask)
+    if WEIGHT is not None:
+        tl.store(DW_PART + pid * N + cols, dw, mask=col_ok)
+    if BIAS is not None:
+        tl.store(DB_PART + pid * N + cols, db, mask=col_ok)
+
+
+def _tile_rows(block_cols: int, max_rows: int = 64) -> int:
+    """Rows a program takes so a tile holds about ``_ELEMENTS`` values (both powers of two)."""
+    return max(1, min(max_rows, _ELEMENTS // block_cols))
+
+
+def silu_split_forward(x_RW: Tensor, sizes: tuple[int, ...]) -> tuple[Tensor, ...]:
+    """``SiLU(x)`` split into ``len(sizes)`` (1 to 4) contiguous ``[R, P]`` parts of ``sizes`` columns."""
+    num_rows = x_RW.shape[0]
+    parts = tuple(x_RW.new_empty(num_rows, p) for p in sizes)
+    if num_rows == 0:
+        return parts
+    block_p = next_power_of_2(max(sizes))
+    block_r = _tile_rows(block_p)
+    padded = (*sizes, 0, 0, 0)[:4]
+    outs = (*parts, x_RW, x_RW, x_RW)[:4]  # a missing part is never written (its size is 0)
+    args = (x_RW, *outs, num_rows, *padded, block_p, block_r)
+    launch(_silu_split_fwd_kernel, (cdiv(num_rows, block_r),), args, {"num_warps": 4})
+    return parts
+
+
+def silu_split_backward(x_RW: Tensor, grads: tuple[Tensor | None, ...], sizes: tuple[int, ...]) -> Tensor:
+    """``dX [R, W]``: each part's gradient (None: zeros) times ``SiLU'`` of its columns of ``x``."""
+    num_rows = x_RW.shape[0]
+    dx = torch.empty_like(x_RW)
+    if num_rows == 0:
+        return dx
+    block_p = next_power_of_2(max(sizes))
+    block_r = _tile_rows(block_p)
+    padded = (*sizes, 0, 0, 0)[:4]
+    has = tuple(g is not None for g in grads) + (False,) * (4 - len(grads))
+    gs = tuple(g.contiguous() if g is not None else x_RW for g in (*grads, None, None, None)[:4])
+    args = (x_RW, *gs, dx, num_rows, *padded, block_p, block_r, *has)
+    launch(_silu_split_bwd_kernel, (cdiv(num_rows, block_r),), args, {"num_warps": 4})
+    return dx
+
+
+def _warps(tile_elements: int) -> int:
+    return 8 if tile_elements > 4096 else 4
+
+
+def norm_mul_forward(
+    x_RN: Tensor, gate_RN: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, layer: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(norm(x) * gate, mean [R] fp32 (empty for RMSNorm), rstd [R] fp32)``."""
+    num_rows, n = x_RN.shape
+    y = torch.empty_like(x_RN)
+    rstd = x_RN.new_empty(num_rows, dtype=torch.float32)
+    mean = x_RN.new_empty(num_rows if layer else 0, dtype=torch.float32)
+    if num_rows == 0:
+        return y, mean, rstd
+    block_n = next_power_of_2(n)
+    block_r = _tile_rows(block_n)
+    args = (x_RN, gate_RN, weight, bias, y, mean if layer else rstd, rstd, num_rows, eps, n, block_n, block_r, layer)
+    launch(_norm_mul_fwd_kernel, (cdiv(num_rows, block_r),), args, {"num_warps": _warps(block_n * block_r)})
+    return y, mean, rstd
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def norm_mul_backward(
+    grad_RN: Tensor,
+    x_RN: Tensor,
+    gate_RN: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    mean: Tensor,
+    rstd: Tensor,
+    layer: bool,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """``(dx, dgate, dweight, dbias)`` of :func:`norm_mul_forward` (the last two None without weight / bias)."""
+    num_rows, n = x_RN.shape
+    dx, dgate = torch.empty_like(x_RN), torch.empty_like(gate_RN)
+    block_n = next_power_of_2(n)
+    block_r = _tile_rows(block_n, max_rows=32)
+    num_tiles = cdiv(num_rows, block_r)
+    per_device = 4 * _num_sms(x_RN.device.index or 0) if x_RN.device.type == "cuda" else 4
+    programs = max(1, min(num_tiles, per_device))
+    # Every program writes its whole row of partial sums (zeros where it met no tile).
+    dw_part = x_RN.new_empty(programs, n, dtype=torch.float32) if weight is not None else None
+    db_part = x_RN.new_empty(programs, n, dtype=torch.float32) if bias is not None else None
+    if num_rows == 0:
+        return dx, dgate, None if weight is None else weight.new_zeros(n), None if bias is None else bias.new_zeros(n)
+    args = (
+        grad_RN.contiguous(), x_RN, gate_RN, weight, bias, mean if layer else rstd, rstd, dx, dgate, dw_part, db_part,
+        num_rows, num_tiles, n, block_n, block_r, layer,
+    )  # fmt: skip
+    launch(_norm_mul_bwd_kernel, (programs,), args, {"num_warps": _warps(block_n * block_r)})
+    dw = dw_part.sum(0).to(weight.dtype) if weight is not None else None
+    db = db_part.sum(0).to(bias.dtype) if bias is not None else None
+    return dx, dgate, dw, db

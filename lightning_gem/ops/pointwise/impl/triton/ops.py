@@ -1,0 +1,153 @@
+"""The pointwise kernels as torch custom ops (``lightning_gem::silu_split``, ``lightning_gem::norm_mul`` and their
+backwards), visible to ``torch.compile``; plain eager calls skip the ops' dispatch (host time only) through private
+``autograd.Function`` s over the same launchers, as GDPA's Triton ops do."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch._subclasses.functional_tensor import FunctionalTensorMode
+from torch.library import triton_op
+
+from lightning_gem.ops._launch import is_interpreted, plain_eager, records_graph
+from lightning_gem.ops.pointwise.impl.triton.kernels import (
+    _silu_split_fwd_kernel,
+    norm_mul_backward,
+    norm_mul_forward,
+    silu_split_backward,
+    silu_split_forward,
+)
+
+__all__ = ["SUPPORTED_DTYPES", "norm_mul_triton", "silu_split_triton"]
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton_op("lightning_gem::silu_split", mutates_args=())
+def _silu_split_op(x: Tensor, sizes: list[int]) -> list[Tensor]:
+    return list(silu_split_forward(x, tuple(sizes)))
+
+
+@triton_op("lightning_gem::silu_split_backward", mutates_args=())
+def _silu_split_backward_op(x: Tensor, grads: list[Tensor | None], sizes: list[int]) -> Tensor:
+    return silu_split_backward(x, tuple(grads), tuple(sizes))
+
+
+def _silu_split_setup(ctx, inputs, output) -> None:
+    ctx.set_materialize_grads(False)  # an unused part's gradient stays None: its columns of dX are written as zeros
+    ctx.save_for_backward(inputs[0])
+    ctx.sizes = inputs[1]
+
+
+def _silu_split_grad(ctx, grads):
+    (x,) = ctx.saved_tensors
+    return _silu_split_backward_op(x, list(grads), list(ctx.sizes)), None
+
+
+_silu_split_op.register_autograd(_silu_split_grad, setup_context=_silu_split_setup)
+
+
+@triton_op("lightning_gem::norm_mul", mutates_args=())
+def _norm_mul_op(
+    x: Tensor, gate: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, layer: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    return norm_mul_forward(x, gate, weight, bias, eps, layer)
+
+
+@triton_op("lightning_gem::norm_mul_backward", mutates_args=())
+def _norm_mul_backward_op(
+    grad: Tensor,
+    x: Tensor,
+    gate: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    mean: Tensor,
+    rstd: Tensor,
+    layer: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dx, dgate, dweight, dbias)``; empty tensors for a missing weight or bias (an op's outputs are fixed)."""
+    dx, dgate, dw, db = norm_mul_backward(grad, x, gate, weight, bias, mean, rstd, layer)
+    empty = x.new_empty(0, dtype=torch.float32)
+    return dx, dgate, empty if dw is None else dw, empty if db is None else db
+
+
+def _norm_mul_setup(ctx, inputs, output) -> None:
+    x, gate, weight, bias, _eps, layer = inputs
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.save_for_backward(x, gate, weight, bias, output[1], output[2])
+    ctx.layer = layer
+
+
+def _norm_mul_grad(ctx, grad_y, _grad_mean, _grad_rstd):
+    x, gate, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, dgate, dw, db = _norm_mul_backward_op(grad_y, x, gate, weight, bias, mean, rstd, ctx.layer)
+    return dx, dgate, dw if weight is not None else None, db if bias is not None else None, None, None
+
+
+_norm_mul_op.register_autograd(_norm_mul_grad, setup_context=_norm_mul_setup)
+
+
+def _keep_opaque(mode, op, types, args, kwargs):
+    return mode.__torch_dispatch__(op, types, args, kwargs)
+
+
+if is_interpreted(_silu_split_fwd_kernel):
+    # Under the interpreter (CPU tests) the kernels cannot be wrapped into a traced graph, so the ops stay
+    # opaque nodes that run eagerly instead of decomposing into allocations alone.
+    for _op in (_silu_split_op, _silu_split_backward_op, _norm_mul_op, _norm_mul_backward_op):
+        _op.register_torch_dispatch(FunctionalTensorMode, _keep_opaque)
+
+
+class _SiluSplitEager(torch.autograd.Function):
+    """The op and its autograd formula without the custom-op dispatch, for plain eager calls."""
+
+    @staticmethod
+    def forward(ctx, x, sizes):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x)
+        ctx.sizes = sizes
+        return silu_split_forward(x, sizes)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        (x,) = ctx.saved_tensors
+        return silu_split_backward(x, grads, ctx.sizes), None
+
+
+class _NormMulEager(torch.autograd.Function):
+    """The op and its autograd formula without the custom-op dispatch, for plain eager calls."""
+
+    @staticmethod
+    def forward(ctx, x, gate, weight, bias, eps, layer):
+        y, mean, rstd = norm_mul_forward(x, gate, weight, bias, eps, layer)
+        ctx.save_for_backward(x, gate, weight, bias, mean, rstd)
+        ctx.layer = layer
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y):
+        x, gate, weight, bias, mean, rstd = ctx.saved_tensors
+        dx, dgate, dw, db = norm_mul_backward(grad_y, x, gate, weight, bias, mean, rstd, ctx.layer)
+        return dx, dgate, dw, db, None, None
+
+
+def silu_split_triton(x_RW: Tensor, sizes: tuple[int, ...]) -> tuple[Tensor, ...]:
+    """``SiLU(x)`` split into contiguous parts through the Triton kernels (inputs validated by the caller)."""
+    if not plain_eager((x_RW,)):
+        return tuple(_silu_split_op(x_RW, list(sizes)))
+    if records_graph(x_RW):
+        return _SiluSplitEager.apply(x_RW, sizes)
+    return silu_split_forward(x_RW, sizes)
+
+
+def norm_mul_triton(
+    x_RN: Tensor, gate_RN: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, layer: bool
+) -> Tensor:
+    """``norm(x) * gate`` through the Triton kernels (inputs validated by the caller)."""
+    if not plain_eager((x_RN, gate_RN, weight, bias)):
+        return _norm_mul_op(x_RN, gate_RN, weight, bias, eps, layer)[0]
+    if records_graph(x_RN, gate_RN, *(t for t in (weight, bias) if t is not None)):
+        return _NormMulEager.apply(x_RN, gate_RN, weight, bias, eps, layer)
+    return norm_mul_forward(x_RN, gate_RN, weight, bias, eps, layer)[0]

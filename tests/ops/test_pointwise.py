@@ -1,0 +1,176 @@
+"""The fused pointwise ops (SiLU-split, norm-gate): Triton kernels against the float64 reference, forward and
+backward, on odd widths, empty and one-row inputs; validation; the HSTU layer on either path; torch.compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_gem.ops.pointwise import norm_mul, silu_split
+from lightning_gem.testing.numerics import assert_within_budget
+
+
+def _triton_runs() -> bool:
+    from lightning_gem.ops._launch import is_interpreted
+    from lightning_gem.ops.pointwise.impl.triton.kernels import _silu_split_fwd_kernel
+
+    return torch.cuda.is_available() or is_interpreted(_silu_split_fwd_kernel)
+
+
+@pytest.fixture
+def device() -> str:
+    if not _triton_runs():
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _grads(outputs, inputs, grads_out):
+    return torch.autograd.grad(outputs, inputs, grads_out, allow_unused=True)
+
+
+SPLITS = [(2, 3, (5, 5, 4, 4)), (0, 2, (8, 8, 8, 8)), (1, 1, (3, 6)), (37, 4, (16, 16, 32, 32)), (9, 2, (7,))]
+
+
+@pytest.mark.parametrize(("tokens", "heads", "sizes"), SPLITS)
+@pytest.mark.parametrize("used", ["all", "some"])
+def test_silu_split_matches_reference(device: str, tokens: int, heads: int, sizes: tuple, used: str) -> None:
+    dtype = torch.float32  # bf16 arithmetic is not faithful in Triton's interpreter: bf16 runs on GPUs below
+    x = torch.randn(tokens, heads, sum(sizes), dtype=dtype, device=device, requires_grad=True)
+    parts = silu_split(x, sizes, impl="triton")
+    assert [tuple(p.shape) for p in parts] == [(tokens, heads, s) for s in sizes]
+    assert all(p.is_contiguous() and p.dtype == dtype for p in parts)
+    x64 = x.detach().double().requires_grad_()
+    exact = silu_split(x64, sizes, impl="reference")
+    for part, ref in zip(parts, exact, strict=True):
+        torch.testing.assert_close(part.double(), ref, rtol=1e-6, atol=1e-6)
+    chosen = range(len(sizes)) if used == "all" else range(0, len(sizes), 2)  # unused parts: zero gradient
+    grads = [torch.randn_like(parts[i]) for i in chosen]
+    (dx,) = _grads([parts[i] for i in chosen], [x], grads)
+    (dx64,) = _grads([exact[i] for i in chosen], [x64], [g.double() for g in grads])
+    torch.testing.assert_close(dx.double(), dx64, rtol=1e-5, atol=1e-6)
+
+
+NORMS = [(7, 6), (1, 64), (0, 16), (130, 50), (5, 1024)]
+
+
+@pytest.mark.parametrize(("rows", "width"), NORMS)
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+@pytest.mark.parametrize("affine", [True, False])
+def test_norm_mul_matches_reference(device: str, rows: int, width: int, kind: str, affine: bool) -> None:
+    x = torch.randn(rows, width, device=device, requires_grad=True)
+    gate = torch.randn(rows, width, device=device, requires_grad=True)
+    weight = torch.randn(width, device=device, requires_grad=True) if affine else None
+    bias = torch.randn(width, device=device, requires_grad=True) if affine and kind == "layer" else None
+    leaves = [t for t in (x, gate, weight, bias) if t is not None]
+    y = norm_mul(x, gate, weight, bias, eps=1e-5, kind=kind, impl="triton")
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    x64, gate64, *affine64 = leaves64
+    w64, b64 = (affine64 + [None, None])[:2]
+    exact = norm_mul(x64, gate64, w64, b64, eps=1e-5, kind=kind, impl="reference")
+    torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5)
+    grad = torch.randn_like(y)
+    for got, want, name in zip(_grads(y, leaves, grad), _grads(exact, leaves64, grad.double()), "xgwb", strict=False):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * max(1, rows) ** 0.5, msg=name)
+
+
+def test_inputs_are_checked() -> None:
+    x = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="sizes"):
+        silu_split(x, (4, 5))
+    with pytest.raises(ValueError, match="sizes"):
+        silu_split(x, (2, 2, 2, 1, 1))
+    with pytest.raises(ValueError, match="impl"):
+        silu_split(x, (4, 4), impl="cuda")
+    with pytest.raises(ValueError, match="gate"):
+        norm_mul(x, x[:, :4])
+    with pytest.raises(ValueError, match="weight"):
+        norm_mul(x, x, torch.ones(4))
+    with pytest.raises(ValueError, match="bias"):
+        norm_mul(x, x, torch.ones(8), torch.zeros(8), kind="rms")
+    with pytest.raises(ValueError, match="kind"):
+        norm_mul(x, x, kind="batch")
+    with pytest.raises(TypeError, match="dtype"):
+        norm_mul(x, x.double())
+
+
+@pytest.mark.parametrize("per_head_norm", [True, False])
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_hstu_layer_fused_matches_unfused(device: str, per_head_norm: bool, norm: str) -> None:
+    """The layer through the Triton attention and fused ops against the same weights on the reference path."""
+    from lightning_gem.components.encoder import HSTULayer
+
+    torch.manual_seed(0)
+    lengths = [5, 0, 1, 19]
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
+    fused = HSTULayer(32, 2, per_head_norm=per_head_norm, norm=norm, attention_impl="triton").to(device)
+    for p in fused.parameters():  # output starts at zero: random weights so every path is exercised
+        torch.nn.init.normal_(p, std=0.3)
+    plain = HSTULayer(32, 2, per_head_norm=per_head_norm, norm=norm, attention_impl="reference").to(device)
+    plain.load_state_dict(fused.state_dict())
+    x = torch.randn(sum(lengths), 32, device=device)
+    outs, grads = [], []
+    for layer in (fused, plain):
+        xi = x.clone().requires_grad_()
+        y = layer(xi, offsets, max_seq_len=19)
+        y.square().sum().backward()
+        outs.append(y.detach())
+        grads.append([xi.grad, *(p.grad for p in layer.parameters())])
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_compiled_fullgraph(device: str) -> None:
+    """Both ops under ``torch.compile(fullgraph=True)``, forward and backward, match eager."""
+
+    def fn(x, w):
+        u, v = silu_split(x, (8, 8), impl="triton")
+        return norm_mul(v, u, w, eps=1e-6, impl="triton")
+
+    x = torch.randn(6, 2, 16, device=device, requires_grad=True)
+    w = torch.randn(8, device=device, requires_grad=True)
+    eager = fn(x, w)
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")(x, w)
+    torch.testing.assert_close(compiled, eager)
+    g = torch.randn_like(eager)
+    for a, b in zip(_grads(compiled, [x, w], g), _grads(eager, [x, w], g), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_bf16_within_budget_gpu(kind: str) -> None:
+    """bf16 on the GPU: the kernels (fp32 inside, one rounding) within the budget of PyTorch's unfused bf16 ops."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(0)
+    x = torch.randn(3001, 4, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    sizes = (256, 256, 256, 256)
+    parts = silu_split(x, sizes)
+    x64 = x.detach().double().requires_grad_()
+    exact = silu_split(x64, sizes, impl="reference")
+    naive = silu_split(x.detach(), sizes, impl="reference")
+    for i, (p, e, n) in enumerate(zip(parts, exact, naive, strict=True)):
+        assert_within_budget(p, e, n, name=f"part {i}")
+    grads = [torch.randn_like(p) for p in parts]
+    (dx,) = _grads(parts, [x], grads)
+    (dx64,) = _grads(exact, [x64], [g.double() for g in grads])
+    xn = x.detach().requires_grad_()
+    (dxn,) = _grads(silu_split(xn, sizes, impl="reference"), [xn], grads)
+    assert_within_budget(dx, dx64, dxn, name="dx")
+
+    a, u = (torch.randn(3001 * 4, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    w = torch.randn(256, device="cuda", requires_grad=True)
+    b = torch.randn(256, device="cuda", requires_grad=True) if kind == "layer" else None
+    leaves = [t for t in (a, u, w, b) if t is not None]
+    y = norm_mul(a, u, w, b, eps=1e-6, kind=kind)
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    exact = norm_mul(*leaves64[:3], leaves64[3] if b is not None else None, eps=1e-6, kind=kind, impl="reference")
+    plain = [t.detach().requires_grad_() for t in leaves]
+    naive = norm_mul(*plain[:3], plain[3] if b is not None else None, eps=1e-6, kind=kind, impl="reference")
+    assert_within_budget(y, exact, naive, name="y")
+    g = torch.randn_like(y)
+    names = "augb"[: len(leaves)]
+    grads = zip(_grads(y, leaves, g), _grads(exact, leaves64, g.double()), _grads(naive, plain, g), names, strict=True)
+    for got, want, same, name in grads:
+        assert_within_budget(got, want, same, name=f"d{name}", ulps=16.0)
