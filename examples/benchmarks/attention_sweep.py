@@ -8,8 +8,8 @@ prints and saves:
 
 - ``forward``: every tile shape of a wider set than the tuner's candidates (query rows, key rows, warps,
   stages), with pointer loads, with tensor-descriptor loads (``tma``) and warp-specialized (``ws``, at 4 warps) where
-  the GPU runs them, compiled at once, each timed alone (median of ``triton.testing.do_bench``), with useful
-  TFLOP/s;
+  the GPU runs them (``warp_specialize_fault``: none yet), compiled at once, each timed alone (median of
+  ``triton.testing.do_bench``), with useful TFLOP/s;
 - ``backward``: every backward plan (the tuner's candidates, dQ through element atomics or through bulk tensor
   reductions on several tile shapes, the one-launch dK/dV + dQ kernel, and dK and dV in programs of their own),
   each timed alone, with its largest difference from the one-launch (bitwise reproducible) plan's gradients,

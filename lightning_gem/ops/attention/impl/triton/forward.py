@@ -466,7 +466,14 @@ def warp_specialize_fault(q: Tensor, tiles: Tiles | str | None, tma: bool, fp8: 
     warp group issuing the descriptor loads, the 4 warps of the tile consuming them) only at 4 warps a tile of 64 or
     more query rows (compiled for sm_90 at every head dim and mode; tiles of 32 rows are left unpartitioned), with
     every load of the kernel through tensor descriptors (a pointer load of Q fails an assertion of its lowering,
-    which aborts the process) and no branch before the loop that holds loads (the own-target term of targets)."""
+    which aborts the process) and no branch before the loop that holds loads (the own-target term of targets).
+    Compiled kernels are refused: on an H100 every tile shape of it failed at run time with a CUDA error (the
+    launch poisons the process), so it runs under Triton's interpreter only."""
+    if q.device.type == "cuda":
+        return (
+            "fails at run time on sm_90 (Triton 3.6: a CUDA error at every tile shape timed on an H100); "
+            "it runs under Triton's interpreter only"
+        )
     if not isinstance(tiles, Tiles) or tiles.num_warps != 4 or tiles.block_m < 64:
         return f"needs `tiles` of 4 warps and at least 64 query rows, got {tiles}"
     if fp8 or not tma:
