@@ -317,17 +317,19 @@ class HSTULayer(nn.Module):
                 check_offsets=check_offsets,
                 precision=self.attention_precision,
             )
-        norm, width = self.attention_norm, dv if self.per_head_norm else h * dv
+        norm = self.attention_norm
+        if not self.per_head_norm:  # one norm over all heads of a token
+            attn_THD, u_THD = attn_THD.reshape(num_tokens, 1, h * dv), u_THD.reshape(num_tokens, 1, h * dv)
         gated = norm_mul(
-            attn_THD.reshape(-1, width),
-            u_THD.reshape(-1, width),
+            attn_THD,
+            u_THD,
             norm.weight,
             getattr(norm, "bias", None),
             eps=norm.eps,
             kind="rms" if isinstance(norm, nn.RMSNorm) else "layer",
             impl=pointwise,
         )
-        return x + self.dropout(self.output(gated.view(num_tokens, h * dv)))
+        return x + self.dropout(self.output(gated.reshape(num_tokens, h * dv)))
 
 
 class RelativePositionBias(nn.Module):

@@ -7,9 +7,11 @@ after a warm-up. References: ``torch.empty`` and one elementwise torch op; a Tri
 with 28 arguments (the launcher's own cost); then ``lightning_gem.ops.mx.quantize`` in the layouts an FP8
 Linear uses, each one Triton launch plus the kit's Python (validation, allocation, tuning lookup); then GDPA's
 forward, and its forward and backward, on a tiny jagged batch (an HSTU layer makes one such call), beside
-SDPA's on a padded batch of the same size; last, bf16 GEMMs (``torch.mm``, ``F.linear`` with a bias, and
-``torch._scaled_mm`` in FP8) whose row count is the same on every call against a new row count on every call,
-the host cost of a jagged batch whose token count changes each step.
+SDPA's on a padded batch of the same size, and with Q, K and V as strided views of one projection (pointer loads
+instead of tensor descriptors); an HSTU layer's pointwise work around its attention, fused and unfused; last, bf16
+GEMMs (``torch.mm``, ``F.linear`` with a bias, and ``torch._scaled_mm`` in FP8) whose row count is the same on
+every call against a new row count on every call, the host cost of a jagged batch whose token count changes each
+step.
 
 Usage (CUDA only):
     python examples/benchmarks/host_overhead.py
@@ -30,6 +32,7 @@ from gem_example import cprofile_table
 
 from lightning_gem.ops import gdpa
 from lightning_gem.ops.mx import quantize
+from lightning_gem.ops.pointwise import norm_mul, silu_split
 
 
 @triton.jit
@@ -112,12 +115,46 @@ def _attention_cases() -> list[tuple[str, Callable[[], object]]]:
     def sdpa_forward() -> torch.Tensor:
         return torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, is_causal=True)
 
+    # Q, K and V as strided views of one [T, H, 4 D] projection (an HSTU layer's split without the fused SiLU-split):
+    # GDPA then loads them through pointers instead of tensor descriptors.
+    uvqk = torch.randn(segments * length, heads, 4 * dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def gdpa_strided() -> torch.Tensor:
+        _, sv, sq, sk = uvqk.split([dim] * 4, dim=-1)
+        return gdpa(
+            sq, sk, sv, offsets, activation="silu", causal=True, max_seq_len_q=length, impl="triton",
+            check_offsets=False,
+        )  # fmt: skip
+
     return [
         ("GDPA softmax forward", lambda: gdpa_forward("softmax")),
         ("GDPA softmax forward + backward", lambda: gdpa_forward("softmax").sum().backward()),
         ("GDPA silu forward + backward", lambda: gdpa_forward("silu").sum().backward()),
+        ("GDPA silu forward + backward, strided q, k, v", lambda: gdpa_strided().sum().backward()),
         ("SDPA forward (padded)", sdpa_forward),
         ("SDPA forward + backward (padded)", lambda: sdpa_forward().sum().backward()),
+    ]
+
+
+def _pointwise_cases(tokens: int = 512, heads: int = 4, dim: int = 128) -> list[tuple[str, Callable[[], object]]]:
+    """An HSTU layer's pointwise work around its attention, forward + backward: the fused kernels
+    (:mod:`lightning_gem.ops.pointwise`) against PyTorch's unfused ops (``impl="reference"``)."""
+    uvqk = torch.randn(tokens, heads, 4 * dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    attn = torch.randn(tokens, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gate = torch.randn(tokens, heads, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.ones(dim, device="cuda", requires_grad=True)
+
+    def split(impl: str) -> None:
+        torch.autograd.backward(silu_split(uvqk, [dim] * 4, impl=impl), [attn] * 4)
+
+    def gated(impl: str) -> None:
+        norm_mul(attn, gate, weight, eps=1e-6, impl=impl).sum().backward()
+
+    return [
+        ("silu_split forward + backward, fused", lambda: split("auto")),
+        ("silu_split forward + backward, unfused", lambda: split("reference")),
+        ("norm_mul forward + backward, fused", lambda: gated("auto")),
+        ("norm_mul forward + backward, unfused", lambda: gated("reference")),
     ]
 
 
@@ -177,6 +214,7 @@ def main() -> None:
         ("quantize rowwise rows", lambda: quantize(a, "rowwise")),
         ("quantize 128x128 (weight)", lambda: quantize(a, "128x128")),
         *_attention_cases(),
+        *_pointwise_cases(),
         *_gemm_cases(),
     ]
     if args.only:

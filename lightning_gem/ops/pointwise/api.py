@@ -75,9 +75,7 @@ def silu_split(x: Tensor, sizes: Sequence[int], *, impl: str = "auto") -> tuple[
         return silu_split_reference(x, sizes)
     from lightning_gem.ops.pointwise.impl.triton import silu_split_triton
 
-    lead = x.shape[:-1]
-    parts = silu_split_triton(x.contiguous().view(-1, x.shape[-1]), sizes)
-    return tuple(p.view(*lead, p.shape[-1]) for p in parts)
+    return silu_split_triton(x.contiguous(), sizes)
 
 
 def norm_mul(
@@ -129,5 +127,4 @@ def norm_mul(
         return norm_mul_reference(x, gate, weight, bias, eps, kind)
     from lightning_gem.ops.pointwise.impl.triton import norm_mul_triton
 
-    rows = (x.contiguous().view(-1, n), gate.contiguous().view(-1, n))
-    return norm_mul_triton(*rows, weight, bias, eps, kind == "layer").view(x.shape)
+    return norm_mul_triton(x.contiguous(), gate.contiguous(), weight, bias, eps, kind == "layer")

@@ -189,9 +189,11 @@ def _tile_rows(block_cols: int, max_rows: int = 64) -> int:
 
 
 def silu_split_forward(x_RW: Tensor, sizes: tuple[int, ...]) -> tuple[Tensor, ...]:
-    """``SiLU(x)`` split into ``len(sizes)`` (1 to 4) contiguous ``[R, P]`` parts of ``sizes`` columns."""
-    num_rows = x_RW.shape[0]
-    parts = tuple(x_RW.new_empty(num_rows, p) for p in sizes)
+    """``SiLU(x)`` of a contiguous ``[..., W]`` tensor (``R`` rows of ``W``) split into ``len(sizes)`` (1 to 4)
+    contiguous ``[..., P]`` parts of ``sizes`` columns."""
+    num_rows = x_RW.numel() // x_RW.shape[-1]
+    lead = x_RW.shape[:-1]
+    parts = tuple(x_RW.new_empty(*lead, p) for p in sizes)
     if num_rows == 0:
         return parts
     block_p = next_power_of_2(max(sizes))
@@ -204,8 +206,8 @@ def silu_split_forward(x_RW: Tensor, sizes: tuple[int, ...]) -> tuple[Tensor, ..
 
 
 def silu_split_backward(x_RW: Tensor, grads: tuple[Tensor | None, ...], sizes: tuple[int, ...]) -> Tensor:
-    """``dX [R, W]``: each part's gradient (None: zeros) times ``SiLU'`` of its columns of ``x``."""
-    num_rows = x_RW.shape[0]
+    """``dX`` in ``x``'s shape: each part's gradient (None: zeros) times ``SiLU'`` of its columns of ``x``."""
+    num_rows = x_RW.numel() // x_RW.shape[-1]
     dx = torch.empty_like(x_RW)
     if num_rows == 0:
         return dx
@@ -226,8 +228,10 @@ def _warps(tile_elements: int) -> int:
 def norm_mul_forward(
     x_RN: Tensor, gate_RN: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, layer: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(norm(x) * gate, mean [R] fp32 (empty for RMSNorm), rstd [R] fp32)``."""
-    num_rows, n = x_RN.shape
+    """``(norm(x) * gate, mean [R] fp32 (empty for RMSNorm), rstd [R] fp32)`` of contiguous ``[..., N]`` tensors
+    (``R`` rows of ``N``)."""
+    n = x_RN.shape[-1]
+    num_rows = x_RN.numel() // n
     y = torch.empty_like(x_RN)
     rstd = x_RN.new_empty(num_rows, dtype=torch.float32)
     mean = x_RN.new_empty(num_rows if layer else 0, dtype=torch.float32)
@@ -256,7 +260,8 @@ def norm_mul_backward(
     layer: bool,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """``(dx, dgate, dweight, dbias)`` of :func:`norm_mul_forward` (the last two None without weight / bias)."""
-    num_rows, n = x_RN.shape
+    n = x_RN.shape[-1]
+    num_rows = x_RN.numel() // n
     dx, dgate = torch.empty_like(x_RN), torch.empty_like(gate_RN)
     block_n = next_power_of_2(n)
     block_r = _tile_rows(block_n, max_rows=32)
