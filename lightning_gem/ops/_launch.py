@@ -4,13 +4,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
 
-__all__ = ["cdiv", "compile_only", "is_interpreted", "launch", "next_power_of_2", "plain_eager", "records_graph"]
+__all__ = [
+    "cdiv",
+    "compile_only",
+    "is_interpreted",
+    "launch",
+    "next_power_of_2",
+    "plain_eager",
+    "records_graph",
+    "resolve_triton_impl",
+]
 
 _COMPILE_ONLY: ContextVar[bool] = ContextVar("lightning_gem_compile_only", default=False)
 
@@ -55,6 +64,29 @@ def is_interpreted(kernel: object) -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
     return isinstance(kernel, InterpretedFunction)
+
+
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def resolve_triton_impl(impl: str, impls: Sequence[str], x: torch.Tensor, kernel: Callable[[], object]) -> str:
+    """``"reference"`` or ``"triton"`` for an op family's ``impl`` (one of ``impls``) and input ``x``: ``"auto"`` takes
+    Triton for CUDA tensors of float16, bfloat16 or float32 and the reference otherwise; ``"triton"`` raises for
+    other dtypes, and off CUDA unless ``kernel()`` (one of the family's kernels, imported on demand) runs in Triton's
+    interpreter. A named impl never falls back."""
+    if impl not in impls:
+        raise ValueError(f"`impl` must be one of {tuple(impls)}, got {impl!r}")
+    if impl == "auto":
+        return "triton" if x.device.type == "cuda" and x.dtype in _TRITON_DTYPES else "reference"
+    if impl == "triton":
+        if x.dtype not in _TRITON_DTYPES:
+            raise TypeError(f"impl='triton' takes float16, bfloat16 or float32 inputs, got {x.dtype}")
+        if x.device.type != "cuda" and not is_interpreted(kernel()):
+            raise ValueError(
+                f"impl='triton' needs CUDA tensors, got {x.device} (on CPU the kernels run only under "
+                "TRITON_INTERPRET=1, set before Triton is imported)"
+            )
+    return impl
 
 
 @contextmanager

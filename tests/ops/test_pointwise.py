@@ -81,6 +81,8 @@ def test_inputs_are_checked() -> None:
         silu_split(x, (2, 2, 2, 1, 1))
     with pytest.raises(ValueError, match="impl"):
         silu_split(x, (4, 4), impl="cuda")
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):  # a named impl never falls back
+        silu_split(x.double(), (4, 4), impl="triton")
     with pytest.raises(ValueError, match="gate"):
         norm_mul(x, x[:, :4])
     with pytest.raises(ValueError, match="weight"):

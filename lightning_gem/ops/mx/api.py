@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from lightning_gem.ops._launch import resolve_triton_impl
 from lightning_gem.ops.mx.formats import LAYOUTS, QuantizedTensor, block_shape, decode_scale
 from lightning_gem.ops.mx.impl.reference import norm_reference, normalize_with_stats, quantize_reference
 
@@ -47,23 +48,13 @@ class NormQuantized(NamedTuple):
 
 def resolve_impl(impl: str, x: Tensor) -> str:
     """``"reference"`` or ``"triton"`` for ``impl`` and input ``x`` (``"auto"``: Triton for CUDA floats)."""
-    if impl not in IMPLS:
-        raise ValueError(f"`impl` must be one of {IMPLS}, got {impl!r}")
-    if impl == "auto":
-        return "triton" if x.device.type == "cuda" and x.dtype in _FLOAT_DTYPES else "reference"
-    if impl == "triton":
-        from lightning_gem.ops._launch import is_interpreted
-        from lightning_gem.ops.mx.impl.triton import SUPPORTED_DTYPES
-        from lightning_gem.ops.mx.impl.triton.quantize import _quantize_kernel
+    return resolve_triton_impl(impl, IMPLS, x, _quantize_kernel)
 
-        if x.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"impl='triton' takes float16, bfloat16 or float32 inputs, got {x.dtype}")
-        if x.device.type != "cuda" and not is_interpreted(_quantize_kernel):
-            raise ValueError(
-                f"impl='triton' needs CUDA tensors, got {x.device} (on CPU the kernels run only under "
-                "TRITON_INTERPRET=1, set before Triton is imported)"
-            )
-    return impl
+
+def _quantize_kernel() -> object:
+    from lightning_gem.ops.mx.impl.triton.quantize import _quantize_kernel
+
+    return _quantize_kernel
 
 
 def _check_matrix(x: Tensor, name: str, layout: str) -> None:

@@ -15,32 +15,23 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_gem.ops._launch import resolve_triton_impl
 from lightning_gem.ops.pointwise.impl.reference import norm_mul_reference, silu_split_reference
 
 __all__ = ["IMPLS", "norm_mul", "silu_split"]
 
 IMPLS = ("auto", "reference", "triton")
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _NORMS = ("rms", "layer")
 
 
 def _resolve_impl(impl: str, x: Tensor) -> str:
-    if impl not in IMPLS:
-        raise ValueError(f"`impl` must be one of {IMPLS}, got {impl!r}")
-    if impl == "auto":
-        return "triton" if x.device.type == "cuda" and x.dtype in _FLOAT_DTYPES else "reference"
-    if impl == "triton":
-        from lightning_gem.ops._launch import is_interpreted
-        from lightning_gem.ops.pointwise.impl.triton.kernels import _silu_split_fwd_kernel
+    return resolve_triton_impl(impl, IMPLS, x, _silu_split_kernel)
 
-        if x.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"impl='triton' takes float16, bfloat16 or float32 inputs, got {x.dtype}")
-        if x.device.type != "cuda" and not is_interpreted(_silu_split_fwd_kernel):
-            raise ValueError(
-                f"impl='triton' needs CUDA tensors, got {x.device} (on CPU the kernels run only under "
-                "TRITON_INTERPRET=1, set before Triton is imported)"
-            )
-    return impl
+
+def _silu_split_kernel() -> object:
+    from lightning_gem.ops.pointwise.impl.triton.kernels import _silu_split_fwd_kernel
+
+    return _silu_split_fwd_kernel
 
 
 def silu_split(x: Tensor, sizes: Sequence[int], *, impl: str = "auto") -> tuple[Tensor, ...]:
