@@ -77,6 +77,15 @@ def _unique(items: list) -> list:
     return list(dict.fromkeys(items))
 
 
+def _context_lost(error: Exception) -> bool:
+    """Whether ``error`` is a CUDA error (a faulting kernel): the process's CUDA context is lost, so every later launch
+    would fail as well, whatever its variant. Said, and the workload's remaining variants are not run."""
+    if type(error).__name__ != "AcceleratorError" and "CUDA error" not in str(error):
+        return False
+    print("    (a CUDA error: this process cannot launch again; the remaining variants were not run)")
+    return True
+
+
 def parse_plan(text: str) -> BackwardTiles:
     """``"32,64,8,2"`` (block_m, block_n, warps, stages of the dK/dV kernel with atomic dQ), with ``,tma`` (dQ
     through bulk tensor reductions), ``,split`` (dK and dV in programs of their own) and ``,dq128x64`` (dQ programs
@@ -134,6 +143,8 @@ def sweep_case(
             ms = _bench(lambda t=variant: forward(t))
         except Exception as error:
             print(f"    failed     {label}: {type(error).__name__}")
+            if _context_lost(error):
+                return {**result, "context_lost": label}
             continue
         result["forward"].append({"tiles": list(tiles), "tma": tma, "ws": ws, "ms": ms, "tflops": fwd_flops / ms / 1e9})
         print(f"    {ms * 1e3:8.1f} us {fwd_flops / ms / 1e9:7.1f} TF/s  {label}")
@@ -175,6 +186,8 @@ def sweep_case(
             grads = backward(plan)
         except Exception as error:
             print(f"    failed     {label} {plan}: {type(error).__name__}: {str(error)[:200]}")
+            if _context_lost(error):
+                return {**result, "context_lost": label}
             continue
         err = max(float((g.float() - r).abs().max() / r.abs().max().clamp_min(1e-30)) for g, r in
                   zip(grads, reference, strict=True)) if reference is not None else float("nan")  # fmt: skip
@@ -224,6 +237,11 @@ def main() -> None:
             print(f"\n== {name}: {label} (H={workload.heads}, D={workload.dim}) ==", flush=True)
             key = f"{name}: {label} H={workload.heads} D={workload.dim}"
             results[key] = sweep_case(case, args.quick, tuple(args.parts.split(",")), tuple(args.plans))
+            if "context_lost" in results[key]:
+                break
+        else:
+            continue
+        break  # the process's CUDA context is lost: nothing more can run in it
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
 
