@@ -274,7 +274,7 @@ class HSTULayer(nn.Module):
         pointwise = self.pointwise_impl or _POINTWISE_BESIDE.get(self.attention_impl, "auto")
         uvqk_TX = self.uvqk(self.input_norm(x))  # every token, also when x holds a shard of them
         num_tokens = uvqk_TX.shape[0]
-        # One pass: SiLU, and U, V, Q, K each contiguous (the attention kernels' fastest loads).
+        # One pass: SiLU, and U, V, Q, K each contiguous; its backward writes d(uvqk) in one pass too.
         uvqk_THX = uvqk_TX.view(num_tokens, h, 2 * dv + 2 * dqk)
         u_THD, v_THD, q_THD, k_THD = silu_split(uvqk_THX, (dv, dv, dqk, dqk), impl=pointwise)
         if self.time_bias is not None and time_buckets is None:

@@ -38,7 +38,7 @@ def silu_split(x: Tensor, sizes: Sequence[int], *, impl: str = "auto") -> tuple[
     """``SiLU(x)`` split along the last dim into parts of ``sizes`` columns, each part contiguous.
 
     The HSTU layer's ``U, V, Q, K`` from its projection viewed as ``[T, H, 2 Dv + 2 Dqk]``: each part comes out
-    as its own contiguous ``[T, H, P]`` tensor (what the attention kernels load fastest), in one pass over ``x``;
+    as its own contiguous ``[T, H, P]`` tensor (dense rows, which tensor-descriptor loads need), in one pass over ``x``;
     the backward writes ``x``'s gradient in one pass over the parts' gradients (a part whose output is unused
     gets zeros).
 

@@ -4,8 +4,8 @@ Legend: ``R`` rows (tokens x heads for per-head work, tokens otherwise), ``W`` a
 columns, ``N`` the normalised width.
 
 - ``silu_split``: ``SiLU`` of the ``uvqk`` projection's rows, written as four contiguous parts (U, V, Q, K): one
-  read and one write, where ``F.silu`` then strided views left the attention with rows it cannot load through
-  tensor descriptors. Its backward multiplies the parts' gradients by ``SiLU'`` straight into the projection's
+  read and one write, where ``F.silu`` left one wide activation and the split strided views of it (which tensor
+  descriptors cannot read). Its backward multiplies the parts' gradients by ``SiLU'`` straight into the projection's
   gradient, where autograd concatenated the parts' gradients first (one more read and write of the widest
   activation of the layer).
 - ``norm_mul``: ``norm(A) * U`` (RMSNorm or LayerNorm of the attention output, gated): one pass forward where the
