@@ -78,7 +78,11 @@ for s in "${steps[@]}"; do
     precision) step precision 600 $PY examples/benchmarks/precision.py --tokens 16384 65536 --rounds 3 \
       --quality-steps 150 --profile --host-profile --out "$OUT/precision.json" ;;
     host) step host_overhead 120 $PY examples/benchmarks/host_overhead.py ;;
-    encoder) step encoder_step 300 $PY examples/benchmarks/encoder_step.py --out "$OUT/encoder_step.json" ;;
+    encoder)  # the fused pointwise kernels against PyTorch's unfused ops, each variant twice, interleaved
+      step encoder_step 300 $PY examples/benchmarks/encoder_step.py --variants unfused kit-norm kit-norm unfused \
+        --reps 20 --out "$OUT/encoder_step.json"
+      step encoder_step_1024 300 $PY examples/benchmarks/encoder_step.py --dim 1024 --num-heads 4 \
+        --variants unfused kit-norm kit-norm unfused --reps 15 --out "$OUT/encoder_step_1024.json" ;;
     balance)  # 64 and 32 users per simulated rank: the smaller shares are the more unequal ones
       step balance 300 $PY examples/benchmarks/balance_ranks.py --num-batches 4 --reps 3 \
         --out "$OUT/balance_ranks.json"
@@ -109,6 +113,10 @@ for s in "${steps[@]}"; do
         step e2e_nvidia_$tag 500 $PY examples/benchmarks/e2e.py --preset nvidia-hstu --stacks kit --kit-precision bf16 \
           --warmup 50 --steps 30 --profile-steps 2 $v --root "$OUT/e2e_nvidia_$tag" --out "$OUT/e2e_nvidia_$tag.json"
       done
+      # NVIDIA's HSTU shapes with the fused pointwise kernels around each layer's attention and without them
+      step e2e_pointwise 500 $PY examples/benchmarks/e2e.py --preset nvidia-hstu --stacks kit,kit-unfused \
+        --kit-precision bf16 --warmup 30 --steps 20 --profile-steps 2 --token-multiple 1024 --fused-optimizer \
+        --root "$OUT/e2e_pointwise" --out "$OUT/e2e_pointwise.json"
       # The fast path's losses against the kit's plain eager path over 100 steps, same batches, with a second eager
       # run as the gap nondeterministic kernels alone make
       step e2e_losses 600 $PY examples/benchmarks/e2e.py --stacks kit,kit-eager,kit-eager-2 --kit-precision bf16 \
