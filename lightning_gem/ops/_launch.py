@@ -14,6 +14,7 @@ __all__ = [
     "cdiv",
     "compile_only",
     "is_interpreted",
+    "keep_opaque_when_interpreted",
     "launch",
     "next_power_of_2",
     "plain_eager",
@@ -64,6 +65,23 @@ def is_interpreted(kernel: object) -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
     return isinstance(kernel, InterpretedFunction)
+
+
+def keep_opaque_when_interpreted(kernel: object, *ops: object) -> None:
+    """Where ``kernel`` runs in Triton's interpreter (CPU tests), keep ``ops`` (``triton_op`` s of its family) opaque
+    nodes under AOT autograd's tracing (``FunctionalTensorMode``), run eagerly. A ``triton_op`` decomposes into its
+    kernels there through ``wrap_triton``, which cannot wrap interpreted kernels: the decomposition would trace only
+    the allocations."""
+    if not is_interpreted(kernel):
+        return
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    for op in ops:
+        op.register_torch_dispatch(FunctionalTensorMode, _keep_opaque)  # type: ignore[attr-defined]
+
+
+def _keep_opaque(mode, op, types, args, kwargs):
+    return mode.__torch_dispatch__(op, types, args, kwargs)
 
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

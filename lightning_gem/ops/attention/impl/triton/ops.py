@@ -13,10 +13,9 @@ import inspect
 
 import torch
 from torch import Tensor
-from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.library import triton_op
 
-from lightning_gem.ops._launch import plain_eager, records_graph
+from lightning_gem.ops._launch import keep_opaque_when_interpreted, plain_eager, records_graph
 from lightning_gem.ops.attention.impl.triton._common import is_interpreted
 from lightning_gem.ops.attention.impl.triton.backward import gdpa_backward
 from lightning_gem.ops.attention.impl.triton.forward import _gdpa_fwd_kernel, gdpa_forward
@@ -106,16 +105,7 @@ def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
 _gdpa_triton_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _keep_opaque(mode, op, types, args, kwargs):
-    return mode.__torch_dispatch__(op, types, args, kwargs)
-
-
-if is_interpreted(_gdpa_fwd_kernel):
-    # triton_op decomposes into its kernels when AOT autograd traces (FunctionalTensorMode), through
-    # wrap_triton; interpreted kernels cannot be wrapped, so the decomposition would trace only the
-    # allocations. Under the interpreter (CPU tests) the ops therefore stay opaque nodes, run eagerly.
-    for _op in (_gdpa_triton_op, _gdpa_triton_backward_op):
-        _op.register_torch_dispatch(FunctionalTensorMode, _keep_opaque)
+keep_opaque_when_interpreted(_gdpa_fwd_kernel, _gdpa_triton_op, _gdpa_triton_backward_op)
 
 
 register_flop_formulas(

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.library import triton_op
 
-from lightning_gem.ops._launch import is_interpreted
+from lightning_gem.ops._launch import keep_opaque_when_interpreted
 from lightning_gem.ops.mx.impl.triton.norm_quantize import _norm_quantize_kernel, norm_quantize_triton
 from lightning_gem.ops.mx.impl.triton.quantize import quantize_triton
 
@@ -58,15 +57,7 @@ def _quantize(x, layout, rounding, rows, cols, norm_kind, rstd, mean, weight, bi
 mx_norm_quantize_op = triton_op("lightning_gem::mx_norm_quantize", mutates_args=())(norm_quantize_triton)
 
 
-def _keep_opaque(mode, op, types, args, kwargs):
-    return mode.__torch_dispatch__(op, types, args, kwargs)
-
-
-if is_interpreted(_norm_quantize_kernel):
-    # Under the interpreter (CPU tests) the kernels cannot be wrapped into a traced graph, so the ops stay
-    # opaque nodes that run eagerly instead of decomposing into allocations alone.
-    for _op in (mx_quantize_op, mx_norm_quantize_op):
-        _op.register_torch_dispatch(FunctionalTensorMode, _keep_opaque)
+keep_opaque_when_interpreted(_norm_quantize_kernel, mx_quantize_op, mx_norm_quantize_op)
 
 
 def mx_quantize(*args: object) -> tuple[Tensor, ...]:

@@ -188,6 +188,12 @@ def _tile_rows(block_cols: int, max_rows: int = 64) -> int:
     return max(1, min(max_rows, _ELEMENTS // block_cols))
 
 
+def _split_launch(sizes: tuple[int, ...]) -> tuple[int, int, tuple[int, ...]]:
+    """``(BLOCK_P, BLOCK_R, sizes padded to four with zeros)`` of the SiLU-split kernels."""
+    block_p = next_power_of_2(max(sizes))
+    return block_p, _tile_rows(block_p), (*sizes, 0, 0, 0)[:4]
+
+
 def silu_split_forward(x_RW: Tensor, sizes: tuple[int, ...]) -> tuple[Tensor, ...]:
     """``SiLU(x)`` of a contiguous ``[..., W]`` tensor (``R`` rows of ``W``) split into ``len(sizes)`` (1 to 4)
     contiguous ``[..., P]`` parts of ``sizes`` columns."""
@@ -196,9 +202,7 @@ def silu_split_forward(x_RW: Tensor, sizes: tuple[int, ...]) -> tuple[Tensor, ..
     parts = tuple(x_RW.new_empty(*lead, p) for p in sizes)
     if num_rows == 0:
         return parts
-    block_p = next_power_of_2(max(sizes))
-    block_r = _tile_rows(block_p)
-    padded = (*sizes, 0, 0, 0)[:4]
+    block_p, block_r, padded = _split_launch(sizes)
     outs = (*parts, x_RW, x_RW, x_RW)[:4]  # a missing part is never written (its size is 0)
     args = (x_RW, *outs, num_rows, *padded, block_p, block_r)
     launch(_silu_split_fwd_kernel, (cdiv(num_rows, block_r),), args, {"num_warps": 4})
@@ -211,9 +215,7 @@ def silu_split_backward(x_RW: Tensor, grads: tuple[Tensor | None, ...], sizes: t
     dx = torch.empty_like(x_RW)
     if num_rows == 0:
         return dx
-    block_p = next_power_of_2(max(sizes))
-    block_r = _tile_rows(block_p)
-    padded = (*sizes, 0, 0, 0)[:4]
+    block_p, block_r, padded = _split_launch(sizes)
     has = tuple(g is not None for g in grads) + (False,) * (4 - len(grads))
     gs = tuple(g.contiguous() if g is not None else x_RW for g in (*grads, None, None, None)[:4])
     args = (x_RW, *gs, dx, num_rows, *padded, block_p, block_r, *has)
@@ -268,11 +270,11 @@ def norm_mul_backward(
     num_tiles = cdiv(num_rows, block_r)
     per_device = 4 * _num_sms(x_RN.device.index or 0) if x_RN.device.type == "cuda" else 4
     programs = max(1, min(num_tiles, per_device))
+    if num_rows == 0:
+        return dx, dgate, None if weight is None else weight.new_zeros(n), None if bias is None else bias.new_zeros(n)
     # Every program writes its whole row of partial sums (zeros where it met no tile).
     dw_part = x_RN.new_empty(programs, n, dtype=torch.float32) if weight is not None else None
     db_part = x_RN.new_empty(programs, n, dtype=torch.float32) if bias is not None else None
-    if num_rows == 0:
-        return dx, dgate, None if weight is None else weight.new_zeros(n), None if bias is None else bias.new_zeros(n)
     args = (
         grad_RN.contiguous(), x_RN, gate_RN, weight, bias, mean if layer else rstd, rstd, dx, dgate, dw_part, db_part,
         num_rows, num_tiles, n, block_n, block_r, layer,

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.library import triton_op
 
-from lightning_gem.ops._launch import is_interpreted, plain_eager, records_graph
+from lightning_gem.ops._launch import keep_opaque_when_interpreted, plain_eager, records_graph
 from lightning_gem.ops.pointwise.impl.triton.kernels import (
     _silu_split_fwd_kernel,
     norm_mul_backward,
@@ -87,15 +86,9 @@ def _norm_mul_grad(ctx, grad_y, _grad_mean, _grad_rstd):
 _norm_mul_op.register_autograd(_norm_mul_grad, setup_context=_norm_mul_setup)
 
 
-def _keep_opaque(mode, op, types, args, kwargs):
-    return mode.__torch_dispatch__(op, types, args, kwargs)
-
-
-if is_interpreted(_silu_split_fwd_kernel):
-    # Under the interpreter (CPU tests) the kernels cannot be wrapped into a traced graph, so the ops stay
-    # opaque nodes that run eagerly instead of decomposing into allocations alone.
-    for _op in (_silu_split_op, _silu_split_backward_op, _norm_mul_op, _norm_mul_backward_op):
-        _op.register_torch_dispatch(FunctionalTensorMode, _keep_opaque)
+keep_opaque_when_interpreted(
+    _silu_split_fwd_kernel, _silu_split_op, _silu_split_backward_op, _norm_mul_op, _norm_mul_backward_op
+)
 
 
 class _SiluSplitEager(torch.autograd.Function):
