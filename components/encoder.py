@@ -23,7 +23,7 @@ from lightning_gem.ops import gdpa
 from lightning_gem.ops._launch import next_power_of_2
 from lightning_gem.ops.attention import ACTIVATIONS, IMPLS, PRECISIONS
 from lightning_gem.ops.pointwise import IMPLS as POINTWISE_IMPLS
-from lightning_gem.ops.pointwise import norm_mul, silu_split
+from lightning_gem.ops.pointwise import norm, norm_mul, silu_split
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -37,6 +37,7 @@ __all__ = [
     "RelativeTimeBias",
     "compile_hstu_layers",
     "make_norm",
+    "norm_for_linear",
     "pad_tokens_to_multiple",
     "recency_positions",
     "relative_bias_attention",
@@ -92,6 +93,9 @@ def check_option(value: object, name: str, allowed: tuple[str | None, ...]) -> s
     return value
 
 
+_PLAIN_NORMS = (RMSNorm, nn.RMSNorm, nn.LayerNorm)
+
+
 def make_norm(kind: NormKind, dim: int, eps: float = 1e-6) -> nn.Module:
     """:class:`RMSNorm` (``"rms"``) or ``nn.LayerNorm`` (``"layer"``) over the last ``dim`` features."""
     if kind == "rms":
@@ -99,6 +103,22 @@ def make_norm(kind: NormKind, dim: int, eps: float = 1e-6) -> nn.Module:
     if kind == "layer":
         return nn.LayerNorm(dim, eps=eps)
     raise ValueError(f"`norm` must be 'rms' or 'layer', got {kind!r}")
+
+
+def norm_for_linear(module: nn.Module, x: Tensor, impl: str = "auto") -> Tensor:
+    """``module(x)`` for a Linear to read: under autocast, a float32 ``x`` normalised by a plain RMSNorm or LayerNorm
+    comes out in the autocast dtype in one pass (:func:`lightning_gem.ops.pointwise.norm`), the values autocast's
+    cast for the Linear would make of the norm's float32 output; anything else (no autocast, other input dtypes,
+    other norm classes, such as the FP8 recipe's fused norms) is ``module(x)``. ``impl``: the pointwise ops' impl."""
+    device = x.device.type
+    if x.dtype != torch.float32 or type(module) not in _PLAIN_NORMS or not torch.is_autocast_enabled(device):
+        return module(x)
+    dtype = torch.get_autocast_dtype(device)
+    if dtype == torch.float32 or len(module.normalized_shape) != 1:
+        return module(x)
+    kind = "layer" if isinstance(module, nn.LayerNorm) else "rms"
+    bias = getattr(module, "bias", None) if kind == "layer" else None
+    return norm(x, module.weight, bias, eps=module.eps, kind=kind, out_dtype=dtype, impl=impl)
 
 
 class HSTULayer(nn.Module):
@@ -272,7 +292,7 @@ class HSTULayer(nn.Module):
         """
         h, dv, dqk = self.num_heads, self.linear_dim, self.attention_dim
         pointwise = self.pointwise_impl or _POINTWISE_BESIDE.get(self.attention_impl, "auto")
-        uvqk_TX = self.uvqk(self.input_norm(x))  # every token, also when x holds a shard of them
+        uvqk_TX = self.uvqk(norm_for_linear(self.input_norm, x, pointwise))  # every token, also of a sharded x
         num_tokens = uvqk_TX.shape[0]
         # One pass: SiLU, and U, V, Q, K each contiguous; its backward writes d(uvqk) in one pass too.
         uvqk_THX = uvqk_TX.view(num_tokens, h, 2 * dv + 2 * dqk)

@@ -17,7 +17,7 @@ from lightning_gem import jagged
 from lightning_gem.ops import gdpa
 from lightning_gem.ops.attention import ACTIVATIONS, IMPLS, PRECISIONS
 
-from .encoder import NormKind, check_option, make_norm, record_attention_stats
+from .encoder import _POINTWISE_BESIDE, NormKind, check_option, make_norm, norm_for_linear, record_attention_stats
 
 __all__ = ["GDPAInteraction"]
 
@@ -173,8 +173,9 @@ class GDPAInteraction(nn.Module):
             if t.dim() != 2 or t.shape[1] != self.dim:
                 raise ValueError(f"`{name}` must be [*, {self.dim}], got shape {tuple(t.shape)}")
         num_candidates, h, d = candidates.shape[0], self.num_heads, self.head_dim
-        q_CHD = self.query(self.query_norm(candidates)).view(num_candidates, h, d)
-        kv_THD = self.key_value(self.history_norm(history)).view(history.shape[0], h, 2 * d)
+        pointwise = _POINTWISE_BESIDE.get(self.attention_impl, "auto")
+        q_CHD = self.query(norm_for_linear(self.query_norm, candidates, pointwise)).view(num_candidates, h, d)
+        kv_THD = self.key_value(norm_for_linear(self.history_norm, history, pointwise)).view(history.shape[0], h, 2 * d)
         k_THD, v_THD = kv_THD.split([d, d], dim=-1)
         if self.collect_stats and self.attention_precision == "fp8":
             record_attention_stats(self, q_CHD, k_THD, v_THD, history_offsets)
@@ -198,7 +199,7 @@ class GDPAInteraction(nn.Module):
             x = x + self._token_interaction(x, a, candidate_offsets, context)
         elif context is not None:
             raise ValueError("`context` needs `self_interaction=True` and `num_context_tokens` > 0")
-        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+        return x + self.dropout(self.mlp(norm_for_linear(self.mlp_norm, x, pointwise)))
 
     def _token_interaction(self, x: Tensor, a: Tensor, candidate_offsets: Tensor, context: Tensor | None) -> Tensor:
         tokens = [x, a]

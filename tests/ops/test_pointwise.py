@@ -1,12 +1,13 @@
-"""The fused pointwise ops (SiLU-split, norm-gate): Triton kernels against the float64 reference, forward and
-backward, on odd widths, empty and one-row inputs; validation; the HSTU layer on either path; torch.compile."""
+"""The fused pointwise ops (SiLU-split, norm-gate, norm to another dtype): Triton kernels against the float64
+reference, forward and backward, on odd widths, empty and one-row inputs; validation; the HSTU layer on either path,
+also under autocast; torch.compile."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightning_gem.ops.pointwise import norm_mul, silu_split
+from lightning_gem.ops.pointwise import norm, norm_mul, silu_split
 from lightning_gem.testing.numerics import assert_within_budget
 
 
@@ -73,6 +74,71 @@ def test_norm_mul_matches_reference(device: str, rows: int, width: int, kind: st
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * max(1, rows) ** 0.5, msg=name)
 
 
+@pytest.mark.parametrize(("rows", "width"), NORMS)
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
+def test_norm_matches_reference(device: str, rows: int, width: int, kind: str, affine: bool, out_dtype) -> None:
+    """``norm`` of float32 rows written in ``out_dtype``: the float64 norm rounded once to it; the backward takes a
+    gradient of ``out_dtype`` and gives float32 ones. (float16 out: a low-precision dtype the interpreter stores
+    faithfully; the GPU test below runs bf16.)"""
+    x = torch.randn(rows, width, device=device, requires_grad=True)
+    weight = torch.randn(width, device=device, requires_grad=True) if affine else None
+    bias = torch.randn(width, device=device, requires_grad=True) if affine and kind == "layer" else None
+    leaves = [t for t in (x, weight, bias) if t is not None]
+    y = norm(x, weight, bias, eps=1e-5, kind=kind, out_dtype=out_dtype, impl="triton")
+    assert y.dtype == out_dtype and y.shape == x.shape
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    x64, *affine64 = leaves64
+    w64, b64 = (affine64 + [None, None])[:2]
+    exact = norm(x64, w64, b64, eps=1e-5, kind=kind, impl="reference")
+    ulp = torch.finfo(out_dtype).eps
+    torch.testing.assert_close(y.double(), exact, rtol=ulp, atol=1e-5)
+    grad = torch.randn_like(y)
+    grads = _grads(y, leaves, grad)
+    assert all(g.dtype == torch.float32 for g in grads)
+    for got, want, name in zip(grads, _grads(exact, leaves64, grad.double()), "xwb", strict=False):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * max(1, rows) ** 0.5, msg=name)
+
+
+def test_norm_reference_is_the_module_then_the_cast() -> None:
+    """The reference is what a norm module and autocast's cast for a Linear compute; the default out dtype is x's."""
+    x = torch.randn(4, 3, 16)
+    module = torch.nn.LayerNorm(16, eps=1e-5)
+    torch.nn.init.normal_(module.weight)
+    torch.nn.init.normal_(module.bias)
+    got = norm(x, module.weight, module.bias, eps=1e-5, kind="layer", out_dtype=torch.bfloat16, impl="reference")
+    assert torch.equal(got, module(x).to(torch.bfloat16))
+    assert norm(x, impl="reference").dtype == torch.float32
+
+
+def test_norm_for_linear_under_autocast(device: str) -> None:
+    """Under autocast a float32 input's norm comes out in the autocast dtype (the values of the module then the cast);
+    without autocast and for other norm classes it is the module's own output."""
+    from lightning_gem.components.encoder import RMSNorm, norm_for_linear
+
+    torch.manual_seed(0)
+    x = torch.randn(9, 24, device=device)
+    for module in (RMSNorm(24, eps=1e-6), torch.nn.LayerNorm(24)):
+        module = module.to(device)
+        torch.nn.init.normal_(module.weight)
+        want = module(x)
+        with torch.autocast(device, dtype=torch.float16 if device == "cpu" else torch.bfloat16):
+            got = norm_for_linear(module, x, "triton")
+            dtype = torch.get_autocast_dtype(device)
+            assert got.dtype == dtype
+            torch.testing.assert_close(got.float(), want.to(dtype).float(), rtol=torch.finfo(dtype).eps, atol=1e-5)
+        assert torch.equal(norm_for_linear(module, x, "triton"), want)  # no autocast: the module
+
+    class OwnNorm(torch.nn.LayerNorm):  # another class (e.g. a norm fused with FP8 quantization) keeps its forward
+        def forward(self, input):
+            return super().forward(input) + 1
+
+    own = OwnNorm(24).to(device)
+    with torch.autocast(device, dtype=torch.float16 if device == "cpu" else torch.bfloat16):
+        assert torch.equal(norm_for_linear(own, x, "triton"), own(x))
+
+
 def test_inputs_are_checked() -> None:
     x = torch.randn(3, 8)
     with pytest.raises(ValueError, match="sizes"):
@@ -93,6 +159,12 @@ def test_inputs_are_checked() -> None:
         norm_mul(x, x, kind="batch")
     with pytest.raises(TypeError, match="dtype"):
         norm_mul(x, x.double())
+    with pytest.raises(TypeError, match="out_dtype"):
+        norm(x, out_dtype=torch.int32)
+    with pytest.raises(ValueError, match="weight"):
+        norm(x, torch.ones(4))
+    with pytest.raises(ValueError, match="bias"):
+        norm(x, torch.ones(8), torch.zeros(8))
 
 
 @pytest.mark.parametrize("per_head_norm", [True, False])
@@ -176,3 +248,20 @@ def test_bf16_within_budget_gpu(kind: str) -> None:
     grads = zip(_grads(y, leaves, g), _grads(exact, leaves64, g.double()), _grads(naive, plain, g), names, strict=True)
     for got, want, same, name in grads:
         assert_within_budget(got, want, same, name=f"d{name}", ulps=16.0)
+
+    # The norm of a float32 residual stream written in bf16 (and its float32 gradient) against the module then the cast.
+    x = torch.randn(3001 * 4, 1024, device="cuda", requires_grad=True)
+    w = torch.randn(1024, device="cuda", requires_grad=True)
+    b = torch.randn(1024, device="cuda", requires_grad=True) if kind == "layer" else None
+    leaves = [t for t in (x, w, b) if t is not None]
+    y = norm(x, w, b, eps=1e-6, kind=kind, out_dtype=torch.bfloat16)
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    exact = norm(*leaves64[:2], leaves64[2] if b is not None else None, eps=1e-6, kind=kind, impl="reference")
+    plain = [t.detach().requires_grad_() for t in leaves]
+    naive = norm(*plain[:2], plain[2] if b is not None else None, eps=1e-6, kind=kind, out_dtype=torch.bfloat16,
+                 impl="reference")  # fmt: skip
+    assert_within_budget(y, exact, naive, name="norm y")
+    g = torch.randn_like(y)
+    grads = zip(_grads(y, leaves, g), _grads(exact, leaves64, g.double()), _grads(naive, plain, g), "xwb", strict=False)
+    for got, want, same, name in grads:
+        assert_within_budget(got, want, same, name=f"norm d{name}", ulps=16.0)

@@ -1,8 +1,9 @@
 """Public fused pointwise ops of the HSTU layer: validation, defaults and ``impl=`` dispatch.
 
-An HSTU layer (Zhai et al., 2024) computes ``U, V, Q, K = split(SiLU(uvqk(x)))`` before its attention and
+An HSTU layer (Zhai et al., 2024) computes ``U, V, Q, K = split(SiLU(uvqk(norm(x))))`` before its attention and
 ``norm(A) * U`` after it. Unfused, each is several kernels, and the split leaves Q, K and V as strided views of one
-wide activation. ``impl="reference"`` is pure PyTorch (any device, the oracle); ``"triton"`` runs the kernels
+wide activation; under autocast, the input's norm runs on the float32 residual stream and autocast then casts its
+output for the projection. ``impl="reference"`` is pure PyTorch (any device, the oracle); ``"triton"`` runs the kernels
 (CUDA, or CPU under ``TRITON_INTERPRET=1``) and never falls back; ``"auto"`` picks Triton for CUDA tensors of
 fp32/fp16/bf16 and the reference otherwise. The kernels compute in fp32 and round once to the input's dtype;
 the reference is the unfused composition (each op rounded to the input's dtype).
@@ -16,9 +17,9 @@ import torch
 from torch import Tensor
 
 from lightning_gem.ops._launch import resolve_triton_impl
-from lightning_gem.ops.pointwise.impl.reference import norm_mul_reference, silu_split_reference
+from lightning_gem.ops.pointwise.impl.reference import norm_mul_reference, norm_reference, silu_split_reference
 
-__all__ = ["IMPLS", "norm_mul", "silu_split"]
+__all__ = ["IMPLS", "norm", "norm_mul", "silu_split"]
 
 IMPLS = ("auto", "reference", "triton")
 _NORMS = ("rms", "layer")
@@ -69,6 +70,66 @@ def silu_split(x: Tensor, sizes: Sequence[int], *, impl: str = "auto") -> tuple[
     return silu_split_triton(x.contiguous(), sizes)
 
 
+def _check_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str) -> None:
+    if kind not in _NORMS:
+        raise ValueError(f"`kind` must be one of {_NORMS}, got {kind!r}")
+    n = x.shape[-1]
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and tuple(t.shape) != (n,):
+            raise ValueError(f"`{name}` must be [{n}], got {tuple(t.shape)}")
+    if bias is not None and kind == "rms":
+        raise ValueError("`bias` is for kind='layer' (RMSNorm has no shift)")
+
+
+def norm(
+    x: Tensor,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    *,
+    eps: float | None = None,
+    kind: str = "rms",
+    out_dtype: torch.dtype | None = None,
+    impl: str = "auto",
+) -> Tensor:
+    """RMSNorm or LayerNorm over the last dim, computed in fp32 and written in ``out_dtype``.
+
+    The norm before a Linear under autocast: a float32 ``x`` (the residual stream) normalised and written straight in
+    the autocast dtype the Linear would cast it to, in one pass (the backward reads that dtype's gradient and writes
+    ``x``'s in one pass with the weight's and bias's partial sums), where the norm wrote float32 and a cast followed.
+    Same values as ``nn.RMSNorm`` / ``nn.LayerNorm`` then ``.to(out_dtype)``, up to the order of the row sums.
+
+    Args:
+        x: ``[..., N]`` float tensor.
+        weight: ``[N]`` scale, or None.
+        bias: ``[N]`` shift (LayerNorm only), or None.
+        eps: added to the variance; None: ``torch.finfo(x.dtype).eps``, as ``torch.nn.RMSNorm`` does.
+        kind: ``"rms"`` or ``"layer"``.
+        out_dtype: the output's float dtype; None: ``x``'s.
+        impl: ``"auto"``, ``"triton"`` or ``"reference"`` (see the module docstring).
+
+    Returns:
+        ``[..., N]`` in ``out_dtype``.
+
+    Example:
+        >>> x = torch.randn(3, 8)
+        >>> y = norm(x, torch.ones(8), out_dtype=torch.bfloat16)
+        >>> y.dtype, torch.allclose(y.float(), torch.nn.functional.rms_norm(x, (8,)), atol=1e-2)
+        (torch.bfloat16, True)
+    """
+    if x.dim() < 1 or not x.is_floating_point():
+        raise TypeError(f"`x` must be a float tensor of one dim or more, got {x.dtype} of shape {tuple(x.shape)}")
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if not out_dtype.is_floating_point:
+        raise TypeError(f"`out_dtype` must be a float dtype, got {out_dtype}")
+    _check_norm(x, weight, bias, kind)
+    eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
+    if _resolve_impl(impl, x) == "reference":
+        return norm_reference(x, weight, bias, eps, kind, out_dtype)
+    from lightning_gem.ops.pointwise.impl.triton import norm_triton
+
+    return norm_triton(x.contiguous(), weight, bias, eps, kind == "layer", out_dtype)
+
+
 def norm_mul(
     x: Tensor,
     gate: Tensor,
@@ -101,18 +162,11 @@ def norm_mul(
         >>> torch.allclose(norm_mul(x, gate), torch.nn.functional.rms_norm(x, (8,), eps=1e-6) * gate, atol=1e-5)
         True
     """
-    if kind not in _NORMS:
-        raise ValueError(f"`kind` must be one of {_NORMS}, got {kind!r}")
     if x.dim() < 1 or gate.shape != x.shape:
         raise ValueError(f"`gate` must have the shape of `x` {tuple(x.shape)}, got {tuple(gate.shape)}")
     if not x.is_floating_point() or gate.dtype != x.dtype:
         raise TypeError(f"`x` and `gate` must be float tensors of one dtype, got {x.dtype} and {gate.dtype}")
-    n = x.shape[-1]
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and tuple(t.shape) != (n,):
-            raise ValueError(f"`{name}` must be [{n}], got {tuple(t.shape)}")
-    if bias is not None and kind == "rms":
-        raise ValueError("`bias` is for kind='layer' (RMSNorm has no shift)")
+    _check_norm(x, weight, bias, kind)
     eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
     if _resolve_impl(impl, x) == "reference":
         return norm_mul_reference(x, gate, weight, bias, eps, kind)

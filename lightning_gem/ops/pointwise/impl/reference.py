@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["norm_mul_reference", "silu_split_reference"]
+__all__ = ["norm_mul_reference", "norm_reference", "silu_split_reference"]
 
 
 def silu_split_reference(x_RW: Tensor, sizes: Sequence[int]) -> tuple[Tensor, ...]:
@@ -25,8 +26,16 @@ def norm_mul_reference(
     """``norm(x) * gate`` over the last dim, RMSNorm (``kind="rms"``) or LayerNorm (``"layer"``): PyTorch's fused
     norm with its weight (and bias) in ``x``'s dtype, then the product, each rounded to ``x``'s dtype (the unfused
     layer; exact in fp64, the tests' oracle)."""
+    return norm_reference(x_RN, weight, bias, eps, kind, x_RN.dtype) * gate_RN
+
+
+def norm_reference(
+    x_RN: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, kind: str, out_dtype: torch.dtype
+) -> Tensor:
+    """``norm(x)`` over the last dim in ``x``'s dtype (PyTorch's fused norm, its weight and bias cast to it), then
+    cast to ``out_dtype``: what a norm module followed by autocast's cast for a Linear computes."""
     shape = x_RN.shape[-1:]
     weight = None if weight is None else weight.to(x_RN.dtype)
     if kind == "rms":
-        return F.rms_norm(x_RN, shape, weight, eps) * gate_RN
-    return F.layer_norm(x_RN, shape, weight, None if bias is None else bias.to(x_RN.dtype), eps) * gate_RN
+        return F.rms_norm(x_RN, shape, weight, eps).to(out_dtype)
+    return F.layer_norm(x_RN, shape, weight, None if bias is None else bias.to(x_RN.dtype), eps).to(out_dtype)

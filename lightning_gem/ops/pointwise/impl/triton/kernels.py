@@ -11,6 +11,10 @@ columns, ``N`` the normalised width.
 - ``norm_mul``: ``norm(A) * U`` (RMSNorm or LayerNorm of the attention output, gated): one pass forward where the
   norm and the product were two, and one backward pass for ``dA``, ``dU`` and the weight's partial sums, where
   the product's backward and the norm's were several kernels and the norm's output was saved for the backward.
+  Without a gate, the norm alone, written in another dtype than its input's where asked: a float32 residual
+  stream's norm comes out in bf16 for the Linear that reads it under autocast (one pass where the norm and
+  autocast's cast were two; the backward reads the bf16 gradient and writes the float32 one, where a cast came
+  first).
 """
 
 from __future__ import annotations
@@ -111,7 +115,7 @@ def _normalize(x, row_ok, col_ok, N: tl.constexpr, eps, LAYER: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _norm_mul_fwd_kernel(
-    X, GATE, WEIGHT, BIAS, Y, MEAN, RSTD,  # [R, N], [R, N], [N], [N], [R, N], [R], [R]
+    X, GATE, WEIGHT, BIAS, Y, MEAN, RSTD,  # [R, N], [R, N] or None, [N], [N], [R, N], [R], [R]
     num_rows, eps,
     N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, LAYER: tl.constexpr,
 ):  # fmt: skip
@@ -127,8 +131,9 @@ def _norm_mul_fwd_kernel(
         y = y * tl.load(WEIGHT + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if BIAS is not None:
         y = y + tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    gate = tl.load(GATE + offsets, mask=mask).to(tl.float32)
-    tl.store(Y + offsets, (y * gate).to(Y.dtype.element_ty), mask=mask)
+    if GATE is not None:
+        y = y * tl.load(GATE + offsets, mask=mask).to(tl.float32)
+    tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
     tl.store(RSTD + rows, rstd, mask=row_ok)
     if LAYER:
         tl.store(MEAN + rows, mean, mask=row_ok)
@@ -137,7 +142,7 @@ def _norm_mul_fwd_kernel(
 @triton.jit(do_not_specialize=["num_rows", "num_tiles"])
 def _norm_mul_bwd_kernel(
     GRAD, X, GATE, WEIGHT, BIAS, MEAN, RSTD, DX, DGATE, DW_PART, DB_PART,  # [R, N] x 3, [N] x 2, [R] x 2, [R, N] x 2,
-    num_rows, num_tiles,  # [G, N] x 2 (G programs)
+    num_rows, num_tiles,  # [G, N] x 2 (G programs); GATE and DGATE None without a gate
     N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, LAYER: tl.constexpr,
 ):  # fmt: skip
     """Persistent programs over row tiles: each accumulates its share of the weight's (and bias's) gradient in
@@ -161,15 +166,16 @@ def _norm_mul_bwd_kernel(
         if LAYER:
             x = x - tl.load(MEAN + rows, mask=row_ok, other=0.0)[:, None]
         xhat = tl.where(mask, x * rstd[:, None], 0.0)
-        g = tl.load(GRAD + offsets, mask=mask, other=0.0).to(tl.float32)
-        gate = tl.load(GATE + offsets, mask=mask, other=0.0).to(tl.float32)
-        normed = xhat
-        if WEIGHT is not None:
-            normed = normed * w[None, :]
-        if BIAS is not None:
-            normed = normed + b[None, :]
-        tl.store(DGATE + offsets, (g * normed).to(DGATE.dtype.element_ty), mask=mask)
-        dnormed = g * gate
+        dnormed = tl.load(GRAD + offsets, mask=mask, other=0.0).to(tl.float32)
+        if GATE is not None:
+            gate = tl.load(GATE + offsets, mask=mask, other=0.0).to(tl.float32)
+            normed = xhat
+            if WEIGHT is not None:
+                normed = normed * w[None, :]
+            if BIAS is not None:
+                normed = normed + b[None, :]
+            tl.store(DGATE + offsets, (dnormed * normed).to(DGATE.dtype.element_ty), mask=mask)
+            dnormed = dnormed * gate
         dw += tl.sum(dnormed * xhat, axis=0)
         db += tl.sum(dnormed, axis=0)
         dxhat = dnormed * w[None, :] if WEIGHT is not None else dnormed
@@ -228,13 +234,19 @@ def _warps(tile_elements: int) -> int:
 
 
 def norm_mul_forward(
-    x_RN: Tensor, gate_RN: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, layer: bool
+    x_RN: Tensor,
+    gate_RN: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    layer: bool,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(norm(x) * gate, mean [R] fp32 (empty for RMSNorm), rstd [R] fp32)`` of contiguous ``[..., N]`` tensors
-    (``R`` rows of ``N``)."""
+    (``R`` rows of ``N``); ``norm(x)`` alone without a gate, in ``out_dtype`` (None: ``x``'s)."""
     n = x_RN.shape[-1]
     num_rows = x_RN.numel() // n
-    y = torch.empty_like(x_RN)
+    y = torch.empty_like(x_RN, dtype=out_dtype)
     rstd = x_RN.new_empty(num_rows, dtype=torch.float32)
     mean = x_RN.new_empty(num_rows if layer else 0, dtype=torch.float32)
     if num_rows == 0:
@@ -254,17 +266,19 @@ def _num_sms(index: int) -> int:
 def norm_mul_backward(
     grad_RN: Tensor,
     x_RN: Tensor,
-    gate_RN: Tensor,
+    gate_RN: Tensor | None,
     weight: Tensor | None,
     bias: Tensor | None,
     mean: Tensor,
     rstd: Tensor,
     layer: bool,
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
-    """``(dx, dgate, dweight, dbias)`` of :func:`norm_mul_forward` (the last two None without weight / bias)."""
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """``(dx, dgate, dweight, dbias)`` of :func:`norm_mul_forward` (``dx`` in ``x``'s dtype whatever ``grad``'s; the
+    last three None without a gate / weight / bias)."""
     n = x_RN.shape[-1]
     num_rows = x_RN.numel() // n
-    dx, dgate = torch.empty_like(x_RN), torch.empty_like(gate_RN)
+    dx = torch.empty_like(x_RN)
+    dgate = None if gate_RN is None else torch.empty_like(gate_RN)
     block_n = next_power_of_2(n)
     block_r = _tile_rows(block_n, max_rows=32)
     num_tiles = cdiv(num_rows, block_r)

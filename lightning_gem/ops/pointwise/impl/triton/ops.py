@@ -1,6 +1,6 @@
-"""The pointwise kernels as torch custom ops (``lightning_gem::silu_split``, ``lightning_gem::norm_mul`` and their
-backwards), visible to ``torch.compile``; plain eager calls skip the ops' dispatch (host time only) through private
-``autograd.Function`` s over the same launchers, as GDPA's Triton ops do."""
+"""The pointwise kernels as torch custom ops (``lightning_gem::silu_split``, ``lightning_gem::norm_mul`` (gated or
+not) and their backwards), visible to ``torch.compile``; plain eager calls skip the ops' dispatch (host time only)
+through private ``autograd.Function`` s over the same launchers, as GDPA's Triton ops do."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from lightning_gem.ops.pointwise.impl.triton.kernels import (
     silu_split_forward,
 )
 
-__all__ = ["SUPPORTED_DTYPES", "norm_mul_triton", "silu_split_triton"]
+__all__ = ["SUPPORTED_DTYPES", "norm_mul_triton", "norm_triton", "silu_split_triton"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -48,30 +48,32 @@ _silu_split_op.register_autograd(_silu_split_grad, setup_context=_silu_split_set
 
 @triton_op("lightning_gem::norm_mul", mutates_args=())
 def _norm_mul_op(
-    x: Tensor, gate: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, layer: bool
-) -> tuple[Tensor, Tensor, Tensor]:
-    return norm_mul_forward(x, gate, weight, bias, eps, layer)
+    x: Tensor, gate: Tensor | None, weight: Tensor | None, bias: Tensor | None, eps: float, layer: bool,
+    out_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    return norm_mul_forward(x, gate, weight, bias, eps, layer, out_dtype)
 
 
 @triton_op("lightning_gem::norm_mul_backward", mutates_args=())
 def _norm_mul_backward_op(
     grad: Tensor,
     x: Tensor,
-    gate: Tensor,
+    gate: Tensor | None,
     weight: Tensor | None,
     bias: Tensor | None,
     mean: Tensor,
     rstd: Tensor,
     layer: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(dx, dgate, dweight, dbias)``; empty tensors for a missing weight or bias (an op's outputs are fixed)."""
+    """``(dx, dgate, dweight, dbias)``; empty tensors for a missing gate, weight or bias (an op's outputs are
+    fixed)."""
     dx, dgate, dw, db = norm_mul_backward(grad, x, gate, weight, bias, mean, rstd, layer)
     empty = x.new_empty(0, dtype=torch.float32)
-    return dx, dgate, empty if dw is None else dw, empty if db is None else db
+    return dx, empty if dgate is None else dgate, empty if dw is None else dw, empty if db is None else db
 
 
 def _norm_mul_setup(ctx, inputs, output) -> None:
-    x, gate, weight, bias, _eps, layer = inputs
+    x, gate, weight, bias, _eps, layer, _out_dtype = inputs
     ctx.mark_non_differentiable(output[1], output[2])
     ctx.save_for_backward(x, gate, weight, bias, output[1], output[2])
     ctx.layer = layer
@@ -80,7 +82,8 @@ def _norm_mul_setup(ctx, inputs, output) -> None:
 def _norm_mul_grad(ctx, grad_y, _grad_mean, _grad_rstd):
     x, gate, weight, bias, mean, rstd = ctx.saved_tensors
     dx, dgate, dw, db = _norm_mul_backward_op(grad_y, x, gate, weight, bias, mean, rstd, ctx.layer)
-    return dx, dgate, dw if weight is not None else None, db if bias is not None else None, None, None
+    dgate = dgate if gate is not None else None
+    return dx, dgate, dw if weight is not None else None, db if bias is not None else None, None, None, None
 
 
 _norm_mul_op.register_autograd(_norm_mul_grad, setup_context=_norm_mul_setup)
@@ -112,8 +115,8 @@ class _NormMulEager(torch.autograd.Function):
     """The op and its autograd formula without the custom-op dispatch, for plain eager calls."""
 
     @staticmethod
-    def forward(ctx, x, gate, weight, bias, eps, layer):
-        y, mean, rstd = norm_mul_forward(x, gate, weight, bias, eps, layer)
+    def forward(ctx, x, gate, weight, bias, eps, layer, out_dtype):
+        y, mean, rstd = norm_mul_forward(x, gate, weight, bias, eps, layer, out_dtype)
         ctx.save_for_backward(x, gate, weight, bias, mean, rstd)
         ctx.layer = layer
         return y
@@ -123,7 +126,7 @@ class _NormMulEager(torch.autograd.Function):
     def backward(ctx, grad_y):
         x, gate, weight, bias, mean, rstd = ctx.saved_tensors
         dx, dgate, dw, db = norm_mul_backward(grad_y, x, gate, weight, bias, mean, rstd, ctx.layer)
-        return dx, dgate, dw, db, None, None
+        return dx, dgate, dw, db, None, None, None
 
 
 def silu_split_triton(x_RW: Tensor, sizes: tuple[int, ...]) -> tuple[Tensor, ...]:
@@ -139,8 +142,27 @@ def norm_mul_triton(
     x_RN: Tensor, gate_RN: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, layer: bool
 ) -> Tensor:
     """``norm(x) * gate`` through the Triton kernels (inputs validated by the caller)."""
+    return _norm_gated(x_RN, gate_RN, weight, bias, eps, layer, x_RN.dtype)
+
+
+def norm_triton(
+    x_RN: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, layer: bool, out_dtype: torch.dtype
+) -> Tensor:
+    """``norm(x)`` in ``out_dtype`` through the Triton kernels (inputs validated by the caller)."""
+    return _norm_gated(x_RN, None, weight, bias, eps, layer, out_dtype)
+
+
+def _norm_gated(
+    x_RN: Tensor,
+    gate_RN: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    layer: bool,
+    out_dtype: torch.dtype,
+) -> Tensor:
     if not plain_eager((x_RN, gate_RN, weight, bias)):
-        return _norm_mul_op(x_RN, gate_RN, weight, bias, eps, layer)[0]
-    if records_graph(x_RN, gate_RN, *(t for t in (weight, bias) if t is not None)):
-        return _NormMulEager.apply(x_RN, gate_RN, weight, bias, eps, layer)
-    return norm_mul_forward(x_RN, gate_RN, weight, bias, eps, layer)[0]
+        return _norm_mul_op(x_RN, gate_RN, weight, bias, eps, layer, out_dtype)[0]
+    if records_graph(*(t for t in (x_RN, gate_RN, weight, bias) if t is not None)):
+        return _NormMulEager.apply(x_RN, gate_RN, weight, bias, eps, layer, out_dtype)
+    return norm_mul_forward(x_RN, gate_RN, weight, bias, eps, layer, out_dtype)[0]
