@@ -201,11 +201,15 @@ def _union_length(intervals: list[tuple[float, float]]) -> float:
 
 class ProfileLastSteps(L.Callback):
     """``torch.profiler`` over the last ``num_steps`` training steps; prints the ops that took the most device
-    and host time (where a slow stack spends its step)."""
+    and host time (where a slow stack spends its step). ``sync_stacks``: with Python stacks, and the places of the
+    host's waits for the device (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``)
+    counted by their innermost frames outside torch, however they were called (C++ included)."""
 
-    def __init__(self, num_steps: int, last_step: int, label: str, path: Path | None = None) -> None:
+    def __init__(
+        self, num_steps: int, last_step: int, label: str, path: Path | None = None, sync_stacks: bool = False
+    ) -> None:
         self.first, self.label, self.profiler, self.path = last_step - num_steps, label, None, path
-        self.num_steps = num_steps
+        self.num_steps, self.sync_stacks = num_steps, sync_stacks
         self.device_ms: dict[str, float] = {}  # device_time of the profiled steps, once training has ended
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -213,7 +217,7 @@ class ProfileLastSteps(L.Callback):
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler = torch.profiler.profile(activities=activities, with_stack=self.sync_stacks)
             self.profiler.__enter__()
 
     def on_train_end(self, trainer, pl_module) -> None:
@@ -229,7 +233,32 @@ class ProfileLastSteps(L.Callback):
         for key in ("self_device_time_total", "self_cpu_time_total"):
             text.append(f"== {self.label}: profile of the last steps, by {key} ==")
             text.append(averages.table(sort_by=key, row_limit=25, max_name_column_width=70))
+        if self.sync_stacks:
+            text += self._sync_places()
         _emit("\n".join(text), self.path)
+
+    def _sync_places(self) -> list[str]:
+        waits: collections.Counter[str] = collections.Counter()
+        waited: collections.Counter[str] = collections.Counter()
+        for event in self.profiler.events():
+            if event.name not in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"):
+                continue
+            # With stacks on, the profiler records Python calls as events too: walk up the enclosing events.
+            ops, frames, owner = [], [], event.cpu_parent
+            while owner is not None and len(frames) < 3:
+                name = owner.name
+                if ".py(" in name:
+                    if "/torch/" not in name and "/lightning/" not in name:
+                        frames.append(name.rsplit("/", 1)[-1])
+                elif not frames and len(ops) < 2:
+                    ops.append(name)
+                owner = owner.cpu_parent
+            place = f"{event.name} in {' < '.join(ops) or '-'}: " + ("; ".join(frames) or "(no Python frame)")
+            waits[place] += 1
+            waited[place] += event.cpu_time_total / 1e3
+        lines = [f"== {self.label}: host waits for the device in the profiled steps (count, ms, where) =="]
+        lines += [f"{n:>5} {waited[place]:9.2f}  {place}" for place, n in waits.most_common(25)]
+        return lines
 
 
 class CProfileLastSteps(L.Callback):
@@ -366,7 +395,9 @@ def profiling_callbacks(args: argparse.Namespace, last_step: int, label: str, st
     if args.cprofile_steps:
         callbacks.append(CProfileLastSteps(args.cprofile_steps, last_step, label, path(".cprof.txt")))
     if args.profile_steps:
-        callbacks.append(ProfileLastSteps(args.profile_steps, last_step, label, path(".prof.txt")))
+        callbacks.append(
+            ProfileLastSteps(args.profile_steps, last_step, label, path(".prof.txt"), sync_stacks=args.sync_debug)
+        )
     if args.sync_debug:
         callbacks.append(SyncPoints(args.warmup, label, path(".syncs.txt")))
     return callbacks

@@ -211,6 +211,26 @@ def test_compiled_fullgraph(device: str) -> None:
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("affine", [True, False])
+def test_norm_through_the_custom_ops(device: str, affine: bool) -> None:
+    """``norm`` through the custom ops (as a FLOP-counting mode or a compiler sees it) matches the eager path, forward
+    and backward, with and without a weight (the backward op's missing outputs are separate empty tensors)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.randn(6, 16, device=device, requires_grad=True)
+    w = torch.randn(16, device=device, requires_grad=True) if affine else None
+    leaves = [t for t in (x, w) if t is not None]
+    eager = norm(x, w, out_dtype=torch.float16, impl="triton")
+    g = torch.randn_like(eager)
+    want = _grads(eager, leaves, g)
+    with FlopCounterMode(display=False):
+        counted = norm(x, w, out_dtype=torch.float16, impl="triton")
+        got = _grads(counted, leaves, g)
+    torch.testing.assert_close(counted, eager)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 def test_bf16_within_budget_gpu(kind: str) -> None:

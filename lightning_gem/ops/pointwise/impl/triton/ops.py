@@ -68,8 +68,11 @@ def _norm_mul_backward_op(
     """``(dx, dgate, dweight, dbias)``; empty tensors for a missing gate, weight or bias (an op's outputs are
     fixed)."""
     dx, dgate, dw, db = norm_mul_backward(grad, x, gate, weight, bias, mean, rstd, layer)
-    empty = x.new_empty(0, dtype=torch.float32)
-    return dx, empty if dgate is None else dgate, empty if dw is None else dw, empty if db is None else db
+
+    def given(t: Tensor | None) -> Tensor:  # an empty tensor of its own for each missing one: outputs never alias
+        return x.new_empty(0, dtype=torch.float32) if t is None else t
+
+    return dx, given(dgate), given(dw), given(db)
 
 
 def _norm_mul_setup(ctx, inputs, output) -> None:
