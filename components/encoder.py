@@ -249,6 +249,12 @@ class HSTULayer(nn.Module):
         nn.init.zeros_(self.output.bias)
 
     @staticmethod
+    def norm_consumers() -> dict[str, str]:
+        """Norm -> the Linear that reads its output (FP8 conversion fuses the norm's quantization into it); the
+        attention norm feeds the gate product (:func:`lightning_gem.ops.pointwise.norm_mul`), not a Linear."""
+        return {"input_norm": "uvqk"}
+
+    @staticmethod
     def tensor_parallel_plan() -> dict[str, Literal["colwise", "rowwise"]]:
         """Submodule name -> how a tensor-parallel plan shards that ``nn.Linear``."""
         return {"uvqk": "colwise", "output": "rowwise"}

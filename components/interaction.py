@@ -133,6 +133,12 @@ class GDPAInteraction(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     @staticmethod
+    def norm_consumers() -> dict[str, str]:
+        """Norm -> the Linear that reads its output (what FP8 conversion fuses a norm's quantization into: the
+        registration order pairs the history norm with the query projection)."""
+        return {"query_norm": "query", "history_norm": "key_value", "token_norm": "token_qkv", "mlp_norm": "mlp.0"}
+
+    @staticmethod
     def tensor_parallel_plan() -> dict[str, str]:
         """Submodule name -> how a tensor-parallel plan shards that ``nn.Linear``."""
         return {

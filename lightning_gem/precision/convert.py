@@ -129,14 +129,29 @@ def _exit_saved_activations(module: nn.Module, _args: tuple, _output: object) ->
 
 
 def _fuse_norms(model: nn.Module) -> None:
-    """Pair each RMSNorm/LayerNorm with the converted Linear registered right after it in the same parent."""
+    """Pair each RMSNorm/LayerNorm with the converted Linear it feeds: the pairs a module declares
+    (``norm_consumers()``: norm child name -> the Linear's path under the module), else, for modules that declare
+    none, the converted Linear registered right after the norm in the same parent."""
     for parent in model.modules():
-        children = list(parent.children())
-        for norm, nxt in zip(children, children[1:], strict=False):
-            if not isinstance(norm, (nn.RMSNorm, nn.LayerNorm)) or not isinstance(nxt, MXLinear):
+        for norm, consumer in _norm_pairs(parent):
+            if not isinstance(norm, (nn.RMSNorm, nn.LayerNorm)) or not isinstance(consumer, MXLinear):
                 continue
-            if len(norm.normalized_shape) == 1 and norm.normalized_shape[0] == nxt.in_features:
-                fuse_norm(norm, nxt)
+            if len(norm.normalized_shape) == 1 and norm.normalized_shape[0] == consumer.in_features:
+                fuse_norm(norm, consumer)
+
+
+def _norm_pairs(parent: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    declared = getattr(parent, "norm_consumers", None)
+    if declared is None:
+        children = list(parent.children())
+        return list(zip(children, children[1:], strict=False))
+    pairs = []
+    for norm_name, path in declared().items():
+        try:
+            pairs.append((parent.get_submodule(norm_name), parent.get_submodule(path)))
+        except AttributeError:  # a submodule this configuration does not build
+            continue
+    return pairs
 
 
 def converted_layers(model: nn.Module) -> dict[str, MXLinear]:

@@ -1,7 +1,8 @@
 """RMSNorm / LayerNorm whose output is quantized by the norm's own kernel for the Linear it feeds.
 
-:func:`lightning_gem.precision.convert` swaps the class of a norm registered right before a converted
-Linear of matching width (``fuse_norm=True``). While training, the norm then runs
+:func:`lightning_gem.precision.convert` swaps the class of a norm that feeds a converted Linear of matching
+width (``fuse_norm=True``): the pairs a module declares in ``norm_consumers()``, else the norm registered right
+before the Linear. While training, the norm then runs
 :func:`lightning_gem.ops.mx.norm_quantize`: one pass writes its output and that output quantized in the
 Linear's layout, and hands both to the Linear, which uses the quantized copy only if its input *is* that
 output (any other reader, or a different input, gets the ordinary path). Parameters and state-dict keys

@@ -251,3 +251,21 @@ def test_converted_layers_run_eagerly_inside_compiled_code(monkeypatch: pytest.M
     finally:
         torch.compiler.reset()
     assert len(traced) == 2 * 2 * 3 and not any(traced)  # 2 models x 2 batches x (norm, 2 linears), all eager
+
+
+def test_fused_norms_pair_with_the_linear_they_feed() -> None:
+    """Modules that declare their norm -> Linear pairs get those (the interaction registers its history norm right
+    before the query projection, which reads the other norm); the attention norm of an HSTU layer feeds a gate
+    product, so nothing quantizes for it."""
+    from lightning_gem.components.encoder import HSTULayer
+    from lightning_gem.components.interaction import GDPAInteraction
+
+    interaction = convert(GDPAInteraction(128, 2, self_interaction=True, num_context_tokens=1), MXConfig())
+    want = {"query_norm": "query", "history_norm": "key_value", "token_norm": "token_qkv", "mlp_norm": "mlp.0"}
+    for norm_name, linear in want.items():
+        norm = interaction.get_submodule(norm_name)
+        assert isinstance(norm, MXRMSNorm) and norm._consumer() is interaction.get_submodule(linear), norm_name
+    assert type(interaction.mix_norm) is not MXRMSNorm
+    layer = convert(HSTULayer(128, 2, per_head_norm=False), MXConfig())
+    assert layer.input_norm._consumer() is layer.uvqk
+    assert not isinstance(layer.attention_norm, MXRMSNorm)
