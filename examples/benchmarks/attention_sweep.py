@@ -16,7 +16,8 @@ prints and saves:
   relative to their largest value.
 
 ``--heads`` and ``--dim`` run a workload's lengths at other head counts and head dims (shapes around the named
-ones), ``--uniform 16x4096`` segments of one length instead of the workload's.
+ones), ``--uniform 16x4096`` segments of one length instead of the workload's, ``--targets 64`` the causal modes with
+the last 64 tokens of every segment as targets (``num_targets``: HSTU's targets).
 
 The tuner picks among a subset of these at run time; this script shows what each variant costs, so candidate
 lists are chosen on measurements.
@@ -107,11 +108,18 @@ def parse_plan(text: str) -> BackwardTiles:
 
 
 def sweep_case(
-    case, quick: bool, parts: tuple[str, ...] = ("fwd", "bwd"), extra_plans: tuple[BackwardTiles, ...] = ()
+    case,
+    quick: bool,
+    parts: tuple[str, ...] = ("fwd", "bwd"),
+    extra_plans: tuple[BackwardTiles, ...] = (),
+    targets: int = 0,
 ) -> dict:
+    """Time ``case``'s forward and backward variants. ``targets``: the last ``targets`` tokens of every segment
+    (all of a shorter one) are targets (``num_targets``; causal self-attention only)."""
     q, k, v = case.q, case.k, case.v
     head_dim = q.shape[2]
-    jagged = (case.q_offsets, case.kv_offsets, None, None)
+    num_targets = case.q_lengths.clamp(max=targets).to(q.device) if targets else None
+    jagged = (case.q_offsets, case.kv_offsets, None, num_targets)
     max_q, max_kv = int(case.q_lengths.max()), int(case.kv_lengths.max())
     spec = Spec(*jagged, case.activation, case.causal, None, case.block_size, case.scale, max_q, max_kv)
     fwd_flops = gdpa_flops(q, k, v, *jagged, causal=case.causal, window=None, block_size=case.block_size)
@@ -218,6 +226,9 @@ def main() -> None:
         help="more backward plans to time, e.g. 32,64,8,2,tma,split (see parse_plan)",
     )
     parser.add_argument("--uniform", help="COUNTxLENGTH: that many segments of one length instead of the workload's")
+    parser.add_argument(
+        "--targets", type=int, default=0, help="the last this many tokens of each segment are targets (causal modes)"
+    )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -231,12 +242,15 @@ def main() -> None:
             workload = dataclasses.replace(workload, q_lengths=torch.full((count,), length), kv_lengths=None)
             name = f"{name} {args.uniform}"
         for label, options in workload.modes:
-            if args.modes not in label:
+            self_causal = options.get("causal") and workload.kv_lengths is None
+            if args.modes not in label or (args.targets and not self_causal):
                 continue
             case = make_case(workload, label, options, torch.device("cuda"))
+            label += f", {args.targets} targets" if args.targets else ""
             print(f"\n== {name}: {label} (H={workload.heads}, D={workload.dim}) ==", flush=True)
             key = f"{name}: {label} H={workload.heads} D={workload.dim}"
-            results[key] = sweep_case(case, args.quick, tuple(args.parts.split(",")), tuple(args.plans))
+            parts = tuple(args.parts.split(","))
+            results[key] = sweep_case(case, args.quick, parts, tuple(args.plans), args.targets)
             if "context_lost" in results[key]:
                 break
         else:
