@@ -24,7 +24,10 @@ pooled user features, hundreds of candidates per user.
   same batches (the second eager run gives the gap that nondeterministic kernels alone make);
 - kit-unfused: the kit stack with PyTorch's unfused ops around each HSTU layer's attention (``F.silu`` and a split
   into strided views, the norm and the gating product) instead of the fused kernels of
-  :mod:`lightning_gem.ops.pointwise`;
+  :mod:`lightning_gem.ops.pointwise`, and the input norms in float32 then cast by autocast;
+- kit-no-prefetch: the kit stack without the embedding input prefetch (``GEM5DStrategy(train_pipeline=False)``):
+  the ids' input_dist, whose split sizes and per-key lengths the host reads, runs in the step on the compute stream
+  instead of one batch ahead on a side stream;
 - kit-fp8-saved: the kit stack with ``MXFP8Precision(saved_activations="fp8")``: what the HSTU layers and the
   candidate interaction save for the backward is stored in MXFP8 (the summary line compares its peak memory,
   step time and per-step losses with the kit stack's).
@@ -77,7 +80,7 @@ from lightning_gem.data import GEMDataModule, SyntheticRankingSource
 from lightning_gem.flops import model_flops, peak_tflops
 from lightning_gem.precision import MXFP8Precision
 
-STACKS = ("plain", "kit", "kit-unfused", "kit-fp8-saved", "kit-eager", "kit-eager-2")
+STACKS = ("plain", "kit", "kit-unfused", "kit-no-prefetch", "kit-fp8-saved", "kit-eager", "kit-eager-2")
 
 _NVIDIA_HSTU = {
     "model_dim": 1024,
@@ -127,7 +130,9 @@ def run_stack(
     trainer = L.Trainer(
         accelerator="gpu" if cuda else "cpu",
         devices=1,
-        strategy=GEM5DStrategy(train_pipeline=True, compile_layers=args.compile_layers and fast) if kit else "auto",
+        strategy=GEM5DStrategy(train_pipeline=stack != "kit-no-prefetch", compile_layers=args.compile_layers and fast)
+        if kit
+        else "auto",
         precision=None if mx else ("bf16-mixed" if cuda else "32-true"),
         plugins=[MXFP8Precision(attention=args.kit_precision == "mxfp8-attention", saved_activations=saved)]
         if mx
@@ -310,14 +315,14 @@ def main() -> None:
     if args.plain_micro_batches > 1 and "plain" in results:
         micro = args.plain_micro_batches
         print(f"plain steps: {micro} micro-batches of {args.batch_size // micro} users")
-    header = f"{'stack':<13} {'step ms':>9} {'tokens/s':>11} {'useful TFLOP/s':>14} {'MFU':>6} {'peak GiB':>9}"
+    header = f"{'stack':<15} {'step ms':>9} {'tokens/s':>11} {'useful TFLOP/s':>14} {'MFU':>6} {'peak GiB':>9}"
     print(f"{header} {'loss':>7}")
     for stack, r in results.items():
         tflops = useful / (r["step_ms"] / 1e3) / 1e12
         r["useful_tflops"] = tflops
         r["mfu"] = tflops / peak if peak else float("nan")
         print(
-            f"{stack:<13} {r['step_ms']:>9.2f} {r['tokens_per_s']:>11.0f} {tflops:>14.4g} {r['mfu']:>6.1%}"
+            f"{stack:<15} {r['step_ms']:>9.2f} {r['tokens_per_s']:>11.0f} {tflops:>14.4g} {r['mfu']:>6.1%}"
             f" {r['peak_gib']:>9.2f} {_late_loss(r['losses']):>7.4f}"
         )
     for stack, r in results.items():
