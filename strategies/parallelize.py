@@ -146,7 +146,9 @@ def parallelize_model(
 
         if move is None:
             raise ValueError("`train_pipeline` needs `move` (a function moving a batch to the device)")
-        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # High priority, as torchrec's pipeline streams: the side stream's small kernels (the ids' all-to-alls, whose
+        # results the host waits for) go first when the compute stream's kernels free an SM.
+        stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         prefetcher = SparseDistPrefetcher(module, sharded.features, move, stream)
     if before_dense is not None:
         before_dense(module)
