@@ -38,6 +38,7 @@ __all__ = [
     "compile_hstu_layers",
     "make_norm",
     "norm_for_linear",
+    "pointwise_beside",
     "pad_tokens_to_multiple",
     "recency_positions",
     "relative_bias_attention",
@@ -49,6 +50,13 @@ NormKind = Literal["rms", "layer"]
 
 # The pointwise ops' impl beside each attention impl (HSTULayer's ``pointwise_impl=None``).
 _POINTWISE_BESIDE = {"reference": "reference", "padded": "reference", "triton": "triton"}
+
+
+def pointwise_beside(attention_impl: str) -> str:
+    """The pointwise ops' impl (:mod:`lightning_gem.ops.pointwise`) beside a GDPA ``attention_impl``: PyTorch's
+    unfused ops (``"reference"``) beside the reference and padded attention (oracle and baseline), ``"triton"``
+    beside ``"triton"``, else ``"auto"`` (the kernels on CUDA)."""
+    return _POINTWISE_BESIDE.get(attention_impl, "auto")
 
 
 class RMSNorm(nn.RMSNorm):
@@ -96,6 +104,11 @@ def check_option(value: object, name: str, allowed: tuple[str | None, ...]) -> s
 _PLAIN_NORMS = (RMSNorm, nn.RMSNorm, nn.LayerNorm)
 
 
+def _norm_kind(module: nn.Module) -> str:
+    """The ``kind`` of :mod:`lightning_gem.ops.pointwise`'s norms that ``module`` (from :func:`make_norm`) computes."""
+    return "rms" if isinstance(module, nn.RMSNorm) else "layer"
+
+
 def make_norm(kind: NormKind, dim: int, eps: float = 1e-6) -> nn.Module:
     """:class:`RMSNorm` (``"rms"``) or ``nn.LayerNorm`` (``"layer"``) over the last ``dim`` features."""
     if kind == "rms":
@@ -116,7 +129,7 @@ def norm_for_linear(module: nn.Module, x: Tensor, impl: str = "auto") -> Tensor:
     dtype = torch.get_autocast_dtype(device)
     if dtype == torch.float32 or len(module.normalized_shape) != 1:
         return module(x)
-    kind = "layer" if isinstance(module, nn.LayerNorm) else "rms"
+    kind = _norm_kind(module)
     bias = getattr(module, "bias", None) if kind == "layer" else None
     return norm(x, module.weight, bias, eps=module.eps, kind=kind, out_dtype=dtype, impl=impl)
 
@@ -297,7 +310,7 @@ class HSTULayer(nn.Module):
                 has ``relative_time_buckets``).
         """
         h, dv, dqk = self.num_heads, self.linear_dim, self.attention_dim
-        pointwise = self.pointwise_impl or _POINTWISE_BESIDE.get(self.attention_impl, "auto")
+        pointwise = self.pointwise_impl or pointwise_beside(self.attention_impl)
         uvqk_TX = self.uvqk(norm_for_linear(self.input_norm, x, pointwise))  # every token, also of a sharded x
         num_tokens = uvqk_TX.shape[0]
         # One pass: SiLU, and U, V, Q, K each contiguous; its backward writes d(uvqk) in one pass too.
@@ -352,7 +365,7 @@ class HSTULayer(nn.Module):
             norm.weight,
             getattr(norm, "bias", None),
             eps=norm.eps,
-            kind="rms" if isinstance(norm, nn.RMSNorm) else "layer",
+            kind=_norm_kind(norm),
             impl=pointwise,
         )
         return x + self.dropout(self.output(gated.reshape(num_tokens, h * dv)))

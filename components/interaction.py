@@ -17,7 +17,7 @@ from lightning_gem import jagged
 from lightning_gem.ops import gdpa
 from lightning_gem.ops.attention import ACTIVATIONS, IMPLS, PRECISIONS
 
-from .encoder import _POINTWISE_BESIDE, NormKind, check_option, make_norm, norm_for_linear, record_attention_stats
+from .encoder import NormKind, check_option, make_norm, norm_for_linear, pointwise_beside, record_attention_stats
 
 __all__ = ["GDPAInteraction"]
 
@@ -179,7 +179,7 @@ class GDPAInteraction(nn.Module):
             if t.dim() != 2 or t.shape[1] != self.dim:
                 raise ValueError(f"`{name}` must be [*, {self.dim}], got shape {tuple(t.shape)}")
         num_candidates, h, d = candidates.shape[0], self.num_heads, self.head_dim
-        pointwise = _POINTWISE_BESIDE.get(self.attention_impl, "auto")
+        pointwise = pointwise_beside(self.attention_impl)
         q_CHD = self.query(norm_for_linear(self.query_norm, candidates, pointwise)).view(num_candidates, h, d)
         kv_THD = self.key_value(norm_for_linear(self.history_norm, history, pointwise)).view(history.shape[0], h, 2 * d)
         k_THD, v_THD = kv_THD.split([d, d], dim=-1)

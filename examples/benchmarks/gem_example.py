@@ -203,7 +203,7 @@ class ProfileLastSteps(L.Callback):
     """``torch.profiler`` over the last ``num_steps`` training steps; prints the ops that took the most device
     and host time (where a slow stack spends its step). ``sync_stacks``: with Python stacks, and the places of the
     host's waits for the device (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``)
-    counted by their innermost frames outside torch, however they were called (C++ included)."""
+    counted by their innermost frames outside torch and Lightning, however they were called (C++ included)."""
 
     def __init__(
         self, num_steps: int, last_step: int, label: str, path: Path | None = None, sync_stacks: bool = False
