@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import collections
 import math
+import re
 import statistics
 import time
 import traceback
@@ -234,8 +235,24 @@ class ProfileLastSteps(L.Callback):
             text.append(f"== {self.label}: profile of the last steps, by {key} ==")
             text.append(averages.table(sort_by=key, row_limit=25, max_name_column_width=70))
         if self.sync_stacks:
-            text += self._sync_places()
+            text += self._sync_places() + self._op_places()
         _emit("\n".join(text), self.path)
+
+    @staticmethod
+    def _place(event: Any, max_ops: int) -> tuple[list[str], list[str]]:
+        """The ops enclosing ``event`` (innermost first, up to ``max_ops`` below the first Python frame) and its
+        innermost three Python frames outside torch and Lightning. With stacks on, the profiler records Python
+        calls as events too: this walks up the enclosing events."""
+        ops, frames, owner = [], [], event.cpu_parent
+        while owner is not None and len(frames) < 3:
+            name = owner.name
+            if ".py(" in name:
+                if "/torch/" not in name and "/lightning/" not in name:
+                    frames.append(name.rsplit("/", 1)[-1])
+            elif not frames and len(ops) < max_ops:
+                ops.append(name)
+            owner = owner.cpu_parent
+        return ops, frames
 
     def _sync_places(self) -> list[str]:
         waits: collections.Counter[str] = collections.Counter()
@@ -243,21 +260,34 @@ class ProfileLastSteps(L.Callback):
         for event in self.profiler.events():
             if event.name not in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"):
                 continue
-            # With stacks on, the profiler records Python calls as events too: walk up the enclosing events.
-            ops, frames, owner = [], [], event.cpu_parent
-            while owner is not None and len(frames) < 3:
-                name = owner.name
-                if ".py(" in name:
-                    if "/torch/" not in name and "/lightning/" not in name:
-                        frames.append(name.rsplit("/", 1)[-1])
-                elif not frames and len(ops) < 2:
-                    ops.append(name)
-                owner = owner.cpu_parent
+            ops, frames = self._place(event, 2)
             place = f"{event.name} in {' < '.join(ops) or '-'}: " + ("; ".join(frames) or "(no Python frame)")
             waits[place] += 1
             waited[place] += event.cpu_time_total / 1e3
         lines = [f"== {self.label}: host waits for the device in the profiled steps (count, ms, where) =="]
         lines += [f"{n:>5} {waited[place]:9.2f}  {place}" for place, n in waits.most_common(25)]
+        return lines
+
+    def _op_places(self, rows: int = 40) -> list[str]:
+        """The ops that ran kernels themselves (their own device time; on CPU, their own host time), by op and
+        Python place: which lines of the model the copies, reductions and small GEMMs come from. Backward ops run
+        on the autograd engine's thread, with no Python frame: those are listed by op and forward op (the
+        profiler links them by sequence number only, so the place is the op's name)."""
+        cuda = torch.cuda.is_available()
+        spent: collections.Counter[str] = collections.Counter()
+        calls: collections.Counter[str] = collections.Counter()
+        for event in self.profiler.events():
+            own = event.self_device_time_total if cuda else event.self_cpu_time_total
+            if own <= 0 or ".py(" in event.name or not event.name.startswith("aten::"):
+                continue
+            ops, frames = self._place(event, 8)
+            caller = re.sub(r" of \w+ object at 0x[0-9a-f]+", "", ops[-1]) if ops else "-"
+            place = f"{event.name} < {caller}: " + ("; ".join(frames) or "(no Python frame)")
+            spent[place] += own / 1e3
+            calls[place] += 1
+        unit = "device" if cuda else "host"
+        lines = [f"== {self.label}: own {unit} time of ops by place in the profiled steps (calls, ms, where) =="]
+        lines += [f"{calls[place]:>5} {ms:9.2f}  {place}" for place, ms in spent.most_common(rows)]
         return lines
 
 
