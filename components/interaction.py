@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from lightning_gem import jagged
 from lightning_gem.ops import gdpa
 from lightning_gem.ops.attention import ACTIVATIONS, IMPLS, PRECISIONS
+from lightning_gem.ops.pointwise import pairwise_dots, token_attention
 
 from .encoder import NormKind, check_option, make_norm, norm_for_linear, pointwise_beside, record_attention_stats
 
@@ -48,7 +49,9 @@ class GDPAInteraction(nn.Module):
         self_interaction: add the per-candidate token interaction.
         num_context_tokens: ``N``, user-level context tokens per user given to ``forward`` (only with
             ``self_interaction``).
-        attention_impl: GDPA ``impl``.
+        attention_impl: GDPA ``impl``; it also picks the pointwise ops' impl beside it (``pointwise_beside``): the
+            norms' and the token interaction's (fused ``token_attention`` and ``pairwise_dots`` kernels, or PyTorch's
+            matmuls on ``"reference"``).
         attention_precision: GDPA ``precision`` (None, or ``"fp8"``; what ``MXFP8Precision(attention=True)`` sets).
 
     Shapes:
@@ -202,12 +205,14 @@ class GDPAInteraction(nn.Module):
         a = self.dropout(self.attention_output(attended.reshape(num_candidates, h * d)))
         x = candidates + a
         if self.self_interaction:
-            x = x + self._token_interaction(x, a, candidate_offsets, context)
+            x = x + self._token_interaction(x, a, candidate_offsets, context, pointwise)
         elif context is not None:
             raise ValueError("`context` needs `self_interaction=True` and `num_context_tokens` > 0")
         return x + self.dropout(self.mlp(norm_for_linear(self.mlp_norm, x, pointwise)))
 
-    def _token_interaction(self, x: Tensor, a: Tensor, candidate_offsets: Tensor, context: Tensor | None) -> Tensor:
+    def _token_interaction(
+        self, x: Tensor, a: Tensor, candidate_offsets: Tensor, context: Tensor | None, pointwise: str
+    ) -> Tensor:
         tokens = [x, a]
         if self.num_context_tokens:
             num_users = candidate_offsets.numel() - 1
@@ -222,14 +227,21 @@ class GDPAInteraction(nn.Module):
         tokens_CND = torch.stack(tokens, dim=1)
         num_candidates, num_tokens = tokens_CND.shape[:2]
         h, d = self.token_num_heads, self.dim // self.token_num_heads
-        qkv = self.token_qkv(self.token_norm(tokens_CND)).view(num_candidates, num_tokens, 3, h, d)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [C, H, N, d]
-        # A handful of tokens per candidate: two small batched matmuls, not SDPA, whose cuDNN kernel on Hopper builds
-        # a new graph for every new candidate count, i.e. every batch, at a host cost far above these matmuls'.
-        weights = torch.matmul(q, k.transpose(-1, -2) * d**-0.5).softmax(dim=-1)
-        mixed = torch.matmul(weights.to(v.dtype), v).transpose(1, 2).reshape(num_candidates, num_tokens, self.dim)
+        qkv_CNX = self.token_qkv(self.token_norm(tokens_CND))  # [C, N, 3 * dim], laid out as [3, H, d]
+        if pointwise == "reference":
+            qkv = qkv_CNX.view(num_candidates, num_tokens, 3, h, d)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [C, H, N, d]
+            # A handful of tokens per candidate: two small batched matmuls, not SDPA, whose cuDNN kernel on Hopper
+            # builds a new graph for every new candidate count, i.e. every batch, at a host cost far above theirs.
+            weights = torch.matmul(q, k.transpose(-1, -2) * d**-0.5).softmax(dim=-1)
+            mixed = torch.matmul(weights.to(v.dtype), v).transpose(1, 2).reshape(num_candidates, num_tokens, self.dim)
+        else:  # the same math in one pass over qkv, read and written in the Linears' layouts (no permute copies)
+            mixed = token_attention(qkv_CNX, h, d**-0.5, impl=pointwise)
         tokens_CND = self.mix_norm(tokens_CND + self.dropout(self.token_output(mixed)))
         # DLRM-style explicit pairwise dot products: a direct user x candidate signal from the first step.
-        rows, cols = torch.triu_indices(num_tokens, num_tokens, offset=1, device=tokens_CND.device)
-        dots = torch.einsum("cnd,cmd->cnm", tokens_CND, tokens_CND)[:, rows, cols] / self.dim**0.5
+        if pointwise == "reference":
+            rows, cols = torch.triu_indices(num_tokens, num_tokens, offset=1, device=tokens_CND.device)
+            dots = torch.einsum("cnd,cmd->cnm", tokens_CND, tokens_CND)[:, rows, cols] / self.dim**0.5
+        else:  # only the upper triangle, in the same order
+            dots = pairwise_dots(tokens_CND, self.dim**-0.5, impl=pointwise)
         return self.dropout(self.token_mix(torch.cat([tokens_CND.flatten(1), dots], dim=1)))

@@ -292,3 +292,15 @@ def test_sweep_plans_parse_tiles_and_flags() -> None:
     for bad in ("64,128,8", "64,128,8,1,fast", "64,128,8,1,tma,dq128x64"):
         with pytest.raises(ValueError, match="not a backward plan"):
             parse_plan(bad)
+
+
+@pytest.mark.slow
+def test_token_interaction_times_both_paths(tmp_path: Path) -> None:
+    out = tmp_path / "tokens.json"
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU the kernels run in the inherited interpreter
+    sizes = ["--candidates", "5", "--tokens", "3", "--shapes", "16x2", "--dtype", "fp32", "--reps", "1"]
+    _run("token_interaction.py", "--device", device, *sizes, "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["op"] for row in rows] == ["token_attention", "pairwise_dots"]
+    assert all(row[part]["torch_ms"] > 0 and row[part]["fused_ms"] > 0 for row in rows for part in ("fwd", "fwd+bwd"))
+    assert all(row["difference"] < 1e-5 for row in rows)

@@ -132,3 +132,37 @@ def test_head_logits_are_fp32_under_bf16_autocast(esmm: bool) -> None:
     raw = torch.cat([tower[-1](hidden[task].float()) for task, tower in head.towers.items()], dim=1)
     torch.testing.assert_close(raw[:, 0], logits[:, 0])
     assert logits[:, 0].unique().numel() > 4000  # distinct predictions, not bf16's few thousand values
+
+
+@pytest.mark.parametrize("num_context_tokens", [0, 3])
+def test_token_interaction_fused_matches_reference(num_context_tokens: int) -> None:
+    """The interaction on the Triton path (fused token attention and pairwise dots, under Triton's interpreter on CPU)
+    against the same weights on the reference path (PyTorch's matmuls): outputs and every gradient."""
+    from lightning_gem.ops._launch import is_interpreted
+    from lightning_gem.ops.pointwise.impl.triton.token_kernels import _token_attention_fwd_kernel
+
+    if not (torch.cuda.is_available() or is_interpreted(_token_attention_fwd_kernel)):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    kwargs = {"self_interaction": True, "num_context_tokens": num_context_tokens}
+    fused = GDPAInteraction(24, 2, attention_impl="triton", **kwargs).to(device)
+    for p in fused.parameters():  # random weights (and biases) so every term of the token interaction matters
+        torch.nn.init.normal_(p, std=0.3)
+    plain = GDPAInteraction(24, 2, attention_impl="reference", **kwargs).to(device)
+    plain.load_state_dict(fused.state_dict())
+    candidates, cand_offsets, history, hist_offsets, _ = _inputs(24)
+    context = torch.randn(len(HISTORY), num_context_tokens, 24) if num_context_tokens else None
+    outs, grads = [], []
+    for interaction in (fused, plain):
+        leaves = [t.clone().to(device).requires_grad_() for t in (candidates, history)]
+        extra = {"context": context.to(device).requires_grad_()} if context is not None else {}
+        out = interaction(leaves[0], cand_offsets.to(device), leaves[1], hist_offsets.to(device), **extra)
+        out.square().sum().backward()
+        outs.append(out.detach())
+        grads.append(
+            [*(t.grad for t in leaves), *(t.grad for t in extra.values()), *(p.grad for p in interaction.parameters())]
+        )
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
