@@ -252,6 +252,9 @@ class ProfileLastSteps(L.Callback):
             elif not frames and len(ops) < max_ops:
                 ops.append(name)
             owner = owner.cpu_parent
+        if not frames:  # some profiler builds keep the Python frames as each op's stack instead
+            frames = [f for f in getattr(event, "stack", None) or [] if "/torch/" not in f and "/lightning/" not in f]
+            frames = [f.rsplit("/", 1)[-1] for f in frames[:3]]
         return ops, frames
 
     def _sync_places(self) -> list[str]:
