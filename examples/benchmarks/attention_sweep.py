@@ -43,6 +43,7 @@ from lightning_gem.ops.attention.impl.triton._tuning import (
     Tiles,
     backward_candidates,
     candidate_tiles,
+    forward_tiles_fault,
     split_candidates,
 )
 from lightning_gem.ops.attention.impl.triton.backward import bulk_reduction_ok, gdpa_backward
@@ -130,6 +131,10 @@ def sweep_case(
     shapes = candidate_tiles("fwd", q.dtype, q.device, head_dim, block_size=case.block_size, max_len_q=max_q)
     if not quick:
         shapes = _unique(shapes + [Tiles(*s) for s in FORWARD_SHAPES.get(head_dim, [])])
+    faulting = [t for t in shapes if forward_tiles_fault(t, q.dtype, head_dim, case.block_size)]
+    if faulting:  # they can stop the process (a CUDA error): every later variant would be lost
+        print(f"  forward tiles left out (forward_tiles_fault): {', '.join(str(tuple(t)) for t in faulting)}")
+        shapes = [t for t in shapes if t not in faulting]
 
     # Each shape with pointer loads of the key and value tiles and, where the GPU has them, tensor-descriptor loads,
     # and then the warp-specialized loop (4 warps: each shape's rows and keys at 4 warps) where it can run.

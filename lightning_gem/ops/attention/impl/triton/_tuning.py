@@ -41,6 +41,7 @@ __all__ = [
     "candidate_tiles",
     "chosen_tiles",
     "forget_choices",
+    "forward_tiles_fault",
     "length_bucket",
     "pick_launch",
     "pick_tiles",
@@ -203,6 +204,20 @@ def candidate_tiles(
     if head_dim <= 128:
         return [Tiles(128, 64, 8, 2), Tiles(64, 64, 8, 2)]
     return [Tiles(64, 64, 8, 2), Tiles(64, 32, 8, 2)]
+
+
+def forward_tiles_fault(tiles: Tiles, dtype: torch.dtype, head_dim: int, block_size: int | None) -> bool:
+    """Whether the 16-bit forward at these tiles can fault on sm_90 (Triton 3.6): at head dims up to 128, narrow key
+    tiles in the pipelined key loop stopped with a misaligned shared-memory address at the key tile's load (found by
+    ``compute-sanitizer``) on some shapes and modes and not on others (what decides is not known): key tiles of 16
+    (SiLU causal over segments of 1,031, pointer and descriptor loads), and key tiles of 32 over two stages (64 x 32
+    on softmax over 32 candidates a history) or under 128-row query tiles (128 x 32 over 8 warps on softmax over 128
+    candidates a history). 64 x 32 over three stages, the first candidate at these head dims, ran every shape tried;
+    BlockAttention was not seen to fault and is not concerned. Such tiles are left out of the candidates, and
+    refused when passed on CUDA."""
+    if block_size is not None or dtype not in (torch.bfloat16, torch.float16) or head_dim > 128:
+        return False
+    return tiles.block_n <= 16 or (tiles.block_n == 32 and (tiles.num_stages == 2 or tiles.block_m >= 128))
 
 
 def fp8_tiles_fault(tiles: Tiles, head_dim: int, pointwise_targets: bool) -> bool:
