@@ -17,6 +17,7 @@ from lightning_gem import jagged
 from lightning_gem.ops import gdpa
 from lightning_gem.ops.attention import ACTIVATIONS, IMPLS, PRECISIONS
 from lightning_gem.ops.pointwise import pairwise_dots, token_attention
+from lightning_gem.ops.pointwise.tokens import MAX_TOKENS
 
 from .encoder import NormKind, check_option, make_norm, norm_for_linear, pointwise_beside, record_attention_stats
 
@@ -228,6 +229,8 @@ class GDPAInteraction(nn.Module):
         num_candidates, num_tokens = tokens_CND.shape[:2]
         h, d = self.token_num_heads, self.dim // self.token_num_heads
         qkv_CNX = self.token_qkv(self.token_norm(tokens_CND))  # [C, N, 3 * dim], laid out as [3, H, d]
+        if num_tokens > MAX_TOKENS:  # past what the kernels unroll: PyTorch's ops, whatever the impl beside
+            pointwise = "reference"
         if pointwise == "reference":
             qkv = qkv_CNX.view(num_candidates, num_tokens, 3, h, d)
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each [C, H, N, d]
