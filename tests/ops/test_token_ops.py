@@ -38,8 +38,10 @@ def _check(got: torch.Tensor, exact: torch.Tensor, naive: torch.Tensor, name: st
         assert_within_budget(got, exact, naive, name=name)
 
 
-# (candidates, tokens, heads, head width): N in {1, 2, 5, 7}, odd and power-of-two widths, C in {0, 1, 3, 37}.
-ATTENTION = [(3, 5, 2, 24), (37, 7, 1, 40), (1, 1, 2, 16), (0, 5, 2, 8), (3, 2, 4, 32), (37, 5, 4, 64), (1, 7, 3, 5)]
+# (candidates, tokens, heads, head width): N in {1, 2, 5, 7, 16 (the most)}, odd and power-of-two widths, C in
+# {0, 1, 2, 3, 37}.
+ATTENTION = [(3, 5, 2, 24), (37, 7, 1, 40), (1, 1, 2, 16), (0, 5, 2, 8), (3, 2, 4, 32), (37, 5, 4, 64), (1, 7, 3, 5),
+             (2, 16, 2, 8)]  # fmt: skip
 
 
 @pytest.mark.parametrize(("candidates", "tokens", "heads", "head_dim"), ATTENTION)
@@ -61,8 +63,8 @@ def test_token_attention_matches_reference(
     _check(dqkv, _grad(exact, qkv64, grad.double()), _grad(naive, plain, grad), "dqkv")
 
 
-# (candidates, tokens, width): N in {1, 2, 5, 7}; widths odd, a power of two, and wider than one chunk (1100).
-DOTS = [(3, 5, 24), (37, 7, 40), (1, 1, 16), (0, 5, 8), (3, 2, 64), (1, 5, 1100), (37, 5, 3)]
+# (candidates, tokens, width): N in {1, 2, 5, 7, 16}; widths odd, a power of two, and wider than one chunk (1100).
+DOTS = [(3, 5, 24), (37, 7, 40), (1, 1, 16), (0, 5, 8), (3, 2, 64), (1, 5, 1100), (37, 5, 3), (2, 16, 8)]
 
 
 @pytest.mark.parametrize(("candidates", "tokens", "width"), DOTS)
