@@ -228,9 +228,12 @@ class ProfileLastSteps(L.Callback):
             torch.cuda.synchronize()
         self.profiler.__exit__(None, None, None)
         averages = self.profiler.key_averages()
-        self.device_ms = device_time(device_kernels(self.profiler))
+        kernels = device_kernels(self.profiler)
+        self.device_ms = device_time(kernels)
         text = [f"== {self.label}: device time of a profiled step, ms (window: under the profiler) =="]
         text += [f"{key:>14}  {value / self.num_steps:9.2f}" for key, value in self.device_ms.items()]
+        # What the host issues a step (kernels, copies and fills): where the host bounds a step, its launches do.
+        text.append(f"{'device ops':>14}  {len(kernels) / self.num_steps:9.1f}  (kernels, copies, fills a step)")
         for key in ("self_device_time_total", "self_cpu_time_total"):
             text.append(f"== {self.label}: profile of the last steps, by {key} ==")
             text.append(averages.table(sort_by=key, row_limit=25, max_name_column_width=70))
