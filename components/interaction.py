@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from lightning_gem import jagged
 from lightning_gem.ops import gdpa
 from lightning_gem.ops.attention import ACTIVATIONS, IMPLS, PRECISIONS
+from lightning_gem.ops.pointwise import IMPLS as POINTWISE_IMPLS
 from lightning_gem.ops.pointwise import pairwise_dots, token_attention
 from lightning_gem.ops.pointwise.tokens import MAX_TOKENS
 
@@ -50,10 +51,11 @@ class GDPAInteraction(nn.Module):
         self_interaction: add the per-candidate token interaction.
         num_context_tokens: ``N``, user-level context tokens per user given to ``forward`` (only with
             ``self_interaction``).
-        attention_impl: GDPA ``impl``; it also picks the pointwise ops' impl beside it (``pointwise_beside``): the
-            norms' and the token interaction's (fused ``token_attention`` and ``pairwise_dots`` kernels, or PyTorch's
-            matmuls on ``"reference"``).
+        attention_impl: GDPA ``impl``.
         attention_precision: GDPA ``precision`` (None, or ``"fp8"``; what ``MXFP8Precision(attention=True)`` sets).
+        pointwise_impl: ``impl`` of the pointwise ops (:mod:`lightning_gem.ops.pointwise`): the norms' and the token
+            interaction's (fused ``token_attention`` and ``pairwise_dots`` kernels, or PyTorch's matmuls on
+            ``"reference"``); None: the one beside ``attention_impl`` (``pointwise_beside``), as ``HSTULayer``'s.
 
     Shapes:
         candidates ``[C, dim]``, candidate_offsets ``[B + 1]``, history ``[T, dim]``, history_offsets
@@ -83,6 +85,7 @@ class GDPAInteraction(nn.Module):
         num_context_tokens: int = 0,
         attention_impl: str = "auto",
         attention_precision: str | None = None,
+        pointwise_impl: str | None = None,
     ) -> None:
         super().__init__()
         if dim < 1 or num_heads < 1:
@@ -105,6 +108,7 @@ class GDPAInteraction(nn.Module):
         self.activation = check_option(activation, "activation", ACTIVATIONS)
         self.attention_impl = check_option(attention_impl, "attention_impl", IMPLS)
         self.attention_precision = check_option(attention_precision, "attention_precision", PRECISIONS)
+        self.pointwise_impl = check_option(pointwise_impl, "pointwise_impl", (None, *POINTWISE_IMPLS))
         self.collect_stats, self.quant_stats = False, None  # FP8 attention's counts (record_attention_stats)
         self.self_interaction = self_interaction
         self.num_context_tokens = num_context_tokens
@@ -183,7 +187,7 @@ class GDPAInteraction(nn.Module):
             if t.dim() != 2 or t.shape[1] != self.dim:
                 raise ValueError(f"`{name}` must be [*, {self.dim}], got shape {tuple(t.shape)}")
         num_candidates, h, d = candidates.shape[0], self.num_heads, self.head_dim
-        pointwise = pointwise_beside(self.attention_impl)
+        pointwise = self.pointwise_impl or pointwise_beside(self.attention_impl)
         q_CHD = self.query(norm_for_linear(self.query_norm, candidates, pointwise)).view(num_candidates, h, d)
         kv_THD = self.key_value(norm_for_linear(self.history_norm, history, pointwise)).view(history.shape[0], h, 2 * d)
         k_THD, v_THD = kv_THD.split([d, d], dim=-1)

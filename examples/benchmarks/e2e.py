@@ -24,7 +24,8 @@ pooled user features, hundreds of candidates per user.
   same batches (the second eager run gives the gap that nondeterministic kernels alone make);
 - kit-unfused: the kit stack with PyTorch's unfused ops around each HSTU layer's attention (``F.silu`` and a split
   into strided views, the norm and the gating product) instead of the fused kernels of
-  :mod:`lightning_gem.ops.pointwise`, and the input norms in float32 then cast by autocast;
+  :mod:`lightning_gem.ops.pointwise`, and the input norms in float32 then cast by autocast; in the candidate
+  interaction likewise its norms, and its token interaction as batched matmuls instead of the fused token ops;
 - kit-no-prefetch: the kit stack without the embedding input prefetch (``GEM5DStrategy(train_pipeline=False)``):
   the ids' input_dist, whose split sizes and per-key lengths the host reads, runs in the step on the compute stream
   instead of one batch ahead on a side stream;
@@ -73,6 +74,7 @@ from gem_example import (
     use_tiny_shapes,
 )
 from lightning_gem.components.encoder import HSTULayer
+from lightning_gem.components.interaction import GDPAInteraction
 from lightning_gem.strategies import GEM5DStrategy
 
 from lightning_gem.callbacks import MFUMonitor
@@ -116,7 +118,7 @@ def run_stack(
     )
     if stack == "kit-unfused":  # PyTorch's unfused ops around the attention instead of the fused kernels
         for layer in model.modules():
-            if isinstance(layer, HSTULayer):
+            if isinstance(layer, HSTULayer | GDPAInteraction):
                 layer.pointwise_impl = "reference"
     cuda = args.device == "cuda"
     pinned = kit and cuda  # the kit's pipeline copies pinned batches asynchronously

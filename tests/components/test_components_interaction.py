@@ -167,3 +167,27 @@ def test_token_interaction_fused_matches_reference(num_context_tokens: int) -> N
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
     for got, want in zip(*grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_pointwise_impl_picks_the_token_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pointwise_impl`` overrides the impl beside the attention's: ``"reference"`` keeps the token interaction on
+    PyTorch's matmuls (the fused ops are never called), ``"triton"`` sends it to the fused ops; a bad value raises."""
+    import lightning_gem.components.interaction as module
+
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("impl"))
+        return real(*args, **kwargs)
+
+    real = module.token_attention
+    monkeypatch.setattr(module, "token_attention", spy)
+    candidates, cand_offsets, history, hist_offsets, _ = _inputs(24)
+    for pointwise, expected in (("reference", []), ("auto", ["auto"])):
+        calls.clear()
+        options = {"self_interaction": True, "attention_impl": "reference", "pointwise_impl": pointwise}
+        interaction = GDPAInteraction(24, 2, **options)
+        interaction(candidates, cand_offsets, history, hist_offsets)
+        assert calls == expected, pointwise
+    with pytest.raises(ValueError, match="pointwise_impl"):
+        GDPAInteraction(24, 2, pointwise_impl="cuda")
