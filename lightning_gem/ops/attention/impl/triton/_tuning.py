@@ -213,8 +213,8 @@ def forward_tiles_fault(tiles: Tiles, dtype: torch.dtype, head_dim: int, block_s
     (SiLU causal over segments of 1,031, pointer and descriptor loads), and key tiles of 32 over two stages (64 x 32
     on softmax over 32 candidates a history) or under 128-row query tiles (128 x 32 over 8 warps on softmax over 128
     candidates a history). 64 x 32 over three stages, the first candidate at these head dims, ran every shape tried;
-    BlockAttention was not seen to fault and is not concerned. Such tiles are left out of the candidates, and
-    refused when passed on CUDA."""
+    BlockAttention was not seen to fault and is not concerned. Such tiles are refused when passed on CUDA; the
+    candidate lists of :func:`candidate_tiles` hold none of them (a test keeps them so)."""
     if block_size is not None or dtype not in (torch.bfloat16, torch.float16) or head_dim > 128:
         return False
     return tiles.block_n <= 16 or (tiles.block_n == 32 and (tiles.num_stages == 2 or tiles.block_m >= 128))

@@ -417,8 +417,6 @@ def gdpa_forward(
         def candidates() -> list[Tiles | str]:
             tiles = candidate_tiles("fwd", q.dtype, q.device, head_dim, block_size=block_size, max_len_q=max_seq_len_q,
                                     fp8=fp8, pointwise_targets=pointwise_targets)  # fmt: skip
-            if q.device.type == "cuda" and not fp8:
-                tiles = [t for t in tiles if not forward_tiles_fault(t, q.dtype, head_dim, block_size)]
             return [*tiles, FLASH] if use_flash else tiles
 
         tiles, meta = pick_launch(
