@@ -233,7 +233,7 @@ class GDPAInteraction(nn.Module):
         num_candidates, num_tokens = tokens_CND.shape[:2]
         h, d = self.token_num_heads, self.dim // self.token_num_heads
         qkv_CNX = self.token_qkv(self.token_norm(tokens_CND))  # [C, N, 3 * dim], laid out as [3, H, d]
-        if num_tokens > MAX_TOKENS:  # past what the kernels unroll: PyTorch's ops, whatever the impl beside
+        if num_tokens > MAX_TOKENS:  # past what a kernel program holds: PyTorch's ops, whatever the impl beside
             pointwise = "reference"
         if pointwise == "reference":
             qkv = qkv_CNX.view(num_candidates, num_tokens, 3, h, d)

@@ -38,10 +38,10 @@ def _check(got: torch.Tensor, exact: torch.Tensor, naive: torch.Tensor, name: st
         assert_within_budget(got, exact, naive, name=name)
 
 
-# (candidates, tokens, heads, head width): N in {1, 2, 5, 7, 16 (the most)}, odd and power-of-two widths, C in
-# {0, 1, 2, 3, 37}.
+# (candidates, tokens, heads, head width): N in {1, 2, 5, 7, 16, 33, 64 (the most)}: one to twelve candidates a
+# program's tile of rows, and one whole tile; odd and power-of-two widths, C in {0, 1, 2, 3, 37}.
 ATTENTION = [(3, 5, 2, 24), (37, 7, 1, 40), (1, 1, 2, 16), (0, 5, 2, 8), (3, 2, 4, 32), (37, 5, 4, 64), (1, 7, 3, 5),
-             (2, 16, 2, 8)]  # fmt: skip
+             (2, 16, 2, 8), (3, 33, 2, 16), (2, 64, 1, 8)]  # fmt: skip
 
 
 @pytest.mark.parametrize(("candidates", "tokens", "heads", "head_dim"), ATTENTION)
@@ -63,8 +63,10 @@ def test_token_attention_matches_reference(
     _check(dqkv, _grad(exact, qkv64, grad.double()), _grad(naive, plain, grad), "dqkv")
 
 
-# (candidates, tokens, width): N in {1, 2, 5, 7, 16}; widths odd, a power of two, and wider than one chunk (1100).
-DOTS = [(3, 5, 24), (37, 7, 40), (1, 1, 16), (0, 5, 8), (3, 2, 64), (1, 5, 1100), (37, 5, 3), (2, 16, 8)]
+# (candidates, tokens, width): N in {1, 2, 5, 7, 16, 33, 64}; widths odd, a power of two, and wider than one chunk
+# (1100).
+DOTS = [(3, 5, 24), (37, 7, 40), (1, 1, 16), (0, 5, 8), (3, 2, 64), (1, 5, 1100), (37, 5, 3), (2, 16, 8), (3, 33, 8),
+        (2, 64, 20)]  # fmt: skip
 
 
 @pytest.mark.parametrize(("candidates", "tokens", "width"), DOTS)
@@ -209,8 +211,8 @@ def test_compiled_fullgraph(device: str) -> None:
 
 @pytest.mark.gpu
 def test_bf16_within_budget_at_real_size_gpu() -> None:
-    """bf16 at the interaction's size (4096 candidates, 5 tokens, 4 heads of 256): the kernels (fp32 inside, one
-    rounding) within the budget of PyTorch's unfused bf16 ops, forward and backward."""
+    """bf16 at the interaction's size (4096 candidates, 5 tokens, 4 heads of 256): the kernels (bf16 products,
+    fp32 sums and softmax) within the budget of PyTorch's unfused bf16 ops, forward and backward."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     candidates, tokens, heads, head_dim = 4096, 5, 4, 256

@@ -8,8 +8,8 @@ results in the layouts the neighbouring Linears use.
 
 ``impl="reference"`` is pure PyTorch (any device, the oracle); ``"triton"`` runs the kernels (CUDA, or CPU under
 ``TRITON_INTERPRET=1``) and never falls back; ``"auto"`` picks Triton for CUDA tensors of fp32/fp16/bf16 with at
-most :data:`MAX_TOKENS` tokens a candidate, and the reference otherwise. The kernels compute in fp32 and round once
-to the input's dtype; the reference rounds after each op.
+most :data:`MAX_TOKENS` tokens a candidate, and the reference otherwise. The kernels multiply in the input's dtype
+with fp32 accumulation and keep the softmax in fp32, rounding as few times as the reference's matmuls do.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from lightning_gem.ops.pointwise.impl.token_reference import pairwise_dots_refer
 
 __all__ = ["MAX_TOKENS", "pairwise_dots", "token_attention"]
 
-#: Tokens a candidate may have on the Triton path (its loops over them are unrolled).
-MAX_TOKENS = 16
+#: Tokens a candidate may have on the Triton path (a kernel program holds a candidate's tokens in one tile of rows).
+MAX_TOKENS = 64
 
 
 def _token_kernel() -> object:
