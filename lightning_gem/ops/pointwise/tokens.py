@@ -88,8 +88,7 @@ def pairwise_dots(x: Tensor, scale: float = 1.0, *, impl: str = "auto") -> Tenso
     """Dot products of each candidate's token pairs, times ``scale`` (DLRM-style explicit interactions).
 
     Pairs ``(n, m)`` with ``n < m`` in the row-major order of ``torch.triu_indices(N, N, offset=1)``; the kernels
-    compute only those (a batched matmul computes all ``N x N``, then a gather keeps the upper triangle), summing in
-    fp32.
+    write only those (summing in fp32), without the ``N x N`` matrix and the gather of its upper triangle.
 
     Args:
         x: ``[C, N, D]`` float tensor (a non-contiguous one is copied first).

@@ -2,8 +2,9 @@
 their backwards), visible to ``torch.compile`` and counted by FLOP counters; plain eager calls skip the ops' dispatch
 (host time only) through private ``autograd.Function`` s over the same launchers, as the other pointwise ops do.
 
-The FLOP formulas count the products the kernels compute: those of the two attention matmuls (and the four of
-their backward) and, for the dots, the ``P`` pairs only (a batched matmul computes all ``N x N``).
+The FLOP formulas count the useful products: those of the two attention matmuls per candidate (and the four of
+their backward) and, for the dots, the ``P`` pairs only; the kernels' masked products between different candidates
+of a tile are not counted.
 """
 
 from __future__ import annotations
