@@ -23,7 +23,7 @@ from lightning_gem.ops import gdpa
 from lightning_gem.ops._launch import next_power_of_2
 from lightning_gem.ops.attention import ACTIVATIONS, IMPLS, PRECISIONS
 from lightning_gem.ops.pointwise import IMPLS as POINTWISE_IMPLS
-from lightning_gem.ops.pointwise import norm, norm_mul, silu_split
+from lightning_gem.ops.pointwise import norm, norm_mul, norm_residual, silu_split
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -38,6 +38,7 @@ __all__ = [
     "compile_hstu_layers",
     "make_norm",
     "norm_for_linear",
+    "norm_for_residual",
     "pointwise_beside",
     "pad_tokens_to_multiple",
     "recency_positions",
@@ -123,15 +124,35 @@ def norm_for_linear(module: nn.Module, x: Tensor, impl: str = "auto") -> Tensor:
     comes out in the autocast dtype in one pass (:func:`lightning_gem.ops.pointwise.norm`), the values autocast's
     cast for the Linear would make of the norm's float32 output; anything else (no autocast, other input dtypes,
     other norm classes, such as the FP8 recipe's fused norms) is ``module(x)``. ``impl``: the pointwise ops' impl."""
+    fused = _fused_norm(module, x)
+    if fused is None:
+        return module(x)
+    kind, bias, dtype = fused
+    return norm(x, module.weight, bias, eps=module.eps, kind=kind, out_dtype=dtype, impl=impl)
+
+
+def norm_for_residual(module: nn.Module, x: Tensor, impl: str = "auto") -> tuple[Tensor, Tensor]:
+    """``(norm_for_linear(module, x, impl), x)`` for a pre-norm residual block ``x + f(norm(x))``: take the second
+    output as the residual. On the fused path the norm is :func:`lightning_gem.ops.pointwise.norm_residual`, whose
+    backward adds the residual's gradient into the norm's in the same kernel."""
+    fused = _fused_norm(module, x)
+    if fused is None:
+        return module(x), x
+    kind, bias, dtype = fused
+    return norm_residual(x, module.weight, bias, eps=module.eps, kind=kind, out_dtype=dtype, impl=impl)
+
+
+def _fused_norm(module: nn.Module, x: Tensor) -> tuple[str, Tensor | None, torch.dtype] | None:
+    """``(kind, bias, autocast dtype)`` where :func:`norm_for_linear` takes the fused norm for ``module(x)``; else
+    None."""
     device = x.device.type
     if x.dtype != torch.float32 or type(module) not in _PLAIN_NORMS or not torch.is_autocast_enabled(device):
-        return module(x)
+        return None
     dtype = torch.get_autocast_dtype(device)
     if dtype == torch.float32 or len(module.normalized_shape) != 1:
-        return module(x)
+        return None
     kind = _norm_kind(module)
-    bias = getattr(module, "bias", None) if kind == "layer" else None
-    return norm(x, module.weight, bias, eps=module.eps, kind=kind, out_dtype=dtype, impl=impl)
+    return kind, getattr(module, "bias", None) if kind == "layer" else None, dtype
 
 
 class HSTULayer(nn.Module):
@@ -311,7 +332,9 @@ class HSTULayer(nn.Module):
         """
         h, dv, dqk = self.num_heads, self.linear_dim, self.attention_dim
         pointwise = self.pointwise_impl or pointwise_beside(self.attention_impl)
-        uvqk_TX = self.uvqk(norm_for_linear(self.input_norm, x, pointwise))  # every token, also of a sharded x
+        # The residual through the norm: its backward adds the residual's gradient into dx in the same pass.
+        normed_TX, x = norm_for_residual(self.input_norm, x, pointwise)
+        uvqk_TX = self.uvqk(normed_TX)  # every token, also of a sharded x
         num_tokens = uvqk_TX.shape[0]
         # One pass: SiLU, and U, V, Q, K each contiguous; its backward writes d(uvqk) in one pass too.
         uvqk_THX = uvqk_TX.view(num_tokens, h, 2 * dv + 2 * dqk)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_gem.ops.pointwise import norm, norm_mul, silu_split
+from lightning_gem.ops.pointwise import norm, norm_mul, norm_residual, silu_split
 from lightning_gem.testing.numerics import assert_within_budget
 
 
@@ -101,6 +101,40 @@ def test_norm_matches_reference(device: str, rows: int, width: int, kind: str, a
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4 * max(1, rows) ** 0.5, msg=name)
 
 
+@pytest.mark.parametrize(("rows", "width"), [(37, 48), (1, 1024), (0, 16)])
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+@pytest.mark.parametrize("used", ["both", "norm", "residual"])
+def test_norm_residual_adds_the_residual_gradient(device: str, rows: int, width: int, kind: str, used: str) -> None:
+    """``norm_residual``'s outputs are ``norm(x)`` and ``x``; used as ``x + f(norm(x))``, its backward (one kernel,
+    the residual's gradient added into ``dx``) gives the gradients that autograd's sum of the two paths gives, also
+    when only one output is used."""
+    torch.manual_seed(0)
+    x = torch.randn(rows, width, device=device, requires_grad=True)
+    weight = torch.randn(width, device=device, requires_grad=True)
+    bias = torch.randn(width, device=device, requires_grad=True) if kind == "layer" else None
+    leaves = [t for t in (x, weight, bias) if t is not None]
+    options = {"eps": 1e-5, "kind": kind, "out_dtype": torch.float16}
+    y, residual = norm_residual(x, weight, bias, impl="triton", **options)
+    assert type(y.grad_fn).__name__ == "_NormResidualEagerBackward" and residual.grad_fn is y.grad_fn
+    want = norm(x, weight, bias, impl="triton", **options)
+    assert torch.equal(y, want) and torch.equal(residual, x)
+    grad_y, grad_x = torch.randn_like(y), torch.randn_like(x)
+
+    def loss(normed: torch.Tensor, passed: torch.Tensor) -> torch.Tensor:
+        terms = {"norm": (normed.float() * grad_y).sum(), "residual": (passed * grad_x).sum()}
+        return sum(terms.values()) if used == "both" else terms[used]
+
+    got = torch.autograd.grad(loss(y, residual), leaves, allow_unused=True)
+    expected = torch.autograd.grad(loss(want, x), leaves, allow_unused=True)
+    for a, b, name in zip(got, expected, "xwb", strict=False):
+        if b is None:
+            assert a is None or not a.any(), name
+        else:
+            torch.testing.assert_close(a, b, msg=name)
+    y_ref, residual_ref = norm_residual(x, weight, bias, impl="reference", **options)
+    assert residual_ref is x and y_ref.dtype == torch.float16
+
+
 def test_norm_reference_is_the_module_then_the_cast() -> None:
     """The reference is what a norm module and autocast's cast for a Linear compute; the default out dtype is x's."""
     x = torch.randn(4, 3, 16)
@@ -192,6 +226,47 @@ def test_hstu_layer_fused_matches_unfused(device: str, per_head_norm: bool, norm
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
     for got, want in zip(*grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+def _graph_nodes(root) -> set[str]:
+    seen, stack, names = set(), [root], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def test_hstu_layer_residual_norm_under_autocast(device: str) -> None:
+    """Under autocast the layer's input norm is ``norm_residual`` (the residual's gradient added in the norm's
+    backward kernel): the layer's output and gradients match the same layer with PyTorch's pointwise ops."""
+    from lightning_gem.components.encoder import HSTULayer
+
+    torch.manual_seed(0)
+    lengths = [5, 0, 1, 19]
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
+    fused = HSTULayer(32, 2, attention_impl="triton").to(device)
+    for p in fused.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    plain = HSTULayer(32, 2, attention_impl="triton", pointwise_impl="reference").to(device)
+    plain.load_state_dict(fused.state_dict())
+    x = torch.randn(sum(lengths), 32, device=device)
+    outs, grads = [], []
+    for layer in (fused, plain):
+        xi = x.clone().requires_grad_()
+        with torch.autocast(device, dtype=torch.float16 if device == "cpu" else torch.bfloat16):
+            y = layer(xi, offsets, max_seq_len=19)
+        assert y.dtype == torch.float32
+        assert ("_NormResidualEagerBackward" in _graph_nodes(y.grad_fn)) == (layer is fused)
+        y.square().sum().backward()
+        outs.append(y.detach())
+        grads.append([xi.grad, *(p.grad for p in layer.parameters())])
+    torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
+    for got, want in zip(*grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
 
 
 def test_compiled_fullgraph(device: str) -> None:

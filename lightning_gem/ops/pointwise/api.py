@@ -19,7 +19,7 @@ from torch import Tensor
 from lightning_gem.ops._launch import resolve_triton_impl
 from lightning_gem.ops.pointwise.impl.reference import norm_mul_reference, norm_reference, silu_split_reference
 
-__all__ = ["IMPLS", "norm", "norm_mul", "silu_split"]
+__all__ = ["IMPLS", "norm", "norm_mul", "norm_residual", "silu_split"]
 
 IMPLS = ("auto", "reference", "triton")
 _NORMS = ("rms", "layer")
@@ -81,6 +81,19 @@ def _check_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str
         raise ValueError("`bias` is for kind='layer' (RMSNorm has no shift)")
 
 
+def _norm_options(
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str, eps: float | None, out_dtype: torch.dtype | None
+) -> tuple[float, torch.dtype]:
+    """``(eps, out_dtype)`` of a :func:`norm` call with their defaults, after checking its arguments."""
+    if x.dim() < 1 or not x.is_floating_point():
+        raise TypeError(f"`x` must be a float tensor of one dim or more, got {x.dtype} of shape {tuple(x.shape)}")
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if not out_dtype.is_floating_point:
+        raise TypeError(f"`out_dtype` must be a float dtype, got {out_dtype}")
+    _check_norm(x, weight, bias, kind)
+    return torch.finfo(x.dtype).eps if eps is None else float(eps), out_dtype
+
+
 def norm(
     x: Tensor,
     weight: Tensor | None = None,
@@ -116,18 +129,51 @@ def norm(
         >>> y.dtype, torch.allclose(y.float(), torch.nn.functional.rms_norm(x, (8,)), atol=1e-2)
         (torch.bfloat16, True)
     """
-    if x.dim() < 1 or not x.is_floating_point():
-        raise TypeError(f"`x` must be a float tensor of one dim or more, got {x.dtype} of shape {tuple(x.shape)}")
-    out_dtype = x.dtype if out_dtype is None else out_dtype
-    if not out_dtype.is_floating_point:
-        raise TypeError(f"`out_dtype` must be a float dtype, got {out_dtype}")
-    _check_norm(x, weight, bias, kind)
-    eps = torch.finfo(x.dtype).eps if eps is None else float(eps)
+    eps, out_dtype = _norm_options(x, weight, bias, kind, eps, out_dtype)
     if _resolve_impl(impl, x) == "reference":
         return norm_reference(x, weight, bias, eps, kind, out_dtype)
     from lightning_gem.ops.pointwise.impl.triton import norm_triton
 
     return norm_triton(x.contiguous(), weight, bias, eps, kind == "layer", out_dtype)
+
+
+def norm_residual(
+    x: Tensor,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    *,
+    eps: float | None = None,
+    kind: str = "rms",
+    out_dtype: torch.dtype | None = None,
+    impl: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """``(norm(x), x)``: :func:`norm`, with ``x`` itself as a second output for the residual of a pre-norm block.
+
+    In a block ``x + f(norm(x))`` the residual stream's gradient reaches ``x`` twice, through the norm and through the
+    sum; autograd adds the two in a pass over the float32 rows of its own. Written ``y, x = norm_residual(x, ...)``,
+    ``x + f(y)``, the second gradient comes to the norm's backward, whose kernel adds it into ``dx`` as it writes it
+    (plain eager calls of the Triton impl; elsewhere the second output is ``x`` and autograd sums as before). The
+    values are :func:`norm`'s and ``x``'s.
+
+    Args:
+        x, weight, bias, eps, kind, out_dtype, impl: as for :func:`norm`.
+
+    Returns:
+        ``(norm(x) [..., N] in out_dtype, x)``.
+
+    Example:
+        >>> x = torch.randn(3, 8, requires_grad=True)
+        >>> y, residual = norm_residual(x, torch.ones(8))
+        >>> (residual + y).sum().backward()
+        >>> x.grad.shape
+        torch.Size([3, 8])
+    """
+    eps, out_dtype = _norm_options(x, weight, bias, kind, eps, out_dtype)
+    if _resolve_impl(impl, x) == "reference":
+        return norm_reference(x, weight, bias, eps, kind, out_dtype), x
+    from lightning_gem.ops.pointwise.impl.triton import norm_residual_triton
+
+    return norm_residual_triton(x.contiguous(), weight, bias, eps, kind == "layer", out_dtype)
 
 
 def norm_mul(

@@ -3,6 +3,7 @@
 from lightning_gem.ops.pointwise.impl.triton.ops import (
     SUPPORTED_DTYPES,
     norm_mul_triton,
+    norm_residual_triton,
     norm_triton,
     silu_split_triton,
 )
@@ -11,6 +12,7 @@ from lightning_gem.ops.pointwise.impl.triton.token_ops import pairwise_dots_trit
 __all__ = [
     "SUPPORTED_DTYPES",
     "norm_mul_triton",
+    "norm_residual_triton",
     "norm_triton",
     "pairwise_dots_triton",
     "silu_split_triton",

@@ -142,11 +142,13 @@ def _norm_mul_fwd_kernel(
 @triton.jit(do_not_specialize=["num_rows", "num_tiles"])
 def _norm_mul_bwd_kernel(
     GRAD, X, GATE, WEIGHT, BIAS, MEAN, RSTD, DX, DGATE, DW_PART, DB_PART,  # [R, N] x 3, [N] x 2, [R] x 2, [R, N] x 2,
-    num_rows, num_tiles,  # [G, N] x 2 (G programs); GATE and DGATE None without a gate
+    DRES,  # [G, N] x 2 (G programs); GATE and DGATE None without a gate; DRES [R, N] or None
+    num_rows, num_tiles,
     N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, LAYER: tl.constexpr,
 ):  # fmt: skip
     """Persistent programs over row tiles: each accumulates its share of the weight's (and bias's) gradient in
-    registers and writes it once, to row ``program_id`` of ``DW_PART`` (``DB_PART``); the launcher sums them."""
+    registers and writes it once, to row ``program_id`` of ``DW_PART`` (``DB_PART``); the launcher sums them.
+    ``DRES``: a gradient of ``x`` from elsewhere (a residual branch), added into ``dx`` as it is written."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -182,7 +184,10 @@ def _norm_mul_bwd_kernel(
         dx = dxhat - xhat * (tl.sum(dxhat * xhat, axis=1) / N)[:, None]
         if LAYER:
             dx = dx - (tl.sum(dxhat, axis=1) / N)[:, None]
-        tl.store(DX + offsets, (dx * rstd[:, None]).to(DX.dtype.element_ty), mask=mask)
+        dx = dx * rstd[:, None]
+        if DRES is not None:
+            dx += tl.load(DRES + offsets, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
     if WEIGHT is not None:
         tl.store(DW_PART + pid * N + cols, dw, mask=col_ok)
     if BIAS is not None:
@@ -272,9 +277,11 @@ def norm_mul_backward(
     mean: Tensor,
     rstd: Tensor,
     layer: bool,
+    grad_residual: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """``(dx, dgate, dweight, dbias)`` of :func:`norm_mul_forward` (``dx`` in ``x``'s dtype whatever ``grad``'s; the
-    last three None without a gate / weight / bias)."""
+    last three None without a gate / weight / bias). ``grad_residual`` (``x``'s shape): added into ``dx`` by the same
+    kernel, as a gradient of ``x`` from another branch."""
     n = x_RN.shape[-1]
     num_rows = x_RN.numel() // n
     dx = torch.empty_like(x_RN)
@@ -286,12 +293,14 @@ def norm_mul_backward(
     programs = max(1, min(num_tiles, per_device))
     if num_rows == 0:
         return dx, dgate, None if weight is None else weight.new_zeros(n), None if bias is None else bias.new_zeros(n)
+    if grad_residual is not None:
+        grad_residual = grad_residual.contiguous()
     # Every program writes its whole row of partial sums (zeros where it met no tile).
     dw_part = x_RN.new_empty(programs, n, dtype=torch.float32) if weight is not None else None
     db_part = x_RN.new_empty(programs, n, dtype=torch.float32) if bias is not None else None
     args = (
         grad_RN.contiguous(), x_RN, gate_RN, weight, bias, mean if layer else rstd, rstd, dx, dgate, dw_part, db_part,
-        num_rows, num_tiles, n, block_n, block_r, layer,
+        grad_residual, num_rows, num_tiles, n, block_n, block_r, layer,
     )  # fmt: skip
     launch(_norm_mul_bwd_kernel, (programs,), args, {"num_warps": _warps(block_n * block_r)})
     dw = dw_part.sum(0).to(weight.dtype) if weight is not None else None

@@ -132,6 +132,29 @@ class _NormMulEager(torch.autograd.Function):
         return dx, dgate, dw, db, None, None, None
 
 
+class _NormResidualEager(torch.autograd.Function):
+    """``(norm(x), x)``: the norm with ``x`` passed through as a second output, for plain eager calls. Used as the
+    residual, that output brings its gradient to this backward, which adds it into the norm's ``dx`` as it writes
+    it, where autograd would sum the two gradients of ``x`` in a pass of its own."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, layer, out_dtype):
+        y, mean, rstd = norm_mul_forward(x, None, weight, bias, eps, layer, out_dtype)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.layer = layer
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
+        return y, x
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_y, grad_x):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        if grad_y is None:  # only the residual was used
+            return grad_x, None, None, None, None, None
+        dx, _, dw, db = norm_mul_backward(grad_y, x, None, weight, bias, mean, rstd, ctx.layer, grad_residual=grad_x)
+        return dx, dw, db, None, None, None
+
+
 def silu_split_triton(x_RW: Tensor, sizes: tuple[int, ...]) -> tuple[Tensor, ...]:
     """``SiLU(x)`` split into contiguous parts through the Triton kernels (inputs validated by the caller)."""
     if not plain_eager((x_RW,)):
@@ -153,6 +176,18 @@ def norm_triton(
 ) -> Tensor:
     """``norm(x)`` in ``out_dtype`` through the Triton kernels (inputs validated by the caller)."""
     return _norm_gated(x_RN, None, weight, bias, eps, layer, out_dtype)
+
+
+def norm_residual_triton(
+    x_RN: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, layer: bool, out_dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """``(norm(x) in out_dtype, x)`` through the Triton kernels (inputs validated by the caller); in plain eager
+    calls the backward adds the second output's gradient into ``dx`` (:class:`_NormResidualEager`). Traced, the
+    norm is the custom op and ``x`` itself is the second output (autograd sums the gradients)."""
+    tensors = (x_RN, weight, bias)
+    if plain_eager(tensors) and records_graph(*(t for t in tensors if t is not None)):
+        return _NormResidualEager.apply(x_RN, weight, bias, eps, layer, out_dtype)
+    return _norm_gated(x_RN, None, weight, bias, eps, layer, out_dtype), x_RN
 
 
 def _norm_gated(
