@@ -134,10 +134,10 @@ def test_head_logits_are_fp32_under_bf16_autocast(esmm: bool) -> None:
     assert logits[:, 0].unique().numel() > 4000  # distinct predictions, not bf16's few thousand values
 
 
-@pytest.mark.parametrize("num_context_tokens", [0, 3, 63])
+@pytest.mark.parametrize("num_context_tokens", [0, 3, 31])
 def test_token_interaction_fused_matches_reference(num_context_tokens: int) -> None:
     """The interaction on the Triton path (fused token attention and pairwise dots, under Triton's interpreter on CPU)
-    against the same weights on the reference path (PyTorch's matmuls): outputs and every gradient. 65 tokens a
+    against the same weights on the reference path (PyTorch's matmuls): outputs and every gradient. 33 tokens a
     candidate are past the kernels' limit: the Triton interaction takes PyTorch's ops there, not an error."""
     from lightning_gem.ops._launch import is_interpreted
     from lightning_gem.ops.pointwise.impl.triton.token_kernels import _token_attention_fwd_kernel

@@ -22,8 +22,9 @@ from lightning_gem.ops.pointwise.impl.token_reference import pairwise_dots_refer
 
 __all__ = ["MAX_TOKENS", "pairwise_dots", "token_attention"]
 
-#: Tokens a candidate may have on the Triton path (a kernel program holds a candidate's tokens in one tile of rows).
-MAX_TOKENS = 64
+#: Tokens a candidate may have on the Triton path (a kernel program holds a candidate's tokens in one tile of rows,
+#: so its tiles grow with them; the GPU benchmark runs up to 32).
+MAX_TOKENS = 32
 
 
 def _token_kernel() -> object:
