@@ -13,6 +13,7 @@ import torch
 __all__ = [
     "cdiv",
     "compile_only",
+    "dot_precision",
     "is_interpreted",
     "keep_opaque_when_interpreted",
     "launch",
@@ -53,6 +54,11 @@ _PLAIN_ARGS = frozenset((*_PLAIN, int, float, bool, str, type(None)))  # the typ
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for a launch grid, in plain Python (Triton's own is a constexpr function: slower on the host)."""
     return -(-a // b)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision: exact fp32 products for fp32 inputs (not TF32), native otherwise."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def next_power_of_2(n: int) -> int:

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_gem.ops._launch import cdiv, is_interpreted, launch, next_power_of_2
+from lightning_gem.ops._launch import cdiv, dot_precision, is_interpreted, launch, next_power_of_2
 
 __all__ = [
     "E4M3_GRID_FIRST",
@@ -507,11 +507,6 @@ def fast_math(q: torch.Tensor) -> bool:
     """Whether pointwise activations may use one-instruction approximations: compiled CUDA kernels on bf16
     inputs, whose rounding (2^-8) dwarfs the approximation's (2^-11)."""
     return q.is_cuda and q.dtype == torch.bfloat16
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """``tl.dot`` input precision: exact fp32 products for fp32 inputs (not TF32), native otherwise."""
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 # The kernels' compile-time mode flags, in the order of :func:`mode_flags`.

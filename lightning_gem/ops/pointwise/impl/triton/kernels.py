@@ -28,7 +28,7 @@ from torch import Tensor
 
 from lightning_gem.ops._launch import cdiv, launch, next_power_of_2
 
-__all__ = ["norm_mul_backward", "norm_mul_forward", "silu_split_backward", "silu_split_forward"]
+__all__ = ["norm_mul_backward", "norm_mul_forward", "silu_split_backward", "silu_split_forward", "tile_warps"]
 
 # Elements a program holds per part or per tile: a few registers a thread at 4 warps.
 _ELEMENTS = 4096
@@ -142,7 +142,7 @@ def _norm_mul_fwd_kernel(
 @triton.jit(do_not_specialize=["num_rows", "num_tiles"])
 def _norm_mul_bwd_kernel(
     GRAD, X, GATE, WEIGHT, BIAS, MEAN, RSTD, DX, DGATE, DW_PART, DB_PART,  # [R, N] x 3, [N] x 2, [R] x 2, [R, N] x 2,
-    DRES,  # [G, N] x 2 (G programs); GATE and DGATE None without a gate; DRES [R, N] or None
+    DRES,  # [G, N] x 2 (G programs; GATE and DGATE None without a gate); [R, N] or None
     num_rows, num_tiles,
     N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, LAYER: tl.constexpr,
 ):  # fmt: skip
@@ -234,7 +234,8 @@ def silu_split_backward(x_RW: Tensor, grads: tuple[Tensor | None, ...], sizes: t
     return dx
 
 
-def _warps(tile_elements: int) -> int:
+def tile_warps(tile_elements: int) -> int:
+    """Warps of a program holding a tile of ``tile_elements`` values: 8 past 4,096 (a few registers a thread)."""
     return 8 if tile_elements > 4096 else 4
 
 
@@ -259,7 +260,7 @@ def norm_mul_forward(
     block_n = next_power_of_2(n)
     block_r = _tile_rows(block_n)
     args = (x_RN, gate_RN, weight, bias, y, mean if layer else rstd, rstd, num_rows, eps, n, block_n, block_r, layer)
-    launch(_norm_mul_fwd_kernel, (cdiv(num_rows, block_r),), args, {"num_warps": _warps(block_n * block_r)})
+    launch(_norm_mul_fwd_kernel, (cdiv(num_rows, block_r),), args, {"num_warps": tile_warps(block_n * block_r)})
     return y, mean, rstd
 
 
@@ -302,7 +303,7 @@ def norm_mul_backward(
         grad_RN.contiguous(), x_RN, gate_RN, weight, bias, mean if layer else rstd, rstd, dx, dgate, dw_part, db_part,
         grad_residual, num_rows, num_tiles, n, block_n, block_r, layer,
     )  # fmt: skip
-    launch(_norm_mul_bwd_kernel, (programs,), args, {"num_warps": _warps(block_n * block_r)})
+    launch(_norm_mul_bwd_kernel, (programs,), args, {"num_warps": tile_warps(block_n * block_r)})
     dw = dw_part.sum(0).to(weight.dtype) if weight is not None else None
     db = db_part.sum(0).to(bias.dtype) if bias is not None else None
     return dx, dgate, dw, db

@@ -27,12 +27,12 @@ inputs multiply in full fp32 (``"ieee"``), not TF32.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_gem.ops._launch import cdiv, launch, next_power_of_2
+from lightning_gem.ops._launch import cdiv, dot_precision, launch, next_power_of_2
+from lightning_gem.ops.pointwise.impl.triton.kernels import tile_warps
 
 __all__ = [
     "pairwise_dots_backward",
@@ -179,19 +179,10 @@ def _pairwise_dots_bwd_kernel(
         tl.store(DX + row[:, None] * D + start + e[None, :], dx.to(DX.dtype.element_ty), mask=mask)
 
 
-def _precision(x: Tensor) -> str:
-    """``tl.dot`` input precision: exact fp32 products for fp32 inputs (not TF32), native otherwise."""
-    return "ieee" if x.dtype == torch.float32 else "tf32"
-
-
 def _row_block(num_tokens: int, block_d: int, elements: int) -> int:
     """``BLOCK_R``: rows that keep a ``[BLOCK_R, BLOCK_D]`` tile near ``elements`` values, from 16 (``tl.dot``'s
     least) to 128, and at least one candidate's tokens."""
     return max(16, next_power_of_2(num_tokens), min(128, elements // block_d))
-
-
-def _warps(block_r: int, block_d: int) -> int:
-    return 8 if block_r * block_d > 4096 else 4
 
 
 def token_attention_forward(qkv_CNX: Tensor, num_heads: int, scale: float) -> Tensor:
@@ -205,8 +196,9 @@ def token_attention_forward(qkv_CNX: Tensor, num_heads: int, scale: float) -> Te
     block_d = max(16, next_power_of_2(head_dim))
     block_r = _row_block(num_tokens, block_d, 16384)
     grid = (cdiv(num_candidates, block_r // num_tokens), num_heads)
-    args = (qkv_CNX, out, num_candidates, scale, num_tokens, num_heads, head_dim, block_r, block_d, _precision(out))
-    launch(_token_attention_fwd_kernel, grid, args, {"num_warps": _warps(block_r, block_d)})
+    precision = dot_precision(out.dtype)
+    args = (qkv_CNX, out, num_candidates, scale, num_tokens, num_heads, head_dim, block_r, block_d, precision)
+    launch(_token_attention_fwd_kernel, grid, args, {"num_warps": tile_warps(block_r * block_d)})
     return out
 
 
@@ -222,9 +214,9 @@ def token_attention_backward(grad_CNY: Tensor, qkv_CNX: Tensor, num_heads: int, 
     grid = (cdiv(num_candidates, block_r // num_tokens), num_heads)
     args = (
         qkv_CNX, grad_CNY.contiguous(), dqkv, num_candidates, scale, num_tokens, num_heads, head_dim, block_r,
-        block_d, _precision(dqkv),
+        block_d, dot_precision(dqkv.dtype),
     )  # fmt: skip
-    launch(_token_attention_bwd_kernel, grid, args, {"num_warps": _warps(block_r, block_d)})
+    launch(_token_attention_bwd_kernel, grid, args, {"num_warps": tile_warps(block_r * block_d)})
     return dqkv
 
 
@@ -241,9 +233,9 @@ def pairwise_dots_forward(x_CND: Tensor, scale: float) -> Tensor:
     if out.numel() == 0:
         return out
     block_r, block_d = _dots_blocks(num_tokens, width)
-    args = (x_CND, out, num_candidates, scale, num_tokens, width, block_r, block_d, _precision(x_CND))
+    args = (x_CND, out, num_candidates, scale, num_tokens, width, block_r, block_d, dot_precision(x_CND.dtype))
     grid = (cdiv(num_candidates, block_r // num_tokens),)
-    launch(_pairwise_dots_fwd_kernel, grid, args, {"num_warps": _warps(block_r, block_d)})
+    launch(_pairwise_dots_fwd_kernel, grid, args, {"num_warps": tile_warps(block_r * block_d)})
     return out
 
 
@@ -258,7 +250,7 @@ def pairwise_dots_backward(grad_CP: Tensor, x_CND: Tensor, scale: float) -> Tens
         grad_CP = grad_CP.contiguous()
     block_r, block_d = _dots_blocks(num_tokens, width)
     args = (grad_CP, x_CND, dx, num_candidates, grad_CP.stride(0), scale, num_tokens, width, block_r, block_d,
-            _precision(x_CND))  # fmt: skip
+            dot_precision(x_CND.dtype))  # fmt: skip
     grid = (cdiv(num_candidates, block_r // num_tokens),)
-    launch(_pairwise_dots_bwd_kernel, grid, args, {"num_warps": _warps(block_r, block_d)})
+    launch(_pairwise_dots_bwd_kernel, grid, args, {"num_warps": tile_warps(block_r * block_d)})
     return dx
