@@ -201,33 +201,6 @@ def test_inputs_are_checked() -> None:
         norm(x, torch.ones(8), torch.zeros(8))
 
 
-@pytest.mark.parametrize("per_head_norm", [True, False])
-@pytest.mark.parametrize("norm", ["rms", "layer"])
-def test_hstu_layer_fused_matches_unfused(device: str, per_head_norm: bool, norm: str) -> None:
-    """The layer through the Triton attention and fused ops against the same weights on the reference path."""
-    from lightning_gem.components.encoder import HSTULayer
-
-    torch.manual_seed(0)
-    lengths = [5, 0, 1, 19]
-    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
-    fused = HSTULayer(32, 2, per_head_norm=per_head_norm, norm=norm, attention_impl="triton").to(device)
-    for p in fused.parameters():  # output starts at zero: random weights so every path is exercised
-        torch.nn.init.normal_(p, std=0.3)
-    plain = HSTULayer(32, 2, per_head_norm=per_head_norm, norm=norm, attention_impl="reference").to(device)
-    plain.load_state_dict(fused.state_dict())
-    x = torch.randn(sum(lengths), 32, device=device)
-    outs, grads = [], []
-    for layer in (fused, plain):
-        xi = x.clone().requires_grad_()
-        y = layer(xi, offsets, max_seq_len=19)
-        y.square().sum().backward()
-        outs.append(y.detach())
-        grads.append([xi.grad, *(p.grad for p in layer.parameters())])
-    torch.testing.assert_close(outs[0], outs[1], rtol=1e-4, atol=1e-4)
-    for got, want in zip(*grads, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
-
-
 def _graph_nodes(root) -> set[str]:
     seen, stack, names = set(), [root], set()
     while stack:
@@ -240,32 +213,55 @@ def _graph_nodes(root) -> set[str]:
     return names
 
 
-def test_hstu_layer_residual_norm_under_autocast(device: str) -> None:
-    """Under autocast the layer's input norm is ``norm_residual`` (the residual's gradient added in the norm's
-    backward kernel): the layer's output and gradients match the same layer with PyTorch's pointwise ops."""
+def _run_layer_pair(device: str, fused_options: dict, plain_options: dict, autocast: bool = False) -> list[tuple]:
+    """Two HSTU layers (``fused_options``, then ``plain_options``) with the same random weights on one jagged batch:
+    for each, ``(output, [input's and parameters' gradients] of the output's square sum, autograd node names)``."""
     from lightning_gem.components.encoder import HSTULayer
 
     torch.manual_seed(0)
     lengths = [5, 0, 1, 19]
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
-    fused = HSTULayer(32, 2, attention_impl="triton").to(device)
-    for p in fused.parameters():
+    fused = HSTULayer(32, 2, **fused_options).to(device)
+    for p in fused.parameters():  # output starts at zero: random weights so every path is exercised
         torch.nn.init.normal_(p, std=0.3)
-    plain = HSTULayer(32, 2, attention_impl="triton", pointwise_impl="reference").to(device)
+    plain = HSTULayer(32, 2, **plain_options).to(device)
     plain.load_state_dict(fused.state_dict())
     x = torch.randn(sum(lengths), 32, device=device)
-    outs, grads = [], []
+    runs = []
     for layer in (fused, plain):
         xi = x.clone().requires_grad_()
-        with torch.autocast(device, dtype=torch.float16 if device == "cpu" else torch.bfloat16):
+        with torch.autocast(device, dtype=torch.float16 if device == "cpu" else torch.bfloat16, enabled=autocast):
             y = layer(xi, offsets, max_seq_len=19)
-        assert y.dtype == torch.float32
-        assert ("_NormResidualEagerBackward" in _graph_nodes(y.grad_fn)) == (layer is fused)
+        nodes = _graph_nodes(y.grad_fn)
         y.square().sum().backward()
-        outs.append(y.detach())
-        grads.append([xi.grad, *(p.grad for p in layer.parameters())])
-    torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
-    for got, want in zip(*grads, strict=True):
+        runs.append((y.detach(), [xi.grad, *(p.grad for p in layer.parameters())], nodes))
+    return runs
+
+
+@pytest.mark.parametrize("per_head_norm", [True, False])
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_hstu_layer_fused_matches_unfused(device: str, per_head_norm: bool, norm: str) -> None:
+    """The layer through the Triton attention and fused ops against the same weights on the reference path."""
+    options = {"per_head_norm": per_head_norm, "norm": norm}
+    (out, grads, _), (want_out, want_grads, _) = _run_layer_pair(
+        device, {**options, "attention_impl": "triton"}, {**options, "attention_impl": "reference"}
+    )
+    torch.testing.assert_close(out, want_out, rtol=1e-4, atol=1e-4)
+    for got, want in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_hstu_layer_residual_norm_under_autocast(device: str) -> None:
+    """Under autocast the layer's input norm is ``norm_residual`` (the residual's gradient added in the norm's
+    backward kernel): the layer's output and gradients match the same layer with PyTorch's pointwise ops."""
+    fused, plain = _run_layer_pair(
+        device, {"attention_impl": "triton"}, {"attention_impl": "triton", "pointwise_impl": "reference"}, True
+    )
+    for (out, _, nodes), is_fused in ((fused, True), (plain, False)):
+        assert out.dtype == torch.float32
+        assert ("_NormResidualEagerBackward" in nodes) == is_fused
+    torch.testing.assert_close(fused[0], plain[0], rtol=2e-2, atol=2e-2)
+    for got, want in zip(fused[1], plain[1], strict=True):
         torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
 
 
