@@ -90,8 +90,9 @@ def _context_lost(error: Exception) -> bool:
 
 def parse_plan(text: str) -> BackwardTiles:
     """``"32,64,8,2"`` (block_m, block_n, warps, stages of the dK/dV kernel with atomic dQ), with ``,tma`` (dQ
-    through bulk tensor reductions), ``,split`` (dK and dV in programs of their own) and ``,dq128x64`` (dQ programs
-    of 128 query rows x 64 key rows in the same launch instead of atomic dQ) after it as wanted."""
+    through bulk tensor reductions), ``,split`` (dK and dV in programs of their own), ``,halves`` (with ``split``:
+    the dK program's K, dK and dQ tiles in two column halves) and ``,dq128x64`` (dQ programs of 128 query rows x 64
+    key rows in the same launch instead of atomic dQ) after it as wanted."""
     numbers, flags, dq = [], set(), None
     for item in text.split(","):
         if item.isdigit():
@@ -101,11 +102,12 @@ def parse_plan(text: str) -> BackwardTiles:
             dq = (int(rows), int(keys))
         else:
             flags.add(item)
-    if flags - {"tma", "split"} or len(numbers) != 4 or (dq is not None and "tma" in flags):
-        raise ValueError(f"not a backward plan: {text!r} (block_m,block_n,warps,stages[,tma][,split][,dqMxN])")
+    bad = flags - {"tma", "split", "halves"} or ("halves" in flags and ("split" not in flags or dq is not None))
+    if bad or len(numbers) != 4 or (dq is not None and "tma" in flags):
+        raise ValueError(f"not a backward plan: {text!r} (block_m,block_n,warps,stages[,tma][,split[,halves]][,dqMxN])")
     tiles = Tiles(*numbers)
     dq_tiles = None if dq is None else Tiles(*dq, tiles.num_warps, tiles.num_stages)
-    return BackwardTiles(tiles, dq_tiles, tma="tma" in flags, split="split" in flags)
+    return BackwardTiles(tiles, dq_tiles, tma="tma" in flags, split="split" in flags, halves="halves" in flags)
 
 
 def sweep_case(
@@ -181,7 +183,8 @@ def sweep_case(
     def backward(plan: BackwardTiles) -> tuple:
         if plan.short:
             return gdpa_backward(case.grad_out, q, k, v, out, lse, spec, short_tiles=plan.dkdv)
-        tiles = {"dkdv_tiles": plan.dkdv, "dq_tiles": plan.dq, "bulk_dq": plan.tma, "split_dkdv": plan.split}
+        tiles = {"dkdv_tiles": plan.dkdv, "dq_tiles": plan.dq, "bulk_dq": plan.tma, "split_dkdv": plan.split,
+                 "column_halves": plan.halves}  # fmt: skip
         return gdpa_backward(case.grad_out, q, k, v, out, lse, spec, **tiles)
 
     reference = None
@@ -194,6 +197,7 @@ def sweep_case(
     for plan in plans:
         label = "short" if plan.short else "bulk dQ" if plan.tma else "atomic dQ" if plan.dq is None else "one-launch"
         label += " split" if plan.split else ""
+        label += " halves" if plan.halves else ""
         try:
             ms = _bench(lambda p=plan: backward(p))
             grads = backward(plan)

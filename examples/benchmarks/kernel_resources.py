@@ -109,7 +109,8 @@ def main() -> None:
 def _label(plan) -> str:
     if plan.dq is not None:
         return f"one-launch {tuple(plan.dkdv)} dq {tuple(plan.dq)}" + (" split" if plan.split else "")
-    return f"dkdv {tuple(plan.dkdv)}" + (" bulk dQ" if plan.tma else " atomic dQ") + (" split" if plan.split else "")
+    label = f"dkdv {tuple(plan.dkdv)}" + (" bulk dQ" if plan.tma else " atomic dQ") + (" split" if plan.split else "")
+    return label + (" halves" if plan.halves else "")
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ def compile_kernel(kernel, meta: dict, offsets: str = "*i32"):
         elif name in _FP32:
             signature[name] = "*fp32"
         elif name == "DQ_DESC":
-            tile = (constexprs["BLOCK_M"], constexprs["HEAD_DIM"])
+            tile = (constexprs["BLOCK_M"], constexprs["HEAD_DIM"] // (2 if constexprs.get("HALVES") else 1))
             signature[name] = f"tensordesc<fp32[{tile[0]},{tile[1]}]>" if constexprs["DQ_TMA"] else offsets
         elif name in ("K_DESC", "V_DESC"):
             tile = (constexprs["BLOCK_N"], constexprs["HEAD_DIM" if name == "K_DESC" else "HEAD_DIM_V"])

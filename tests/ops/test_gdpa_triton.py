@@ -221,12 +221,19 @@ def test_other_tile_shapes(device: str, block_m: int, block_n: int, mask: tuple,
 
 
 def _launched_case(
-    layout: str, seed: int, activation: str, device: str, *, one_launch: bool, split: bool = False
+    layout: str,
+    seed: int,
+    activation: str,
+    device: str,
+    *,
+    one_launch: bool,
+    split: bool = False,
+    halves: bool = False,
 ) -> tuple[GDPAInputs, dict, Callable]:
     """Inputs of ``layout``, the options of ``activation`` under a causal window, and a ``run(grad_out)`` for
     :func:`_check_against_reference` that calls the launchers directly with fixed tiles: the forward, then the dK/dV
     kernel with atomic dQ or (``one_launch``) the one-launch kernel, dK and dV in programs of their own with
-    ``split``."""
+    ``split`` (the dK one in column halves with ``halves``)."""
     from lightning_gem.ops.attention.impl.triton._tuning import Tiles
     from lightning_gem.ops.attention.impl.triton.backward import gdpa_backward
     from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
@@ -241,20 +248,22 @@ def _launched_case(
     def run(grad_out: torch.Tensor) -> tuple:
         out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=tiles)
         return out, gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, spec, dkdv_tiles=tiles,
-                                  dq_tiles=tiles if one_launch else None, split_dkdv=split)  # fmt: skip
+                                  dq_tiles=tiles if one_launch else None, split_dkdv=split,
+                                  column_halves=halves)  # fmt: skip
 
     return inputs, options, run
 
 
-@pytest.mark.parametrize("one_launch", [False, True])
+@pytest.mark.parametrize("one_launch, halves", [(False, False), (False, True), (True, False)])
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
 @pytest.mark.parametrize("layout", _slow_beyond(list(LAYOUTS), 2))
-def test_split_dkdv_programs(device: str, layout: str, activation: str, one_launch: bool) -> None:
-    """dK and dV in programs of their own, the dK one adding dQ or (``one_launch``) beside dQ programs of the same
-    launch: every layout (targets, shared and cross kv segments) and both activation families, under a causal
-    window, against the float64 reference."""
-    inputs, options, run = _launched_case(layout, 41, activation, device, one_launch=one_launch, split=True)
-    _check_against_reference(inputs, options, f"{layout}/{activation}/split/{one_launch}", run=run)
+def test_split_dkdv_programs(device: str, layout: str, activation: str, one_launch: bool, halves: bool) -> None:
+    """dK and dV in programs of their own, the dK one adding dQ (``halves``: K, dK and dQ in two column halves)
+    or (``one_launch``) beside dQ programs of the same launch: every layout (targets, shared and cross kv
+    segments) and both activation families, under a causal window, against the float64 reference."""
+    inputs, options, run = _launched_case(layout, 41, activation, device, one_launch=one_launch, split=True,
+                                          halves=halves)  # fmt: skip
+    _check_against_reference(inputs, options, f"{layout}/{activation}/split/{one_launch}/{halves}", run=run)
 
 
 @pytest.mark.parametrize("by_length", [False, True])
@@ -334,16 +343,17 @@ def test_split_dkdv_programs_bf16_gpu(activation: str, dim: int) -> None:
     jagged = (inputs.q_offsets, inputs.q_offsets, None, inputs.num_targets)
     plans = split_candidates(torch.bfloat16, inputs.q.device, dim, max_len_q=520)
     assert plans
-    for tiles in (plan.dkdv for plan in plans):
+    for plan in plans:
 
-        def run(grad_out: torch.Tensor, tiles=tiles) -> tuple:
+        def run(grad_out: torch.Tensor, plan=plan) -> tuple:
             spec = Spec(*jagged, **options, max_seq_len_q=520, max_seq_len_kv=520)
             out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, spec)
-            grads = gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, spec, dkdv_tiles=tiles,
-                                  split_dkdv=True, bulk_dq=bulk_reduction_ok(inputs.q))  # fmt: skip
+            grads = gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, spec, dkdv_tiles=plan.dkdv,
+                                  split_dkdv=True, column_halves=plan.halves,
+                                  bulk_dq=bulk_reduction_ok(inputs.q))  # fmt: skip
             return out, grads
 
-        _check_against_reference(inputs, options, f"{activation} D={dim} split {tiles}", run=run)
+        _check_against_reference(inputs, options, f"{activation} D={dim} split {plan}", run=run)
 
 
 @pytest.mark.parametrize("activation", ["softmax", "silu"])

@@ -104,7 +104,7 @@ def _gdpa_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
     HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
-    SPLIT: tl.constexpr, FP8: tl.constexpr,
+    SPLIT: tl.constexpr, FP8: tl.constexpr, HALVES: tl.constexpr,
 ):  # fmt: skip
     """One program per (kv segment, head, key tile): dK/dV, plus dQ through fp32 atomics with ``FUSED_DQ`` (bulk
     tensor reductions with ``DQ_TMA``). ``SPLIT``: two programs per key tile along axis 2, one for dK (and dQ), then
@@ -120,7 +120,7 @@ def _gdpa_bwd_dkdv_kernel(
         stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
         scale, window, block_size, kv_seg, head, index, fp8,
         HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, FUSED_DQ, DQ_TMA,
-        ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, SPLIT, FP8,
+        ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, SPLIT, FP8, HALVES,
     )  # fmt: skip
 
 
@@ -170,6 +170,7 @@ def _gdpa_bwd_kernel(
             scale, window, block_size, seg, head, index, fp8,
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, False,
             ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, SPLIT, FP8,
+            False,
         )  # fmt: skip
 
 
@@ -192,13 +193,13 @@ def bulk_reduction_ok(q: Tensor) -> bool:
     return torch.cuda.get_device_capability(q.device)[0] >= 9
 
 
-def _row_tiles(dq: Tensor, block_m: int) -> object:
+def _row_tiles(dq: Tensor, block_m: int, columns: int | None = None) -> object:
     """A tensor descriptor over ``dq [Tq, H, D]`` (contiguous) seen as ``[Tq, H * D]``, in tiles of one head's
-    ``[block_m, D]``."""
+    ``[block_m, D]`` (``[block_m, columns]``: part of a head's row)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     num_q, heads, head_dim = dq.shape
-    return TensorDescriptor.from_tensor(dq.view(num_q, heads * head_dim), [block_m, head_dim])
+    return TensorDescriptor.from_tensor(dq.view(num_q, heads * head_dim), [block_m, columns or head_dim])
 
 
 def _delta(out: Tensor, grad_out: Tensor, zero: Tensor | None = None) -> Tensor:
@@ -240,7 +241,7 @@ def plan_meta(plan: BackwardTiles, options: dict[str, object]) -> dict[str, obje
         del meta["HAS_KV_INDEX"], meta["HAS_TARGETS"]
         assert not meta.pop("FP8"), "the short-query kernel has no FP8 path"
     elif plan.dq is None:
-        meta.update(FUSED_DQ=True, DQ_TMA=plan.tma, SPLIT=plan.split)
+        meta.update(FUSED_DQ=True, DQ_TMA=plan.tma, SPLIT=plan.split, HALVES=plan.halves and not meta["FP8"])
     else:
         meta.update(DQ_BLOCK_M=plan.dq.block_m, DQ_BLOCK_N=plan.dq.block_n, SPLIT=plan.split)
     meta.update(tile_meta(plan.dkdv))
@@ -262,6 +263,7 @@ def gdpa_backward(
     short_tiles: Tiles | None = None,
     bulk_dq: bool = False,
     split_dkdv: bool = False,
+    column_halves: bool = False,
     natural_lse: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Launch the backward kernels. ``out`` and ``lse`` (from :func:`gdpa_forward`) are needed for softmax
@@ -272,9 +274,11 @@ def gdpa_backward(
     deterministic). ``dkdv_tiles`` (alone: the atomic kernel), both tiles (the one-launch kernel) or ``short_tiles``
     (the short-query kernel, whose ``block_m`` must hold the longest query segment) override the tuned choice;
     ``bulk_dq`` with ``dkdv_tiles`` alone adds dQ through bulk tensor reductions (:func:`bulk_reduction_ok`);
-    ``split_dkdv`` gives dK and dV programs of their own (one accumulator each), with atomic dQ or ``dq_tiles``.
-    Returns ``(dq, dk, dv)`` in the inputs' dtypes. ``flash`` (``impl="auto"``, softmax modes FlashAttention-4
-    computes exactly) lets the tuner pick FlashAttention-4's backward instead, from the same ``out`` and ``lse``.
+    ``split_dkdv`` gives dK and dV programs of their own (one accumulator each), with atomic dQ or ``dq_tiles``;
+    ``column_halves`` (with ``split_dkdv`` and atomic dQ) has the dK program hold K, dK and each dQ tile as two
+    halves of the head dim's columns (:mod:`.backward_programs`). Returns ``(dq, dk, dv)`` in the inputs' dtypes.
+    ``flash`` (``impl="auto"``, softmax modes FlashAttention-4 computes exactly) lets the tuner pick
+    FlashAttention-4's backward instead, from the same ``out`` and ``lse``.
     ``natural_lse``: ``lse`` is FlashAttention-4's own (:func:`.forward.gdpa_forward`'s ``lse_format``), handed to
     its backward as it is and converted for the Triton kernels.
     """
@@ -379,7 +383,8 @@ def gdpa_backward(
                 # Bulk reductions in plain eager calls only: a traced launch (torch.compile, dispatch modes) cannot
                 # take a tensor descriptor made inside the op, so there the same plan adds dQ element by element.
                 bulk = plan.tma and plain_eager((q, k, v, grad_out))
-                dq_desc = _row_tiles(dq32, tiles.block_m) if bulk else q_offsets  # a placeholder, never read
+                columns = head_dim // 2 if meta.get("HALVES") else head_dim
+                dq_desc = _row_tiles(dq32, tiles.block_m, columns) if bulk else q_offsets  # a placeholder, never read
                 args = (q, k, v, grad_out, base2_lse(), delta, dk, dv, dq32, dq_desc, q_offsets, kv_offsets, targets,
                         seg_offsets, seg_order, by_length, *codes, *strides, *dq32.stride()[:2], *code_strides, scale,
                         window or 0, block_size or 1, pair_group(q.device, q_bytes + dq32_bytes))  # fmt: skip
@@ -411,7 +416,9 @@ def gdpa_backward(
         plan = BackwardTiles(short_tiles, short=True)
         meta = options(plan)
     elif dkdv_tiles is not None:
-        plan = BackwardTiles(dkdv_tiles, dq_tiles, tma=bulk_dq, split=split_dkdv)
+        plan = BackwardTiles(dkdv_tiles, dq_tiles, tma=bulk_dq, split=split_dkdv, halves=column_halves)
+        if column_halves and (not split_dkdv or dq_tiles is not None):
+            raise ValueError("column_halves needs split_dkdv and dkdv_tiles alone (atomic dQ)")
         if dq_tiles is None and deterministic:
             raise ValueError("deterministic=True needs dq_tiles with dkdv_tiles")
         if bulk_dq and (dq_tiles is not None or not bulk_reduction_ok(q)):

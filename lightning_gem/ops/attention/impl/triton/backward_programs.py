@@ -41,13 +41,13 @@ DK_ONLY = tl.constexpr(2)
 
 @triton.jit
 def _dkdv_query_blocks(
-    dk_ND, dv_NDV, k_ND, v_NDV, offs_n, q_base, do_base, lse_base, delta_base, dq_base, dq_desc, dq_row, dq_col,
-    stride_qt, stride_dot, stride_dqt, m_lo, m_hi, row_end, shift, num_history, window, block_size,
+    dk_ND, dk2_ND, dv_NDV, k_ND, k2_ND, v_NDV, offs_n, q_base, do_base, lse_base, delta_base, dq_base, dq_desc,
+    dq_row, dq_col, stride_qt, stride_dot, stride_dqt, m_lo, m_hi, row_end, shift, num_history, window, block_size,
     qk_scale, scale, inv_len_k, fp8_rows, fp8_keys,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FAST: tl.constexpr, PART: tl.constexpr, FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FAST: tl.constexpr, PART: tl.constexpr, FP8: tl.constexpr, HALVES: tl.constexpr,
 ):  # fmt: skip
     """Query blocks ``[m_lo, m_hi)`` against one key tile; ``MASKED`` applies ``allowed``; ``PART`` (:data:`BOTH`,
     :data:`DV_ONLY`, :data:`DK_ONLY`) says which of dK and dV the tile accumulates (the other is returned as given);
@@ -63,6 +63,8 @@ def _dkdv_query_blocks(
     ``v_NDV`` never)."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
+    HALF: tl.constexpr = BLOCK_D // 2
+    offs_h = tl.arange(0, HALF)
     for m_start in tl.range(m_lo, m_hi, BLOCK_M):
         offs_m = m_start + tl.arange(0, BLOCK_M)
         row_ok = offs_m < row_end
@@ -78,6 +80,13 @@ def _dkdv_query_blocks(
                 dp_NM = tl.dot(v8_NDV, tl.trans(do8_MDV)) * (sv_N[:, None] * sdo_M[None, :])
             if PART != DK_ONLY:
                 do_MDV = _load_tile(do_base, offs_m, stride_dot, offs_dv, row_ok, HEAD_DIM_V, BLOCK_DV, MASKED)
+        elif HALVES:
+            q_MD = _load_tile(q_base, offs_m, stride_qt, offs_h, row_ok, HALF, HALF, MASKED)
+            q2_MD = _load_tile(q_base + HALF, offs_m, stride_qt, offs_h, row_ok, HEAD_DIM - HALF, HALF, MASKED)
+            do_MDV = _load_tile(do_base, offs_m, stride_dot, offs_dv, row_ok, HEAD_DIM_V, BLOCK_DV, MASKED)
+            qk_NM = tl.dot(k_ND, tl.trans(q_MD), input_precision=DOT_PRECISION)
+            qk_NM = tl.dot(k2_ND, tl.trans(q2_MD), qk_NM, input_precision=DOT_PRECISION)
+            dp_NM = tl.dot(v_NDV, tl.trans(do_MDV), input_precision=DOT_PRECISION)
         else:
             q_MD = _load_tile(q_base, offs_m, stride_qt, offs_d, row_ok, HEAD_DIM, BLOCK_D, MASKED)
             do_MDV = _load_tile(do_base, offs_m, stride_dot, offs_dv, row_ok, HEAD_DIM_V, BLOCK_DV, MASKED)
@@ -114,10 +123,30 @@ def _dkdv_query_blocks(
                     ds_NM = tl.where(allowed_NM, ds_NM, 0.0)
         if PART != DK_ONLY:
             dv_NDV = tl.dot(p_NM.to(do_MDV.dtype), do_MDV, dv_NDV, input_precision=DOT_PRECISION)
-        if PART != DV_ONLY:
+        if HALVES:
             ds_NM = ds_NM.to(q_MD.dtype)
             dk_ND = tl.dot(ds_NM, q_MD, dk_ND, input_precision=DOT_PRECISION)
-        if FUSED_DQ and PART != DV_ONLY:
+            dk2_ND = tl.dot(ds_NM, q2_MD, dk2_ND, input_precision=DOT_PRECISION)
+            ds_MN = tl.trans(ds_NM)
+            dq_MD = tl.dot(ds_MN, k_ND, input_precision=DOT_PRECISION) * scale
+            dq_ptrs = dq_base + offs_m[:, None] * stride_dqt + offs_h[None, :]
+            if DQ_TMA:
+                dq_desc.atomic_add([dq_row + m_start, dq_col], dq_MD)
+            elif MASKED:
+                tl.atomic_add(dq_ptrs, dq_MD, mask=row_ok[:, None], sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs, dq_MD, sem="relaxed")
+            dq2_MD = tl.dot(ds_MN, k2_ND, input_precision=DOT_PRECISION) * scale
+            if DQ_TMA:
+                dq_desc.atomic_add([dq_row + m_start, dq_col + HALF], dq2_MD)
+            else:
+                cols_ok = offs_h[None, :] < HEAD_DIM - HALF
+                tl.atomic_add(dq_ptrs + HALF, dq2_MD, mask=(row_ok[:, None] & cols_ok) if MASKED else cols_ok,
+                              sem="relaxed")  # fmt: skip
+        elif PART != DV_ONLY:
+            ds_NM = ds_NM.to(q_MD.dtype)
+            dk_ND = tl.dot(ds_NM, q_MD, dk_ND, input_precision=DOT_PRECISION)
+        if FUSED_DQ and PART != DV_ONLY and not HALVES:
             dq_MD = tl.dot(tl.trans(ds_NM), k_ND, input_precision=DOT_PRECISION) * scale
             dq_ptrs = dq_base + offs_m[:, None] * stride_dqt + offs_d[None, :]
             if DQ_TMA:
@@ -128,7 +157,7 @@ def _dkdv_query_blocks(
                 tl.atomic_add(dq_ptrs, dq_MD, sem="relaxed")
             else:
                 tl.atomic_add(dq_ptrs, dq_MD, mask=offs_d[None, :] < HEAD_DIM, sem="relaxed")
-    return dk_ND, dv_NDV
+    return dk_ND, dk2_ND, dv_NDV
 
 
 @triton.jit
@@ -142,7 +171,7 @@ def _dkdv_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
     HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
-    PART: tl.constexpr, FP8: tl.constexpr,
+    PART: tl.constexpr, FP8: tl.constexpr, HALVES: tl.constexpr,
 ):  # fmt: skip
     """dK and dV of the key tile at ``n_start`` of kv segment ``kv_seg``, head ``head`` (and, with ``FUSED_DQ``,
     its part of dQ through atomics), or only one of them (``PART``); nothing when the tile lies past the segment's
@@ -154,6 +183,8 @@ def _dkdv_program(
         offs_n = n_start + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
         offs_dv = tl.arange(0, BLOCK_DV)
+        HALF: tl.constexpr = BLOCK_D // 2
+        offs_h = tl.arange(0, HALF)
         col_ok = offs_n < len_k
         heads = tl.num_programs(1)
         if FP8:  # the key tile's codes and scales; K itself only for dQ's product, V not at all
@@ -171,6 +202,15 @@ def _dkdv_program(
                     K + k_start * stride_kt + head * stride_kh, offs_n, stride_kt, offs_d, col_ok, HEAD_DIM, BLOCK_D,
                     True,
                 )  # fmt: skip
+        elif HALVES:
+            k_base = K + k_start * stride_kt + head * stride_kh
+            k_ND = _load_tile(k_base, offs_n, stride_kt, offs_h, col_ok, HALF, HALF, True)
+            k2_ND = _load_tile(k_base + HALF, offs_n, stride_kt, offs_h, col_ok, HEAD_DIM - HALF, HALF, True)
+            v_NDV = _load_tile(
+                V + k_start * stride_vt + head * stride_vh, offs_n, stride_vt, offs_dv, col_ok, HEAD_DIM_V, BLOCK_DV,
+                True,
+            )  # fmt: skip
+            fp8_keys = (k_ND, v_NDV, col_ok, col_ok)  # placeholders, not read
         else:
             k_ND = _load_tile(
                 K + k_start * stride_kt + head * stride_kh, offs_n, stride_kt, offs_d, col_ok, HEAD_DIM, BLOCK_D, True
@@ -180,7 +220,13 @@ def _dkdv_program(
                 True,
             )  # fmt: skip
             fp8_keys = (k_ND, v_NDV, col_ok, col_ok)  # placeholders, not read
-        dk_ND = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        if HALVES:
+            dk_ND = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
+            dk2_ND = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
+        else:
+            dk_ND = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+            dk2_ND = dk_ND  # a placeholder, not read
+            k2_ND = k_ND  # a placeholder, not read
         dv_NDV = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
         inv_len_k = 1.0 / len_k.to(tl.float32)
 
@@ -216,32 +262,43 @@ def _dkdv_program(
             )
             for stage in tl.static_range(3):  # masked edge, unmasked inside, masked edge
                 m_lo, m_hi = _stage_range(stage, i_lo, a, b, i_hi)
-                dk_ND, dv_NDV = _dkdv_query_blocks(
-                    dk_ND, dv_NDV, k_ND, v_NDV, offs_n, q_base, do_base, lse_base, delta_base, dq_base, DQ_DESC,
-                    q_start.to(tl.int32), (head * HEAD_DIM).to(tl.int32),
+                dk_ND, dk2_ND, dv_NDV = _dkdv_query_blocks(
+                    dk_ND, dk2_ND, dv_NDV, k_ND, k2_ND, v_NDV, offs_n, q_base, do_base, lse_base, delta_base, dq_base,
+                    DQ_DESC, q_start.to(tl.int32), (head * HEAD_DIM).to(tl.int32),
                     stride_qt, stride_dot, stride_dqt, m_lo, m_hi, i_hi, shift, num_history, window, block_size,
                     qk_scale, scale, inv_len_k, fp8_rows, fp8_keys, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
                     stage != 1, FUSED_DQ, DQ_TMA, ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST, PART,
-                    FP8,
+                    FP8, HALVES,
                 )  # fmt: skip
 
             # A target key t is seen by one query only: the target itself, row t of the segment. A run-time branch:
             # only key tiles that hold targets pay for the row-wise tiles (registers) of this term.
             if HAS_TARGETS and (shift == 0) & (n_start + BLOCK_N > num_history):
                 own = col_ok & (offs_n >= num_history)
-                q_own_ND = _load_tile(q_base, offs_n, stride_qt, offs_d, own, HEAD_DIM, BLOCK_D, True).to(tl.float32)
                 do_own_NDV = _load_tile(do_base, offs_n, stride_dot, offs_dv, own, HEAD_DIM_V, BLOCK_DV, True)
                 do_own_NDV = do_own_NDV.to(tl.float32)
-                if FP8:  # the target rows' own codes, as the forward's own term and the tiles above
-                    q8_base, do8_base, qs_base, dos_base, stride_q8t, stride_do8t = fp8_rows
-                    q8_own_ND, sq_N = _code_rows(q8_base, qs_base, offs_n, own, stride_q8t, HEAD_DIM, BLOCK_D, True)
-                    do8_own_NDV, sdo_N = _code_rows(do8_base, dos_base, offs_n, own, stride_do8t, HEAD_DIM_V,
-                                                    BLOCK_DV, True)  # fmt: skip
-                    qk_N = tl.sum(k8_ND.to(tl.float32) * q8_own_ND.to(tl.float32), axis=1) * (sk_N * sq_N)
-                    dp_N = tl.sum(v8_NDV.to(tl.float32) * do8_own_NDV.to(tl.float32), axis=1) * (sv_N * sdo_N)
-                else:
+                if HALVES:  # both halves of the target rows' queries against both halves of the keys
+                    q_own_ND = _load_tile(q_base, offs_n, stride_qt, offs_h, own, HALF, HALF, True).to(tl.float32)
+                    q2_own_ND = _load_tile(q_base + HALF, offs_n, stride_qt, offs_h, own, HEAD_DIM - HALF, HALF,
+                                           True).to(tl.float32)  # fmt: skip
                     qk_N = tl.sum(k_ND.to(tl.float32) * q_own_ND, axis=1)
+                    qk_N += tl.sum(k2_ND.to(tl.float32) * q2_own_ND, axis=1)
                     dp_N = tl.sum(v_NDV.to(tl.float32) * do_own_NDV, axis=1)
+                else:
+                    q_own_ND = _load_tile(q_base, offs_n, stride_qt, offs_d, own, HEAD_DIM, BLOCK_D, True)
+                    q_own_ND = q_own_ND.to(tl.float32)
+                    q2_own_ND = q_own_ND  # a placeholder, not read
+                    if FP8:  # the target rows' own codes, as the forward's own term and the tiles above
+                        q8_base, do8_base, qs_base, dos_base, stride_q8t, stride_do8t = fp8_rows
+                        q8_own_ND, sq_N = _code_rows(q8_base, qs_base, offs_n, own, stride_q8t, HEAD_DIM, BLOCK_D,
+                                                     True)  # fmt: skip
+                        do8_own_NDV, sdo_N = _code_rows(do8_base, dos_base, offs_n, own, stride_do8t, HEAD_DIM_V,
+                                                        BLOCK_DV, True)  # fmt: skip
+                        qk_N = tl.sum(k8_ND.to(tl.float32) * q8_own_ND.to(tl.float32), axis=1) * (sk_N * sq_N)
+                        dp_N = tl.sum(v8_NDV.to(tl.float32) * do8_own_NDV.to(tl.float32), axis=1) * (sv_N * sdo_N)
+                    else:
+                        qk_N = tl.sum(k_ND.to(tl.float32) * q_own_ND, axis=1)
+                        dp_N = tl.sum(v_NDV.to(tl.float32) * do_own_NDV, axis=1)
                 if ACTIVATION == "softmax":
                     lse_N = tl.load(lse_base + offs_n, mask=own, other=float("inf"))
                     delta_N = tl.load(delta_base + offs_n, mask=own, other=0.0)
@@ -252,9 +309,17 @@ def _dkdv_program(
                     ds_N = tl.where(own, _activation_grad(qk_N * scale, ACTIVATION, FAST) * dp_N * inv_len_k, 0.0)
                 if PART != DK_ONLY:
                     dv_NDV += p_N[:, None] * do_own_NDV
-                if PART != DV_ONLY:
+                if HALVES:
                     dk_ND += ds_N[:, None] * q_own_ND
-                if FUSED_DQ and PART != DV_ONLY:
+                    dk2_ND += ds_N[:, None] * q2_own_ND
+                    dq_own = dq_base + offs_n[:, None] * stride_dqt + offs_h[None, :]
+                    tl.atomic_add(dq_own, ds_N[:, None] * k_ND.to(tl.float32) * scale, mask=own[:, None],
+                                  sem="relaxed")  # fmt: skip
+                    tl.atomic_add(dq_own + HALF, ds_N[:, None] * k2_ND.to(tl.float32) * scale,
+                                  mask=own[:, None] & (offs_h[None, :] < HEAD_DIM - HALF), sem="relaxed")  # fmt: skip
+                elif PART != DV_ONLY:
+                    dk_ND += ds_N[:, None] * q_own_ND
+                if FUSED_DQ and PART != DV_ONLY and not HALVES:
                     tl.atomic_add(
                         dq_base + offs_n[:, None] * stride_dqt + offs_d[None, :],
                         ds_N[:, None] * k_ND.to(tl.float32) * scale,
@@ -262,7 +327,12 @@ def _dkdv_program(
                         sem="relaxed",
                     )
 
-        if PART != DV_ONLY:
+        if HALVES:
+            dk_ptrs = DK + (k_start + offs_n)[:, None] * stride_dkt + head * stride_dkh + offs_h[None, :]
+            tl.store(dk_ptrs, (dk_ND * scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
+            tl.store(dk_ptrs + HALF, (dk2_ND * scale).to(DK.dtype.element_ty),
+                     mask=col_ok[:, None] & (offs_h[None, :] < HEAD_DIM - HALF))  # fmt: skip
+        elif PART != DV_ONLY:
             tl.store(
                 DK + (k_start + offs_n)[:, None] * stride_dkt + head * stride_dkh + offs_d[None, :],
                 (dk_ND * scale).to(DK.dtype.element_ty),
@@ -287,7 +357,7 @@ def _dkdv_programs(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
     HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
-    SPLIT: tl.constexpr, FP8: tl.constexpr,
+    SPLIT: tl.constexpr, FP8: tl.constexpr, HALVES: tl.constexpr,
 ):  # fmt: skip
     """dK/dV program ``index`` of a kv segment and head: key tile ``index`` (dK and dV), or with ``SPLIT`` key tile
     ``index // 2``'s dK (even ``index``; it adds dQ with ``FUSED_DQ``) or dV (odd)."""
@@ -301,7 +371,7 @@ def _dkdv_programs(
                 scale, window, block_size, kv_seg, head, n_start, fp8,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, FUSED_DQ, DQ_TMA,
                 ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, DK_ONLY,
-                FP8,
+                FP8, HALVES,
             )  # fmt: skip
         else:
             _dkdv_program(
@@ -311,7 +381,7 @@ def _dkdv_programs(
                 scale, window, block_size, kv_seg, head, n_start, fp8,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, False,
                 ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, DV_ONLY,
-                FP8,
+                FP8, False,
             )  # fmt: skip
     else:
         _dkdv_program(
@@ -320,7 +390,7 @@ def _dkdv_programs(
             stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
             scale, window, block_size, kv_seg, head, index * BLOCK_N, fp8,
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, FUSED_DQ, DQ_TMA,
-            ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, BOTH, FP8,
+            ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, BOTH, FP8, False,
         )  # fmt: skip
 
 
