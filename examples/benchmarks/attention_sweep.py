@@ -91,23 +91,30 @@ def _context_lost(error: Exception) -> bool:
 def parse_plan(text: str) -> BackwardTiles:
     """``"32,64,8,2"`` (block_m, block_n, warps, stages of the dK/dV kernel with atomic dQ), with ``,tma`` (dQ
     through bulk tensor reductions), ``,split`` (dK and dV in programs of their own), ``,halves`` (with ``split``:
-    the dK program's K, dK and dQ tiles in two column halves) and ``,dq128x64`` (dQ programs of 128 query rows x 64
-    key rows in the same launch instead of atomic dQ) after it as wanted."""
-    numbers, flags, dq = [], set(), None
+    the dK program's K, dK and dQ tiles in two column halves), ``,dv2`` (with ``split``: the dV programs in a launch of
+    their own at 2 stages) and ``,dq128x64`` (dQ programs of 128 query rows x 64 key rows in the same launch instead of
+    atomic dQ) after it as wanted."""
+    numbers, flags, dq, dv_stages = [], set(), None, 0
     for item in text.split(","):
         if item.isdigit():
             numbers.append(int(item))
+        elif item.startswith("dv") and item[2:].isdigit():
+            dv_stages = int(item[2:])
         elif item.startswith("dq") and "x" in item:
             rows, keys = item[2:].split("x")
             dq = (int(rows), int(keys))
         else:
             flags.add(item)
-    bad = flags - {"tma", "split", "halves"} or ("halves" in flags and ("split" not in flags or dq is not None))
+    alone = "halves" in flags or dv_stages  # options of the split dK/dV programs with atomic dQ
+    bad = flags - {"tma", "split", "halves"} or (alone and ("split" not in flags or dq is not None))
     if bad or len(numbers) != 4 or (dq is not None and "tma" in flags):
-        raise ValueError(f"not a backward plan: {text!r} (block_m,block_n,warps,stages[,tma][,split[,halves]][,dqMxN])")
+        raise ValueError(
+            f"not a backward plan: {text!r} (block_m,block_n,warps,stages[,tma][,split[,halves][,dvN]][,dqMxN])"
+        )
     tiles = Tiles(*numbers)
     dq_tiles = None if dq is None else Tiles(*dq, tiles.num_warps, tiles.num_stages)
-    return BackwardTiles(tiles, dq_tiles, tma="tma" in flags, split="split" in flags, halves="halves" in flags)
+    return BackwardTiles(tiles, dq_tiles, tma="tma" in flags, split="split" in flags, halves="halves" in flags,
+                         dv_stages=dv_stages)  # fmt: skip
 
 
 def sweep_case(
@@ -184,7 +191,7 @@ def sweep_case(
         if plan.short:
             return gdpa_backward(case.grad_out, q, k, v, out, lse, spec, short_tiles=plan.dkdv)
         tiles = {"dkdv_tiles": plan.dkdv, "dq_tiles": plan.dq, "bulk_dq": plan.tma, "split_dkdv": plan.split,
-                 "column_halves": plan.halves}  # fmt: skip
+                 "column_halves": plan.halves, "dv_stages": plan.dv_stages}  # fmt: skip
         return gdpa_backward(case.grad_out, q, k, v, out, lse, spec, **tiles)
 
     reference = None
@@ -198,6 +205,7 @@ def sweep_case(
         label = "short" if plan.short else "bulk dQ" if plan.tma else "atomic dQ" if plan.dq is None else "one-launch"
         label += " split" if plan.split else ""
         label += " halves" if plan.halves else ""
+        label += f" dv{plan.dv_stages}" if plan.dv_stages else ""
         try:
             ms = _bench(lambda p=plan: backward(p))
             grads = backward(plan)

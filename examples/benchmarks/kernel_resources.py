@@ -104,13 +104,16 @@ def main() -> None:
                 print(f"{label:34s} does not compile: {type(cause).__name__}: {str(cause)[:160]}", flush=True)
                 continue
             print(_row(label, compiled), flush=True)
+            if plan.dv_stages:  # the dV programs' own launch
+                dv_meta = {**meta, "LAUNCH": 1, "HALVES": False, "num_stages": plan.dv_stages}
+                print(_row(f"  its dV launch{' fp8' if fp8 else ''}", compile_kernel(plan_kernel(plan), dv_meta)))
 
 
 def _label(plan) -> str:
     if plan.dq is not None:
         return f"one-launch {tuple(plan.dkdv)} dq {tuple(plan.dq)}" + (" split" if plan.split else "")
     label = f"dkdv {tuple(plan.dkdv)}" + (" bulk dQ" if plan.tma else " atomic dQ") + (" split" if plan.split else "")
-    return label + (" halves" if plan.halves else "")
+    return label + (" halves" if plan.halves else "") + (f" dv{plan.dv_stages}" if plan.dv_stages else "")
 
 
 if __name__ == "__main__":

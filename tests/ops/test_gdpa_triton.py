@@ -229,11 +229,13 @@ def _launched_case(
     one_launch: bool,
     split: bool = False,
     halves: bool = False,
+    dv_stages: int = 0,
 ) -> tuple[GDPAInputs, dict, Callable]:
     """Inputs of ``layout``, the options of ``activation`` under a causal window, and a ``run(grad_out)`` for
     :func:`_check_against_reference` that calls the launchers directly with fixed tiles: the forward, then the dK/dV
     kernel with atomic dQ or (``one_launch``) the one-launch kernel, dK and dV in programs of their own with
-    ``split`` (the dK one in column halves with ``halves``)."""
+    ``split`` (the dK one in column halves with ``halves``, the dV ones in a launch of their own with
+    ``dv_stages``)."""
     from lightning_gem.ops.attention.impl.triton._tuning import Tiles
     from lightning_gem.ops.attention.impl.triton.backward import gdpa_backward
     from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
@@ -249,21 +251,27 @@ def _launched_case(
         out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=tiles)
         return out, gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, spec, dkdv_tiles=tiles,
                                   dq_tiles=tiles if one_launch else None, split_dkdv=split,
-                                  column_halves=halves)  # fmt: skip
+                                  column_halves=halves, dv_stages=dv_stages)  # fmt: skip
 
     return inputs, options, run
 
 
-@pytest.mark.parametrize("one_launch, halves", [(False, False), (False, True), (True, False)])
+@pytest.mark.parametrize(
+    "one_launch, halves, dv_stages", [(False, False, 0), (False, True, 0), (False, True, 2), (True, False, 0)]
+)
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
 @pytest.mark.parametrize("layout", _slow_beyond(list(LAYOUTS), 2))
-def test_split_dkdv_programs(device: str, layout: str, activation: str, one_launch: bool, halves: bool) -> None:
-    """dK and dV in programs of their own, the dK one adding dQ (``halves``: K, dK and dQ in two column halves)
-    or (``one_launch``) beside dQ programs of the same launch: every layout (targets, shared and cross kv
-    segments) and both activation families, under a causal window, against the float64 reference."""
+def test_split_dkdv_programs(
+    device: str, layout: str, activation: str, one_launch: bool, halves: bool, dv_stages: int
+) -> None:
+    """dK and dV in programs of their own, the dK one adding dQ (``halves``: K, dK and dQ in two column halves;
+    ``dv_stages``: the dV programs in a launch of their own) or (``one_launch``) beside dQ programs of the same
+    launch: every layout (targets, shared and cross kv segments) and both activation families, under a causal
+    window, against the float64 reference."""
     inputs, options, run = _launched_case(layout, 41, activation, device, one_launch=one_launch, split=True,
-                                          halves=halves)  # fmt: skip
-    _check_against_reference(inputs, options, f"{layout}/{activation}/split/{one_launch}/{halves}", run=run)
+                                          halves=halves, dv_stages=dv_stages)  # fmt: skip
+    label = f"{layout}/{activation}/split/{one_launch}/{halves}/{dv_stages}"
+    _check_against_reference(inputs, options, label, run=run)
 
 
 @pytest.mark.parametrize("by_length", [False, True])
@@ -349,7 +357,7 @@ def test_split_dkdv_programs_bf16_gpu(activation: str, dim: int) -> None:
             spec = Spec(*jagged, **options, max_seq_len_q=520, max_seq_len_kv=520)
             out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, spec)
             grads = gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, spec, dkdv_tiles=plan.dkdv,
-                                  split_dkdv=True, column_halves=plan.halves,
+                                  split_dkdv=True, column_halves=plan.halves, dv_stages=plan.dv_stages,
                                   bulk_dq=bulk_reduction_ok(inputs.q))  # fmt: skip
             return out, grads
 

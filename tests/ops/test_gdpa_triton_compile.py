@@ -53,7 +53,7 @@ for flags, offsets, (bm, bn, warps, stages), fused in modes:
     sizes[f"short {name}"] = compile_one(backward_short._gdpa_bwd_short_kernel, dict(short, BLOCK_M=32), offsets, 4,
                                          stages)
     # The fused-dQ mode adds its tiles through bulk tensor reductions (its head dim is a power of two).
-    dkdv = dict(common, FUSED_DQ=fused, DQ_TMA=fused, FP8=False, HALVES=False)
+    dkdv = dict(common, FUSED_DQ=fused, DQ_TMA=fused, FP8=False, HALVES=False, LAUNCH=0)
     sizes[f"dkdv {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(dkdv, SPLIT=False), offsets, warps,
                                         stages)
     sizes[f"dkdv split {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(dkdv, SPLIT=True), offsets, warps,
@@ -73,7 +73,7 @@ fp8 = dict(modes[0][0], BLOCK_M=128, BLOCK_N=64, DOT_PRECISION="tf32", FAST=True
 sizes["fwd fp8"] = compile_one(forward._gdpa_fwd_kernel, fp8, "*i32", 8, 3)
 bwd_fp8 = dict(modes[1][0], BLOCK_M=64, BLOCK_N=64, DOT_PRECISION="tf32", FAST=True, FP8=True)
 sizes["dkdv split fp8"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(bwd_fp8, FUSED_DQ=True, DQ_TMA=False,
-                                      SPLIT=True, HALVES=False), "*i64", 8, 2)  # fmt: skip
+                                      SPLIT=True, HALVES=False, LAUNCH=0), "*i64", 8, 2)  # fmt: skip
 sizes["bwd fp8"] = compile_one(backward._gdpa_bwd_kernel, dict(bwd_fp8, DQ_BLOCK_M=64, DQ_BLOCK_N=64, SPLIT=False),
                                "*i64", 8, 2)  # fmt: skip
 sizes["quantize rows"] = compile_one(quantize._rows_kernel, dict(HEAD_DIM=96, BLOCK_D=128, BLOCK_T=64, WITH_NORM=True),

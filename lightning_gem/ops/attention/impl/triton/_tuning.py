@@ -82,6 +82,7 @@ class BackwardTiles(NamedTuple):
     tma: bool = False
     split: bool = False
     halves: bool = False
+    dv_stages: int = 0
 
 
 # The candidate that runs FlashAttention-4's kernel instead of a Triton launch (``impl="auto"`` only).
@@ -297,10 +298,18 @@ def split_candidates(
         shapes = [Tiles(64, 128, 8, 2)]
     else:
         # The dK program's K, dK and dQ tiles in two column halves first (fewer registers live at once: 40% fewer
-        # spills), with dQ added element by element (what a traced call runs) and through bulk reductions, then whole.
+        # spills), with dQ added element by element (what a traced call runs), the same with the dV programs in a
+        # launch of their own at two stages (their K tile and two stages of Q and dO fit in shared memory), dQ through
+        # bulk reductions, then whole.
         tiles = Tiles(64, 128, 8, 1)
-        plans = [BackwardTiles(tiles, split=True, halves=True), BackwardTiles(tiles, tma=tma, split=True, halves=True)]
-        return list(dict.fromkeys([*plans, BackwardTiles(tiles, tma=tma, split=True)]))
+        halves = BackwardTiles(tiles, split=True, halves=True)
+        plans = [
+            halves,
+            halves._replace(dv_stages=2),
+            halves._replace(tma=tma),
+            BackwardTiles(tiles, tma=tma, split=True),
+        ]
+        return list(dict.fromkeys(plans))
     return [BackwardTiles(t, tma=tma, split=True) for t in shapes]
 
 

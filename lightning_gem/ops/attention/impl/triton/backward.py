@@ -56,7 +56,13 @@ from lightning_gem.ops.attention.impl.triton._tuning import (
     tile_meta,
     work_bucket,
 )
-from lightning_gem.ops.attention.impl.triton.backward_programs import _dkdv_programs, _dq_program
+from lightning_gem.ops.attention.impl.triton.backward_programs import (
+    BOTH,
+    DK_ONLY,
+    DV_ONLY,
+    _dkdv_programs,
+    _dq_program,
+)
 from lightning_gem.ops.attention.impl.triton.backward_short import _gdpa_bwd_short_kernel
 from lightning_gem.ops.attention.impl.triton.forward import flash_candidate
 from lightning_gem.ops.attention.impl.triton.quantize import quantize_rows_triton
@@ -104,7 +110,7 @@ def _gdpa_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
     HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
-    SPLIT: tl.constexpr, FP8: tl.constexpr, HALVES: tl.constexpr,
+    SPLIT: tl.constexpr, FP8: tl.constexpr, HALVES: tl.constexpr, LAUNCH: tl.constexpr,
 ):  # fmt: skip
     """One program per (kv segment, head, key tile): dK/dV, plus dQ through fp32 atomics with ``FUSED_DQ`` (bulk
     tensor reductions with ``DQ_TMA``). ``SPLIT``: two programs per key tile along axis 2, one for dK (and dQ), then
@@ -121,6 +127,7 @@ def _gdpa_bwd_dkdv_kernel(
         scale, window, block_size, kv_seg, head, index, fp8,
         HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, FUSED_DQ, DQ_TMA,
         ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, SPLIT, FP8, HALVES,
+        LAUNCH,
     )  # fmt: skip
 
 
@@ -170,7 +177,7 @@ def _gdpa_bwd_kernel(
             scale, window, block_size, seg, head, index, fp8,
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, False,
             ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, SPLIT, FP8,
-            False,
+            False, BOTH,
         )  # fmt: skip
 
 
@@ -241,7 +248,13 @@ def plan_meta(plan: BackwardTiles, options: dict[str, object]) -> dict[str, obje
         del meta["HAS_KV_INDEX"], meta["HAS_TARGETS"]
         assert not meta.pop("FP8"), "the short-query kernel has no FP8 path"
     elif plan.dq is None:
-        meta.update(FUSED_DQ=True, DQ_TMA=plan.tma, SPLIT=plan.split, HALVES=plan.halves and not meta["FP8"])
+        meta.update(
+            FUSED_DQ=True,
+            DQ_TMA=plan.tma,
+            SPLIT=plan.split,
+            HALVES=plan.halves and not meta["FP8"],
+            LAUNCH=(DK_ONLY if plan.dv_stages else BOTH).value,
+        )
     else:
         meta.update(DQ_BLOCK_M=plan.dq.block_m, DQ_BLOCK_N=plan.dq.block_n, SPLIT=plan.split)
     meta.update(tile_meta(plan.dkdv))
@@ -264,6 +277,7 @@ def gdpa_backward(
     bulk_dq: bool = False,
     split_dkdv: bool = False,
     column_halves: bool = False,
+    dv_stages: int = 0,
     natural_lse: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Launch the backward kernels. ``out`` and ``lse`` (from :func:`gdpa_forward`) are needed for softmax
@@ -276,7 +290,9 @@ def gdpa_backward(
     ``bulk_dq`` with ``dkdv_tiles`` alone adds dQ through bulk tensor reductions (:func:`bulk_reduction_ok`);
     ``split_dkdv`` gives dK and dV programs of their own (one accumulator each), with atomic dQ or ``dq_tiles``;
     ``column_halves`` (with ``split_dkdv`` and atomic dQ) has the dK program hold K, dK and each dQ tile as two
-    halves of the head dim's columns (:mod:`.backward_programs`). Returns ``(dq, dk, dv)`` in the inputs' dtypes.
+    halves of the head dim's columns (:mod:`.backward_programs`); ``dv_stages`` (with ``split_dkdv`` and atomic dQ)
+    launches the dV programs after the dK ones, on their own, pipelined over that many stages. Returns ``(dq, dk,
+    dv)`` in the inputs' dtypes.
     ``flash`` (``impl="auto"``, softmax modes FlashAttention-4 computes exactly) lets the tuner pick
     FlashAttention-4's backward instead, from the same ``out`` and ``lse``.
     ``natural_lse``: ``lse`` is FlashAttention-4's own (:func:`.forward.gdpa_forward`'s ``lse_format``), handed to
@@ -388,8 +404,14 @@ def gdpa_backward(
                 args = (q, k, v, grad_out, base2_lse(), delta, dk, dv, dq32, dq_desc, q_offsets, kv_offsets, targets,
                         seg_offsets, seg_order, by_length, *codes, *strides, *dq32.stride()[:2], *code_strides, scale,
                         window or 0, block_size or 1, pair_group(q.device, q_bytes + dq32_bytes))  # fmt: skip
-                grid = (num_kv_segments, heads, num_key_tiles * (2 if plan.split else 1))
-                launch(_gdpa_bwd_dkdv_kernel, grid, args, meta if bulk or not plan.tma else {**meta, "DQ_TMA": False})
+                meta = meta if bulk or not plan.tma else {**meta, "DQ_TMA": False}
+                if plan.dv_stages:  # the dK programs, then the dV ones in a launch of their own at their own stages
+                    launch(_gdpa_bwd_dkdv_kernel, (num_kv_segments, heads, num_key_tiles), args, meta)
+                    dv_meta = {**meta, "LAUNCH": DV_ONLY.value, "HALVES": False, "num_stages": plan.dv_stages}
+                    launch(_gdpa_bwd_dkdv_kernel, (num_kv_segments, heads, num_key_tiles), args, dv_meta)
+                else:
+                    grid = (num_kv_segments, heads, num_key_tiles * (2 if plan.split else 1))
+                    launch(_gdpa_bwd_dkdv_kernel, grid, args, meta)
             if q.dtype != torch.float32:  # the conversion is part of the plan's cost, timed with it by the tuner
                 dq_buffer(q.dtype).copy_(dq32)
             return
@@ -416,9 +438,10 @@ def gdpa_backward(
         plan = BackwardTiles(short_tiles, short=True)
         meta = options(plan)
     elif dkdv_tiles is not None:
-        plan = BackwardTiles(dkdv_tiles, dq_tiles, tma=bulk_dq, split=split_dkdv, halves=column_halves)
-        if column_halves and (not split_dkdv or dq_tiles is not None):
-            raise ValueError("column_halves needs split_dkdv and dkdv_tiles alone (atomic dQ)")
+        plan = BackwardTiles(dkdv_tiles, dq_tiles, tma=bulk_dq, split=split_dkdv, halves=column_halves,
+                             dv_stages=dv_stages)  # fmt: skip
+        if (column_halves or dv_stages) and (not split_dkdv or dq_tiles is not None):
+            raise ValueError("column_halves and dv_stages need split_dkdv and dkdv_tiles alone (atomic dQ)")
         if dq_tiles is None and deterministic:
             raise ValueError("deterministic=True needs dq_tiles with dkdv_tiles")
         if bulk_dq and (dq_tiles is not None or not bulk_reduction_ok(q)):

@@ -357,13 +357,19 @@ def _dkdv_programs(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
     HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
-    SPLIT: tl.constexpr, FP8: tl.constexpr, HALVES: tl.constexpr,
+    SPLIT: tl.constexpr, FP8: tl.constexpr, HALVES: tl.constexpr, LAUNCH: tl.constexpr,
 ):  # fmt: skip
     """dK/dV program ``index`` of a kv segment and head: key tile ``index`` (dK and dV), or with ``SPLIT`` key tile
-    ``index // 2``'s dK (even ``index``; it adds dQ with ``FUSED_DQ``) or dV (odd)."""
-    if SPLIT:
+    ``index // 2``'s dK (even ``index``; it adds dQ with ``FUSED_DQ``) or dV (odd); or in a launch of one part's
+    programs (``LAUNCH``: :data:`DK_ONLY`, :data:`DV_ONLY`; :data:`BOTH` otherwise), key tile ``index``'s part."""
+    if LAUNCH != BOTH:
+        n_start = index * BLOCK_N
+        dk_part = LAUNCH == DK_ONLY
+    elif SPLIT:
         n_start = (index // 2) * BLOCK_N
-        if index % 2 == 0:
+        dk_part = index % 2 == 0
+    if SPLIT or LAUNCH != BOTH:
+        if dk_part:
             _dkdv_program(
                 Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_DESC, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS,
                 SEG_ORDER, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
