@@ -364,7 +364,7 @@ def _dkdv_programs(
     programs (``LAUNCH``: :data:`DK_ONLY`, :data:`DV_ONLY`; :data:`BOTH` otherwise), key tile ``index``'s part."""
     if LAUNCH != BOTH:
         n_start = index * BLOCK_N
-        dk_part = LAUNCH == DK_ONLY
+        dk_part: tl.constexpr = LAUNCH == DK_ONLY  # annotated: a static branch below (the other part not compiled)
     elif SPLIT:
         n_start = (index // 2) * BLOCK_N
         dk_part = index % 2 == 0
