@@ -105,7 +105,14 @@ def main() -> None:
                 continue
             print(_row(label, compiled), flush=True)
             if plan.dv_stages:  # the dV programs' own launch
-                dv_meta = {**meta, "LAUNCH": 1, "HALVES": False, "num_stages": plan.dv_stages}
+                dv_meta = {
+                    **meta,
+                    "LAUNCH": 1,
+                    "FUSED_DQ": False,
+                    "DQ_TMA": False,
+                    "HALVES": False,
+                    "num_stages": plan.dv_stages,
+                }  # as the launcher compiles it
                 print(_row(f"  its dV launch{' fp8' if fp8 else ''}", compile_kernel(plan_kernel(plan), dv_meta)))
 
 

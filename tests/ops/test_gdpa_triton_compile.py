@@ -61,6 +61,11 @@ for flags, offsets, (bm, bn, warps, stages), fused in modes:
     # The dK program in column halves (the second mode's head dim of 96 leaves its upper half partly masked).
     sizes[f"dkdv split halves {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel,
                                                      dict(dkdv, SPLIT=True, HALVES=True), offsets, warps, stages)
+    # The dK programs in a launch of their own (LAUNCH 2), then the dV ones (LAUNCH 1, no dQ) at their own stages.
+    sizes[f"dk launch {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(dkdv, SPLIT=True, HALVES=True,
+                                             LAUNCH=2), offsets, warps, stages)  # fmt: skip
+    sizes[f"dv launch {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(dkdv, SPLIT=True, LAUNCH=1,
+                                             FUSED_DQ=False, DQ_TMA=False), offsets, warps, 2)  # fmt: skip
     for split in (False, True):
         one_launch = dict(common, DQ_BLOCK_M=bn, DQ_BLOCK_N=bm, SPLIT=split, FP8=False)
         sizes[f"bwd {name} split {split}"] = compile_one(backward._gdpa_bwd_kernel, one_launch, offsets, warps, stages)
@@ -100,7 +105,7 @@ def test_kernels_compile_for_sm90() -> None:
     result = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     sizes = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(sizes) == 24
+    assert len(sizes) == 28
     assert all(size > 0 for size in sizes.values()), sizes
 
 

@@ -407,8 +407,10 @@ def gdpa_backward(
                 meta = meta if bulk or not plan.tma else {**meta, "DQ_TMA": False}
                 if plan.dv_stages:  # the dK programs, then the dV ones in a launch of their own at their own stages
                     launch(_gdpa_bwd_dkdv_kernel, (num_kv_segments, heads, num_key_tiles), args, meta)
-                    dv_meta = {**meta, "LAUNCH": DV_ONLY.value, "HALVES": False, "num_stages": plan.dv_stages}
-                    launch(_gdpa_bwd_dkdv_kernel, (num_kv_segments, heads, num_key_tiles), args, dv_meta)
+                    dv_args = (*args[:9], q_offsets, *args[10:])  # the dV programs add no dQ: no descriptor
+                    dv_meta = {**meta, "LAUNCH": DV_ONLY.value, "FUSED_DQ": False, "DQ_TMA": False, "HALVES": False,
+                               "num_stages": plan.dv_stages}  # fmt: skip
+                    launch(_gdpa_bwd_dkdv_kernel, (num_kv_segments, heads, num_key_tiles), dv_args, dv_meta)
                 else:
                     grid = (num_kv_segments, heads, num_key_tiles * (2 if plan.split else 1))
                     launch(_gdpa_bwd_dkdv_kernel, grid, args, meta)
