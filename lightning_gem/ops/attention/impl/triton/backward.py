@@ -115,8 +115,10 @@ def _gdpa_bwd_dkdv_kernel(
     """One program per (kv segment, head, key tile): dK/dV, plus dQ through fp32 atomics with ``FUSED_DQ`` (bulk
     tensor reductions with ``DQ_TMA``). ``SPLIT``: two programs per key tile along axis 2, one for dK (and dQ), then
     one for dV: one fp32 accumulator each instead of two, so taller key tiles fit in registers, at the price of
-    computing ``Q K^T`` twice. ``FP8``: ``S`` and ``dP`` from the row codes (:func:`gdpa_backward`); else those
-    arguments are not read."""
+    computing ``Q K^T`` twice; ``HALVES``: the dK program in two column halves (:mod:`.backward_programs`).
+    ``LAUNCH`` (``DK_ONLY`` / ``DV_ONLY``, else ``BOTH``): a launch of one part's programs only, one a key tile (a
+    plan's ``dv_stages``: the dK launch, then the dV one at its own stages). ``FP8``: ``S`` and ``dP`` from the row
+    codes (:func:`gdpa_backward`); else those arguments are not read."""
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
     fp8 = (Q8, K8, V8, DO8, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE, stride_qs_h, stride_ks_h)
     kv_seg, head, index = _program_ids(group, BY_LENGTH, not HAS_KV_INDEX)

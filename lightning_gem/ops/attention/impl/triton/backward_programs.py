@@ -60,7 +60,12 @@ def _dkdv_query_blocks(
     ``FP8``: ``S`` and ``dP`` are products of FP8 codes times their rows' scales, the query rows' from ``fp8_rows``
     (``q8_base, do8_base, qs_base, dos_base, stride_q8t, stride_do8t``), the key tile's in ``fp8_keys`` (``k8, v8,
     sk, sv``); Q and dO are then read only for the products that make dK and dV (``k_ND`` only for ``FUSED_DQ``,
-    ``v_NDV`` never)."""
+    ``v_NDV`` never).
+
+    ``HALVES`` (the dK part with ``FUSED_DQ``, never with ``FP8``): the key tile, the query rows, dK and each dQ tile
+    in two halves of ``BLOCK_D`` columns, ``k_ND`` / ``k2_ND`` and ``dk_ND`` / ``dk2_ND`` (the upper half masked past
+    ``HEAD_DIM``), ``dq_desc`` in tiles of half a head's row; without it ``k2_ND`` is not read and ``dk2_ND`` is
+    returned as given."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     HALF: tl.constexpr = BLOCK_D // 2
@@ -175,7 +180,8 @@ def _dkdv_program(
 ):  # fmt: skip
     """dK and dV of the key tile at ``n_start`` of kv segment ``kv_seg``, head ``head`` (and, with ``FUSED_DQ``,
     its part of dQ through atomics), or only one of them (``PART``); nothing when the tile lies past the segment's
-    end. ``FP8``: ``S`` and ``dP`` from the row codes of the tuple ``fp8`` (module docstring)."""
+    end. ``FP8``: ``S`` and ``dP`` from the row codes of the tuple ``fp8`` (module docstring). ``HALVES`` (dK with
+    ``FUSED_DQ``): K, dK and dQ in two column halves (:func:`_dkdv_query_blocks`)."""
     qk_scale = scale * LOG2E
     k_start = tl.load(KV_OFFSETS + kv_seg).to(tl.int64)
     len_k = (tl.load(KV_OFFSETS + kv_seg + 1) - k_start).to(tl.int32)
