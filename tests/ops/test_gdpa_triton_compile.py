@@ -131,7 +131,12 @@ for dim in (128, 256):
         compiled = compile_kernel(forward._gdpa_fwd_kernel, meta)
         shared[f"fwd {dim} {tuple(tiles)}"] = compiled.metadata.shared
     for plan in backward_candidates(torch.bfloat16, cuda, dim, deterministic=False, tma=True):
-        shared[f"bwd {dim} {plan}"] = compile_kernel(plan_kernel(plan), plan_meta(plan, options)).metadata.shared
+        meta = plan_meta(plan, options)
+        shared[f"bwd {dim} {plan}"] = compile_kernel(plan_kernel(plan), meta).metadata.shared
+        if plan.dv_stages:  # its dV programs' own launch, as the launcher makes it
+            dv_meta = {**meta, "LAUNCH": 1, "FUSED_DQ": False, "DQ_TMA": False, "HALVES": False,
+                       "num_stages": plan.dv_stages}  # fmt: skip
+            shared[f"bwd {dim} {plan} dV launch"] = compile_kernel(plan_kernel(plan), dv_meta).metadata.shared
     for size in (64, 128):  # BlockAttention: tiles of whole blocks
         block = kernel_options(dim, dim, mode_flags("softmax", True, None, size, None, None), torch.bfloat16, True)
         for tiles in candidate_tiles("fwd", torch.bfloat16, cuda, dim, block_size=size):
