@@ -71,7 +71,7 @@ def main() -> None:
         split_candidates,
         tile_meta,
     )
-    from lightning_gem.ops.attention.impl.triton.backward import plan_kernel, plan_meta
+    from lightning_gem.ops.attention.impl.triton.backward import dv_launch_meta, plan_kernel, plan_meta
     from lightning_gem.testing.sm90 import compile_kernel
 
     cuda, options = torch.device("cuda"), call_options(args.activation, args.dim)
@@ -105,14 +105,7 @@ def main() -> None:
                 continue
             print(_row(label, compiled), flush=True)
             if plan.dv_stages:  # the dV programs' own launch
-                dv_meta = {
-                    **meta,
-                    "LAUNCH": 1,
-                    "FUSED_DQ": False,
-                    "DQ_TMA": False,
-                    "HALVES": False,
-                    "num_stages": plan.dv_stages,
-                }  # as the launcher compiles it
+                dv_meta = dv_launch_meta(plan, meta)
                 print(_row(f"  its dV launch{' fp8' if fp8 else ''}", compile_kernel(plan_kernel(plan), dv_meta)))
 
 

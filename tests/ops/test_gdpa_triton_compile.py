@@ -120,7 +120,7 @@ from kernel_resources import SHARED_LIMIT, call_options
 from lightning_gem.ops.attention.impl.triton import forward
 from lightning_gem.ops.attention.impl.triton._common import kernel_options, mode_flags
 from lightning_gem.ops.attention.impl.triton._tuning import backward_candidates, candidate_tiles, tile_meta
-from lightning_gem.ops.attention.impl.triton.backward import plan_kernel, plan_meta
+from lightning_gem.ops.attention.impl.triton.backward import dv_launch_meta, plan_kernel, plan_meta
 from lightning_gem.testing.sm90 import compile_kernel
 
 cuda, shared = torch.device("cuda"), {}
@@ -134,8 +134,7 @@ for dim in (128, 256):
         meta = plan_meta(plan, options)
         shared[f"bwd {dim} {plan}"] = compile_kernel(plan_kernel(plan), meta).metadata.shared
         if plan.dv_stages:  # its dV programs' own launch, as the launcher makes it
-            dv_meta = {**meta, "LAUNCH": 1, "FUSED_DQ": False, "DQ_TMA": False, "HALVES": False,
-                       "num_stages": plan.dv_stages}  # fmt: skip
+            dv_meta = dv_launch_meta(plan, meta)
             shared[f"bwd {dim} {plan} dV launch"] = compile_kernel(plan_kernel(plan), dv_meta).metadata.shared
     for size in (64, 128):  # BlockAttention: tiles of whole blocks
         block = kernel_options(dim, dim, mode_flags("softmax", True, None, size, None, None), torch.bfloat16, True)

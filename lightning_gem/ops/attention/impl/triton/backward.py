@@ -263,6 +263,13 @@ def plan_meta(plan: BackwardTiles, options: dict[str, object]) -> dict[str, obje
     return meta
 
 
+def dv_launch_meta(plan: BackwardTiles, meta: dict[str, object]) -> dict[str, object]:
+    """The launch options of ``plan``'s dV launch (``dv_stages``) from its dK launch's ``meta``: the dV programs
+    alone, adding no dQ (they take no descriptor), at their own stages."""
+    return {**meta, "LAUNCH": DV_ONLY.value, "FUSED_DQ": False, "DQ_TMA": False, "HALVES": False,
+            "num_stages": plan.dv_stages}  # fmt: skip
+
+
 def gdpa_backward(
     grad_out: Tensor,
     q: Tensor,
@@ -410,9 +417,8 @@ def gdpa_backward(
                 if plan.dv_stages:  # the dK programs, then the dV ones in a launch of their own at their own stages
                     launch(_gdpa_bwd_dkdv_kernel, (num_kv_segments, heads, num_key_tiles), args, meta)
                     dv_args = (*args[:9], q_offsets, *args[10:])  # the dV programs add no dQ: no descriptor
-                    dv_meta = {**meta, "LAUNCH": DV_ONLY.value, "FUSED_DQ": False, "DQ_TMA": False, "HALVES": False,
-                               "num_stages": plan.dv_stages}  # fmt: skip
-                    launch(_gdpa_bwd_dkdv_kernel, (num_kv_segments, heads, num_key_tiles), dv_args, dv_meta)
+                    launch(_gdpa_bwd_dkdv_kernel, (num_kv_segments, heads, num_key_tiles), dv_args,
+                           dv_launch_meta(plan, meta))  # fmt: skip
                 else:
                     grid = (num_kv_segments, heads, num_key_tiles * (2 if plan.split else 1))
                     launch(_gdpa_bwd_dkdv_kernel, grid, args, meta)

@@ -133,36 +133,40 @@ def _dkdv_query_blocks(
             dk_ND = tl.dot(ds_NM, q_MD, dk_ND, input_precision=DOT_PRECISION)
             dk2_ND = tl.dot(ds_NM, q2_MD, dk2_ND, input_precision=DOT_PRECISION)
             ds_MN = tl.trans(ds_NM)
-            dq_MD = tl.dot(ds_MN, k_ND, input_precision=DOT_PRECISION) * scale
             dq_ptrs = dq_base + offs_m[:, None] * stride_dqt + offs_h[None, :]
-            if DQ_TMA:
-                dq_desc.atomic_add([dq_row + m_start, dq_col], dq_MD)
-            elif MASKED:
-                tl.atomic_add(dq_ptrs, dq_MD, mask=row_ok[:, None], sem="relaxed")
-            else:
-                tl.atomic_add(dq_ptrs, dq_MD, sem="relaxed")
+            dq_MD = tl.dot(ds_MN, k_ND, input_precision=DOT_PRECISION) * scale
+            _add_dq_tile(dq_MD, dq_desc, dq_row + m_start, dq_col, dq_ptrs, row_ok, offs_h < HALF, DQ_TMA, MASKED,
+                         False)  # fmt: skip
             dq2_MD = tl.dot(ds_MN, k2_ND, input_precision=DOT_PRECISION) * scale
-            if DQ_TMA:
-                dq_desc.atomic_add([dq_row + m_start, dq_col + HALF], dq2_MD)
-            else:
-                cols_ok = offs_h[None, :] < HEAD_DIM - HALF
-                tl.atomic_add(dq_ptrs + HALF, dq2_MD, mask=(row_ok[:, None] & cols_ok) if MASKED else cols_ok,
-                              sem="relaxed")  # fmt: skip
+            _add_dq_tile(dq2_MD, dq_desc, dq_row + m_start, dq_col + HALF, dq_ptrs + HALF, row_ok,
+                         offs_h < HEAD_DIM - HALF, DQ_TMA, MASKED, HEAD_DIM != BLOCK_D)  # fmt: skip
         elif PART != DV_ONLY:
             ds_NM = ds_NM.to(q_MD.dtype)
             dk_ND = tl.dot(ds_NM, q_MD, dk_ND, input_precision=DOT_PRECISION)
         if FUSED_DQ and PART != DV_ONLY and not HALVES:
             dq_MD = tl.dot(tl.trans(ds_NM), k_ND, input_precision=DOT_PRECISION) * scale
             dq_ptrs = dq_base + offs_m[:, None] * stride_dqt + offs_d[None, :]
-            if DQ_TMA:
-                dq_desc.atomic_add([dq_row + m_start, dq_col], dq_MD)
-            elif MASKED:
-                tl.atomic_add(dq_ptrs, dq_MD, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
-            elif HEAD_DIM == BLOCK_D:
-                tl.atomic_add(dq_ptrs, dq_MD, sem="relaxed")
-            else:
-                tl.atomic_add(dq_ptrs, dq_MD, mask=offs_d[None, :] < HEAD_DIM, sem="relaxed")
+            _add_dq_tile(dq_MD, dq_desc, dq_row + m_start, dq_col, dq_ptrs, row_ok, offs_d < HEAD_DIM, DQ_TMA, MASKED,
+                         HEAD_DIM != BLOCK_D)  # fmt: skip
     return dk_ND, dk2_ND, dv_NDV
+
+
+@triton.jit
+def _add_dq_tile(dq_MC, dq_desc, desc_row, desc_col, dq_ptrs, row_ok, cols_ok, DQ_TMA: tl.constexpr,
+                 MASKED: tl.constexpr, CHECK_COLS: tl.constexpr):  # fmt: skip
+    """Add the fp32 tile ``dq_MC`` into dQ: with ``DQ_TMA`` as one bulk reduction through ``dq_desc`` at ``[desc_row,
+    desc_col]``, else element by element at ``dq_ptrs``, only rows in ``row_ok`` (``MASKED``) and columns in
+    ``cols_ok`` (``CHECK_COLS``)."""
+    if DQ_TMA:
+        dq_desc.atomic_add([desc_row, desc_col], dq_MC)
+    elif MASKED and CHECK_COLS:
+        tl.atomic_add(dq_ptrs, dq_MC, mask=row_ok[:, None] & cols_ok[None, :], sem="relaxed")
+    elif MASKED:
+        tl.atomic_add(dq_ptrs, dq_MC, mask=row_ok[:, None], sem="relaxed")
+    elif CHECK_COLS:
+        tl.atomic_add(dq_ptrs, dq_MC, mask=cols_ok[None, :], sem="relaxed")
+    else:
+        tl.atomic_add(dq_ptrs, dq_MC, sem="relaxed")
 
 
 @triton.jit
