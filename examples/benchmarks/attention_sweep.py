@@ -123,9 +123,11 @@ def sweep_case(
     parts: tuple[str, ...] = ("fwd", "bwd"),
     extra_plans: tuple[BackwardTiles, ...] = (),
     targets: int = 0,
+    plans_only: bool = False,
 ) -> dict:
     """Time ``case``'s forward and backward variants. ``targets``: the last ``targets`` tokens of every segment
-    (all of a shorter one) are targets (``num_targets``; causal self-attention only)."""
+    (all of a shorter one) are targets (``num_targets``; causal self-attention only). ``plans_only``: of the
+    backward, ``extra_plans`` and the tuner's first one-launch plan (the reference of the gradients) only."""
     q, k, v = case.q, case.k, case.v
     head_dim = q.shape[2]
     num_targets = case.q_lengths.clamp(max=targets).to(q.device) if targets else None
@@ -185,6 +187,8 @@ def sweep_case(
     if not quick:
         extra = [Tiles(*s) for s in BACKWARD_SHAPES.get(head_dim, [])]
         plans += [BackwardTiles(t) for t in extra] + ([BackwardTiles(t, tma=True) for t in extra] if tma else [])
+    if plans_only:
+        plans = [next(plan for plan in plans if plan.dq is not None)]
     plans = _unique(plans + [plan for plan in extra_plans if tma or not plan.tma])
 
     def backward(plan: BackwardTiles) -> tuple:
@@ -242,6 +246,9 @@ def main() -> None:
         type=parse_plan,
         help="more backward plans to time, e.g. 32,64,8,2,tma,split (see parse_plan)",
     )
+    parser.add_argument(
+        "--plans-only", action="store_true", help="backward: --plans and one one-launch plan only (the reference)"
+    )
     parser.add_argument("--uniform", help="COUNTxLENGTH: that many segments of one length instead of the workload's")
     parser.add_argument(
         "--targets", type=int, default=0, help="the last this many tokens of each segment are targets (causal modes)"
@@ -267,7 +274,7 @@ def main() -> None:
             print(f"\n== {name}: {label} (H={workload.heads}, D={workload.dim}) ==", flush=True)
             key = f"{name}: {label} H={workload.heads} D={workload.dim}"
             parts = tuple(args.parts.split(","))
-            results[key] = sweep_case(case, args.quick, parts, tuple(args.plans), args.targets)
+            results[key] = sweep_case(case, args.quick, parts, tuple(args.plans), args.targets, args.plans_only)
             if "context_lost" in results[key]:
                 break
         else:
