@@ -408,6 +408,14 @@ class GEMRanker(L.LightningModule):
         )
         return self.head(interacted)[:num_candidates]
 
+    @property
+    def graph_signatures(self) -> dict[str, int]:
+        """Signatures captured so far by the encoder's and the interaction's CUDA graphs (``cuda_graphs``): each new
+        one cost its step eager warm-up runs and a capture, and past ``ShapeGraphs.max_graphs`` new ones run eagerly.
+        Empty before the first graphed call."""
+        graphs = self.__dict__.get("_shape_graphs")
+        return {} if graphs is None else {"encoder": graphs[0].num_graphs, "interaction": graphs[1].num_graphs}
+
     def _graphs(self) -> tuple[ShapeGraphs, ShapeGraphs]:
         """The encoder's and the interaction's CUDA graphs (``cuda_graphs``), made on first use; kept outside the
         module tree (they hold the same modules)."""

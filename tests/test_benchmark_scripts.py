@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -232,6 +233,23 @@ def test_device_time_unions_each_family_and_shares_divide_by_the_real_step() -> 
     assert shares["host gaps"] == pytest.approx(0.35) and "window" not in shares
     # A profile busier than the real step (host slower under the profiler, kernels not): busy saturates at 1.
     assert gem.step_shares(times, num_steps=1, step_ms=1.0)["host gaps"] == 0.0
+
+
+def test_e2e_counts_the_graph_signatures_captured_in_the_timed_steps() -> None:
+    """GraphSignatures reads a model's ``graph_signatures`` at the first timed step and at the end of training (a
+    model without it: none)."""
+    e2e = _benchmark("e2e")
+    model, trainer = SimpleNamespace(graph_signatures={}), SimpleNamespace(global_step=0)
+    callback = e2e.GraphSignatures(warmup=2)
+    for step, counts in enumerate([{"encoder": 1}, {"encoder": 3}, {"encoder": 4}, {"encoder": 6}]):
+        model.graph_signatures, trainer.global_step = counts, step
+        callback.on_train_batch_start(trainer, model, None, step)
+    callback.on_train_end(trainer, model)
+    assert callback.at_start == {"encoder": 4} and callback.at_end == {"encoder": 6}
+    plain, trainer.global_step = e2e.GraphSignatures(warmup=0), 0
+    plain.on_train_batch_start(trainer, object(), None, 0)
+    plain.on_train_end(trainer, object())
+    assert plain.at_start == {} and plain.at_end == {}
 
 
 def test_e2e_presets_set_nvidia_hstu_shapes_and_flags_override_them() -> None:

@@ -39,7 +39,9 @@ loading counts). Reported per stack: median step time over the timed steps, toke
 tokens), local MFU of *useful* FLOPs, and peak memory. Useful FLOPs are counted apart, by ``torch``'s FLOP
 counter over the timed batches through a model with the jagged attention ops (whose registered formulas
 count only allowed query-key pairs), so the plain stack's padding is not counted as work and the timed
-steps carry no counter. The speed-up is the plain median step time over the kit's.
+steps carry no counter. The speed-up is the plain median step time over the kit's. With ``--cuda-graphs`` each stack
+also reports the graph signatures it captured and how many of them came in the timed steps (each such step ran
+warm-ups and a capture besides its work).
 
 ``--preset nvidia-hstu`` is NVIDIA's published HSTU training configuration (recsys-examples,
 ``examples/hstu/training/benchmark``): 8 HSTU layers of width 1024, 4 heads x 256, item and contextual embeddings
@@ -99,6 +101,24 @@ PRESETS: dict[str, dict[str, object]] = {
 }
 
 
+class GraphSignatures(L.Callback):
+    """The model's CUDA graph signatures (``GEMRanker.graph_signatures``) when the timed steps begin, after
+    ``warmup`` steps, and when training ends: a signature new in a timed step cost that step warm-up runs and a
+    capture, so the median step reads high while they keep coming."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.at_start: dict[str, int] = {}
+        self.at_end: dict[str, int] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.warmup:
+            self.at_start = dict(getattr(pl_module, "graph_signatures", {}))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.at_end = dict(getattr(pl_module, "graph_signatures", {}))
+
+
 def run_stack(
     stack: str, source: SyntheticRankingSource, tokens_per_step: float, args: argparse.Namespace
 ) -> dict[str, float]:
@@ -128,7 +148,8 @@ def run_stack(
     monitor = MFUMonitor(flops_every_n_steps=args.warmup + args.steps + 1, plot=False)  # counts step 0 only
     clock = StepClock(batches_per_step=micro)
     profilers = profiling_callbacks(args, args.warmup + args.steps, stack)
-    callbacks: list[L.Callback] = [monitor, clock, *profilers]
+    signatures = GraphSignatures(args.warmup)
+    callbacks: list[L.Callback] = [monitor, clock, signatures, *profilers]
     trainer = L.Trainer(
         accelerator="gpu" if cuda else "cpu",
         devices=1,
@@ -161,6 +182,11 @@ def run_stack(
 
     # Kernel tunings so far in this process (each times its candidates once): many here mean shapes keep changing.
     print(f"{stack}: tuned keys so far: {len(chosen_tiles())} attention, {len(chosen_configs())} FP8 quantization")
+    graphs = {}
+    if signatures.at_end:
+        graphs = {"at_first_timed_step": signatures.at_start, "at_end": signatures.at_end}
+        timed = {name: count - signatures.at_start.get(name, 0) for name, count in signatures.at_end.items()}
+        print(f"{stack}: CUDA graph signatures {signatures.at_end}, captured in the timed steps {timed}")
     profiled = next((p for p in profilers if isinstance(p, ProfileLastSteps) and p.device_ms), None)
     shares = step_shares(profiled.device_ms, profiled.num_steps, step_s * 1e3) if profiled else {}
     return {
@@ -169,6 +195,7 @@ def run_stack(
         "tokens_per_s": tokens_per_step / step_s,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
         **({"shares": shares} if shares else {}),
+        **({"graph_signatures": graphs} if graphs else {}),
     }
 
 

@@ -414,6 +414,7 @@ def test_cuda_graphs_call_the_encoder_and_interaction_as_eager(batches, monkeypa
     eager = _tiny(schema, token_multiple=8)
     graphed = _tiny(schema, token_multiple=8, cuda_graphs=True)
     graphed.load_state_dict(eager.state_dict())
+    assert graphed.graph_signatures == {} and eager.graph_signatures == {}
     batch = batches.make_ranking_batch(schema, history_lengths=[0, 1, 5, 3], candidate_counts=[2, 0, 3, 1])
     results = []
     for model in (eager, graphed):
@@ -425,7 +426,7 @@ def test_cuda_graphs_call_the_encoder_and_interaction_as_eager(batches, monkeypa
     assert grads_g.keys() == grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grads_g[name], grad, msg=name)
-    assert len(captured) == 2
+    assert len(captured) == 2 and graphed.graph_signatures == {"encoder": 1, "interaction": 1}
     # Other lengths, the same padded token counts (16 and 8) and length buckets (8 and 4): the same signatures.
     other = batches.make_ranking_batch(schema, history_lengths=[2, 4, 0, 6], candidate_counts=[1, 3, 0, 2])
     loss = graphed.training_step(other, 0)
@@ -434,7 +435,7 @@ def test_cuda_graphs_call_the_encoder_and_interaction_as_eager(batches, monkeypa
     loss = graphed.training_step(other, 0)
     graphed.zero_grad()  # Lightning's order: between the forward and the backward
     loss.backward()
-    assert len(captured) == 2
+    assert len(captured) == 2 and graphed.graph_signatures == {"encoder": 1, "interaction": 1}
 
 
 @pytest.mark.gpu
