@@ -23,6 +23,7 @@ import pytest
 _COMPILE = r"""
 import json
 from lightning_gem.ops.attention.impl.triton import backward, backward_short, forward, quantize
+from lightning_gem.ops.attention.impl.triton._tuning import BackwardTiles, Tiles
 from lightning_gem.testing.sm90 import compile_kernel
 
 def compile_one(kernel, constexprs, offsets, num_warps, num_stages):
@@ -61,11 +62,14 @@ for flags, offsets, (bm, bn, warps, stages), fused in modes:
     # The dK program in column halves (the second mode's head dim of 96 leaves its upper half partly masked).
     sizes[f"dkdv split halves {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel,
                                                      dict(dkdv, SPLIT=True, HALVES=True), offsets, warps, stages)
-    # The dK programs in a launch of their own (LAUNCH 2), then the dV ones (LAUNCH 1, no dQ) at their own stages.
-    sizes[f"dk launch {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(dkdv, SPLIT=True, HALVES=True,
-                                             LAUNCH=2), offsets, warps, stages)  # fmt: skip
-    sizes[f"dv launch {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(dkdv, SPLIT=True, LAUNCH=1,
-                                             FUSED_DQ=False, DQ_TMA=False), offsets, warps, 2)  # fmt: skip
+    # The dK programs in a launch of their own (LAUNCH 2), then the dV ones with the launcher's options for them
+    # (dv_launch_meta: LAUNCH 1, no dQ) at their own stages.
+    dk_launch = dict(dkdv, SPLIT=True, HALVES=True, LAUNCH=2)
+    sizes[f"dk launch {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dk_launch, offsets, warps, stages)
+    dv_plan = BackwardTiles(Tiles(bm, bn, warps, stages), split=True, halves=True, dv_stages=2)
+    dv_launch = backward.dv_launch_meta(dv_plan, dk_launch)
+    sizes[f"dv launch {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dv_launch, offsets, warps,
+                                             dv_plan.dv_stages)  # fmt: skip
     for split in (False, True):
         one_launch = dict(common, DQ_BLOCK_M=bn, DQ_BLOCK_N=bm, SPLIT=split, FP8=False)
         sizes[f"bwd {name} split {split}"] = compile_one(backward._gdpa_bwd_kernel, one_launch, offsets, warps, stages)
