@@ -22,6 +22,7 @@ evaluation logs the values of one process evaluating the whole split. Throughput
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Literal
 
 import lightning as L
@@ -29,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
-from torchrec.sparse.jagged_tensor import JaggedTensor
 from typing_extensions import override
 
 from lightning_gem import jagged
@@ -59,6 +59,7 @@ __all__ = [
     "schema_from_hparams",
     "schema_to_hparams",
     "segment_mean",
+    "token_bucket",
 ]
 
 
@@ -106,20 +107,70 @@ def segment_mean(values: Tensor, offsets: Tensor) -> Tensor:
     return sums / lengths.clamp_min(1.0)[:, None]
 
 
+def token_bucket(num_tokens: int, multiple: int, growth: float | None = None) -> tuple[int, int]:
+    """``(padded, users)``: the token count one side of a batch is padded to, and how many padding users carry that
+    padding with at most ``multiple`` tokens each (``GEMRanker(token_multiple=..., token_growth=...)``).
+
+    Without ``growth`` the count is rounded up to a multiple of ``multiple`` (one padding user). With it, to the next
+    of the bucket sizes ``multiple * b_k`` with ``b_0 = 1`` and ``b_{k+1} = max(b_k + 1, ceil(b_k * growth))``: from
+    ``1 / (growth - 1)`` multiples on they grow geometrically, so the counts a run meets fall into a few buckets
+    (each a CUDA graph signature) at a cost of at most a ``growth - 1`` share of padding. Such padding can exceed
+    ``multiple`` tokens: it is spread over ``b_k - b_{k-1}`` padding users, so that none is longer than
+    ``multiple`` (a padding user's attention costs the square of its length); the number of users is fixed by the
+    bucket.
+
+    Example:
+        >>> token_bucket(5000, 1024)
+        (5120, 1)
+        >>> token_bucket(40_000, 1024, growth=1.125)  # 40 multiples -> bucket 44 (the one before: 39)
+        (45056, 5)
+        >>> token_bucket(0, 1024, growth=1.125)
+        (0, 1)
+    """
+    units = -(-num_tokens // multiple)
+    previous, bucket = units - 1, units
+    if growth is not None and units > 1:
+        previous, bucket = 1, 2
+        while bucket < units:
+            previous, bucket = bucket, max(bucket + 1, math.ceil(bucket * growth))
+    return bucket * multiple, max(bucket - previous, 1)
+
+
 def append_padding_user(
-    history_offsets: Tensor, candidate_offsets: Tensor, history_pad: int, candidate_pad: int
+    history_offsets: Tensor,
+    candidate_offsets: Tensor,
+    history_pad: int,
+    candidate_pad: int,
+    *,
+    users: int = 1,
+    multiple: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Both offsets with one more user of ``history_pad`` history and ``candidate_pad`` candidate tokens (either may
-    be 0), appended after the last real user: ``GEMRanker(token_multiple=...)``'s padding user. No device read.
+    """Both offsets with ``users`` more users after the last real one, holding ``history_pad`` history and
+    ``candidate_pad`` candidate tokens (either may be 0) between them: ``GEMRanker(token_multiple=...)``'s padding
+    users. Over several users each side's padding fills them in order, ``multiple`` tokens at most each (then
+    empty ones). No device read.
 
     Example:
         >>> ho, co = append_padding_user(torch.tensor([0, 2, 5]), torch.tensor([0, 1, 4]), 3, 0)
         >>> ho.tolist(), co.tolist()
         ([0, 2, 5, 8], [0, 1, 4, 4])
+        >>> ho, co = append_padding_user(torch.tensor([0, 2, 5]), torch.tensor([0, 1, 4]), 5, 1, users=3, multiple=2)
+        >>> ho.tolist(), co.tolist()
+        ([0, 2, 5, 7, 9, 10], [0, 1, 4, 5, 5, 5])
     """
-    history_offsets = torch.cat([history_offsets, history_offsets[-1:] + history_pad])
-    candidate_offsets = torch.cat([candidate_offsets, candidate_offsets[-1:] + candidate_pad])
-    return history_offsets, candidate_offsets
+    if users == 1:
+        history_offsets = torch.cat([history_offsets, history_offsets[-1:] + history_pad])
+        candidate_offsets = torch.cat([candidate_offsets, candidate_offsets[-1:] + candidate_pad])
+        return history_offsets, candidate_offsets
+    if multiple is None or users * multiple < max(history_pad, candidate_pad):
+        raise ValueError(f"{users} padding users of at most {multiple} tokens cannot hold {history_pad} and "
+                         f"{candidate_pad} tokens")  # fmt: skip
+    filled = torch.arange(1, users + 1, device=history_offsets.device) * multiple
+
+    def extended(offsets: Tensor, pad: int) -> Tensor:
+        return torch.cat([offsets, (offsets[-1:] + filled.clamp_max(pad)).to(offsets.dtype)])
+
+    return extended(history_offsets, history_pad), extended(candidate_offsets, candidate_pad)
 
 
 def _pad_rows(x: Tensor, rows: int) -> Tensor:
@@ -176,6 +227,11 @@ class GEMRanker(L.LightningModule):
             over tokens then meets a few row counts instead of a new one each jagged batch, which would cost the
             host 7-12x a repeated one (the library selects a kernel per new shape). FLOP counters count the padding
             user's products too (fewer than ``token_multiple`` tokens a side a batch). None: no padding.
+        token_growth: with ``token_multiple``, pad each side instead to the next of geometrically growing bucket
+            sizes (:func:`token_bucket`; e.g. 1.125: at most 12.5% padding, about 6% on average), spread over as
+            many padding users as the bucket needs to keep each within ``token_multiple`` tokens. Jagged batches of
+            a fixed number of users then meet a few token counts (with ``cuda_graphs``: a few signatures, captured
+            early in a run) instead of one for every multiple their totals span. None: multiples.
         fused_optimizer: AdamW's fused implementation (``fused=True``: the whole update in one kernel per group of
             tensors) instead of its multi-tensor one (several kernels a step): less host time a step.
         cuda_graphs: in training, run the history encoder and the candidate interaction through CUDA graphs
@@ -221,12 +277,15 @@ class GEMRanker(L.LightningModule):
         embedding_init_scale: float | None = 0.05,
         attention_impl: str = "auto",
         token_multiple: int | None = None,
+        token_growth: float | None = None,
         fused_optimizer: bool = False,
         cuda_graphs: bool = False,
     ) -> None:
         super().__init__()
         if token_multiple is not None and token_multiple < 1:
             raise ValueError(f"`token_multiple` must be >= 1 or None, got {token_multiple}")
+        if token_growth is not None and (token_multiple is None or not token_growth > 1):
+            raise ValueError(f"`token_growth` must be > 1 and needs `token_multiple`, got {token_growth}")
         if cuda_graphs and token_multiple is None:
             raise ValueError("`cuda_graphs=True` needs `token_multiple`: unpadded jagged batches are a new shape each")
         # Checked here, not only in the layers: under the CLI the layers are built at fit start (configure_model).
@@ -338,10 +397,12 @@ class GEMRanker(L.LightningModule):
         embeddings = self.sequence_embeddings(batch.sequence_features)
         history_offsets = batch.history_offsets()
         candidate_offsets = batch.candidate_offsets()
-        multiple = self.hparams.get("token_multiple") or 1
-        history_tokens, history_pad = self._tokens(embeddings, self._history_keys, self.history_bias, multiple)
-        candidates, candidate_pad = self._tokens(embeddings, self._candidate_keys, self.candidate_bias, multiple)
-        num_history, num_candidates = history_tokens.shape[0] - history_pad, candidates.shape[0] - candidate_pad
+        history_inputs = [concat_sequence_embeddings(embeddings, [key]) for key in self._history_keys]
+        candidate_inputs = [concat_sequence_embeddings(embeddings, [key]) for key in self._candidate_keys]
+        num_history, num_candidates = history_inputs[0].shape[0], candidate_inputs[0].shape[0]
+        history_pad, candidate_pad, padding_users = self._padding(num_history, num_candidates)
+        history_tokens = self._tokens(history_inputs, self._history_keys, self.history_bias, history_pad)
+        candidates = self._tokens(candidate_inputs, self._candidate_keys, self.candidate_bias, candidate_pad)
         # The encoder and the interaction skip their own offset checks and take the longest sequences as exact
         # kernel hints. A collated batch knows them on the host (offsets built from its lengths: valid); otherwise
         # one device sync a batch checks both offsets and reads their longest sequences back together. Under
@@ -357,17 +418,19 @@ class GEMRanker(L.LightningModule):
                 ]
             )
         time_deltas = batch.history_time_deltas if self.use_time else None
-        padded = int(history_pad > 0 or candidate_pad > 0)  # the padding user's rows of user-level tensors
+        padded = padding_users if history_pad > 0 or candidate_pad > 0 else 0  # rows of user-level tensors
         if padded:
             history_offsets, candidate_offsets = append_padding_user(
-                history_offsets, candidate_offsets, history_pad, candidate_pad
-            )
+                history_offsets, candidate_offsets, history_pad, candidate_pad, users=padded,
+                multiple=self.hparams.get("token_multiple"),
+            )  # fmt: skip
             if time_deltas is not None:
                 time_deltas = _pad_rows(time_deltas, history_pad)
+            longest_pad = self.hparams.token_multiple  # the first padding users are full (append_padding_user)
             if type(max_history) is int:
-                max_history = max(max_history, history_pad)
+                max_history = max(max_history, min(history_pad, longest_pad))
             if type(max_candidates) is int:
-                max_candidates = max(max_candidates, candidate_pad)
+                max_candidates = max(max_candidates, min(candidate_pad, longest_pad))
         encoder, interaction = self.encoder, self.interaction
         if self.hparams.get("cuda_graphs") and not torch.compiler.is_compiling():
             encoder, interaction = self._graphs()
@@ -424,17 +487,24 @@ class GEMRanker(L.LightningModule):
             graphs = self.__dict__["_shape_graphs"] = (ShapeGraphs(self.encoder), ShapeGraphs(self.interaction))
         return graphs
 
-    def _tokens(
-        self, embeddings: dict[str, JaggedTensor], keys: list[str], bias: Tensor, multiple: int = 1
-    ) -> tuple[Tensor, int]:
-        """``([N + pad, model_dim], pad)``: the sum over ``keys`` of each feature's table projection, plus ``bias``,
-        the projections' inputs padded with ``pad`` zero rows to a multiple of ``multiple``."""
-        out, pad = bias, 0
-        for key in keys:
-            x = concat_sequence_embeddings(embeddings, [key])
-            pad = -x.shape[0] % multiple
+    def _padding(self, num_history: int, num_candidates: int) -> tuple[int, int, int]:
+        """``(history_pad, candidate_pad, padding_users)`` of a batch (``token_multiple``, ``token_growth``): the
+        rows each side is padded with and the number of padding users holding them (:func:`token_bucket`)."""
+        multiple = self.hparams.get("token_multiple")
+        if multiple is None:
+            return 0, 0, 0
+        growth = self.hparams.get("token_growth")
+        history_to, history_users = token_bucket(num_history, multiple, growth)
+        candidates_to, candidate_users = token_bucket(num_candidates, multiple, growth)
+        return history_to - num_history, candidates_to - num_candidates, max(history_users, candidate_users)
+
+    def _tokens(self, inputs: list[Tensor], keys: list[str], bias: Tensor, pad: int) -> Tensor:
+        """``[N + pad, model_dim]``: the sum over ``keys`` of each feature's table projection of its ``inputs``
+        (``[N, embedding_dim]`` each), plus ``bias``, the projections' inputs padded with ``pad`` zero rows."""
+        out = bias
+        for key, x in zip(keys, inputs, strict=True):
             out = out + self.feature_proj[self._table_of[key]](_pad_rows(x, pad))
-        return out, pad
+        return out
 
     def _loss(self, logits: Tensor, labels: Tensor) -> tuple[Tensor, list[Tensor]]:
         num_tasks = logits.shape[1]

@@ -16,7 +16,8 @@ pooled user features, hundreds of candidates per user.
   ``GEM5DStrategy(train_pipeline=True)`` (world size 1: torchrec's sharded tables and gem5d's train step,
   without FSDP2 over a single rank; the next batch, pinned, copied and its embedding input path prepared on a
   side stream; ``--compile-layers``: each HSTU layer compiled too; ``--token-multiple N``: token counts padded
-  to multiples of N by a padding user, so GEMMs meet few row counts; ``--fused-optimizer``: AdamW's fused
+  to multiples of N by a padding user, so GEMMs meet few row counts, and with ``--token-growth G`` to buckets growing
+  by G; ``--fused-optimizer``: AdamW's fused
   kernel; ``--cuda-graphs``: the encoder and the interaction replayed from CUDA graphs), Base Batch Shuffling in the
   DataModule;
 - kit-eager (and kit-eager-2, the same again): the kit stack without ``--token-multiple``, ``--fused-optimizer``,
@@ -133,6 +134,7 @@ def run_stack(
         args,
         "auto" if kit else "padded",
         token_multiple=args.token_multiple if fast else None,
+        token_growth=args.token_growth if fast else None,
         fused_optimizer=args.fused_optimizer and fast,
         cuda_graphs=args.cuda_graphs and fast,
     )
@@ -284,6 +286,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         "(GEMRanker's token_multiple): few distinct GEMM row counts instead of a new one every step",
     )
     parser.add_argument(
+        "--token-growth",
+        type=float,
+        default=None,
+        help="with --token-multiple, pad to geometrically growing buckets of that many multiples instead (GEMRanker's "
+        "token_growth, e.g. 1.125): a few token counts a run, i.e. a few CUDA graph signatures",
+    )
+    parser.add_argument(
         "--fused-optimizer", action="store_true", help="the kit stack's AdamW in its fused kernel (GEMRanker's option)"
     )
     parser.add_argument(
@@ -314,6 +323,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
         use_tiny_shapes(args)
     if "kit-fp8-saved" in args.stacks and args.kit_precision == "bf16":
         parser.error("--stacks kit-fp8-saved stores saved activations through MXFP8Precision: not with bf16")
+    if args.token_growth is not None and args.token_multiple is None:
+        parser.error("--token-growth needs --token-multiple")
     if args.cuda_graphs and args.token_multiple is None:
         parser.error("--cuda-graphs needs --token-multiple (GEMRanker's cuda_graphs: unpadded batches are new shapes)")
     if args.batch_size % args.plain_micro_batches:

@@ -93,9 +93,10 @@ def gem_ranker(
     token_multiple: int | None = None,
     fused_optimizer: bool = False,
     cuda_graphs: bool = False,
+    token_growth: float | None = None,
 ) -> GEMRanker:
-    """The GEM example at the shape arguments' widths (AdamW, lr 1e-4); ``token_multiple``, ``fused_optimizer`` and
-    ``cuda_graphs``: GEMRanker's."""
+    """The GEM example at the shape arguments' widths (AdamW, lr 1e-4); ``token_multiple``, ``token_growth``,
+    ``fused_optimizer`` and ``cuda_graphs``: GEMRanker's."""
     from lightning_gem.components import GEMRanker
 
     return GEMRanker(
@@ -108,6 +109,7 @@ def gem_ranker(
         attention_impl=attention_impl,
         lr=1e-4,
         token_multiple=token_multiple,
+        token_growth=token_growth,
         fused_optimizer=fused_optimizer,
         cuda_graphs=cuda_graphs,
     )

@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from lightning_gem.components import GEMRanker
+from lightning_gem.components.ranker import token_bucket
 from torch.utils.data import DataLoader
 
 from lightning_gem.data import GEMDataModule, SyntheticRankingSource
@@ -55,16 +57,19 @@ def test_padded_attention_baseline_gives_the_same_model(batches) -> None:
     torch.testing.assert_close(model(batch), expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("multiple", [8, 9, 6, 3])
+@pytest.mark.parametrize(("multiple", "growth"), [(8, None), (9, None), (6, None), (3, None), (2, 1.5), (1, 1.3)])
 @pytest.mark.parametrize("self_interaction", [True, False])
-def test_token_multiple_pads_with_a_user_that_changes_nothing(batches, self_interaction: bool, multiple: int) -> None:
+def test_token_multiple_pads_with_a_user_that_changes_nothing(
+    batches, self_interaction: bool, multiple: int, growth: float | None
+) -> None:
     """token_multiple: a padding user brings the history (9) and candidate (6) token counts to multiples (both
-    padded, one side only with the other user's side empty, or neither): the same logits, loss and gradients as
-    the model without it."""
+    padded, one side only with the other user's side empty, or neither); with token_growth, to buckets, over several
+    padding users (2 with 1 history token at (2, 1.5); 3 with 1, 1 and 0 at (1, 1.3)): the same logits, loss and
+    gradients as the model without it."""
     torch.manual_seed(0)
     schema = batches.ranking_schema()
     plain = _tiny(schema, self_interaction=self_interaction)
-    padded = _tiny(schema, self_interaction=self_interaction, token_multiple=multiple)
+    padded = _tiny(schema, self_interaction=self_interaction, token_multiple=multiple, token_growth=growth)
     padded.load_state_dict(plain.state_dict())
     batch = batches.make_ranking_batch(schema, history_lengths=[0, 1, 5, 3], candidate_counts=[2, 0, 3, 1])
     results = []
@@ -81,6 +86,38 @@ def test_token_multiple_pads_with_a_user_that_changes_nothing(batches, self_inte
     assert grads_p.keys() == grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(grads_p[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("growth", [1.0625, 1.125, 1.5])
+def test_token_buckets_bound_the_padding_and_the_padding_users(growth: float) -> None:
+    """token_bucket: every count up to 200 multiples lands in the smallest bucket that holds it, padded by at most a
+    ``growth - 1`` share past the first ``1 / (growth - 1)`` multiples (one multiple below), each bucket with one
+    user count whose users of at most ``multiple`` tokens hold any padding of the bucket; and the counts of a
+    jagged run (32 users of clip(4096 u^3, 16, 4096)) meet a few buckets where multiples meet dozens."""
+    multiple = 64
+    buckets: dict[int, int] = {}
+    for n in range(1, 200 * multiple):
+        padded, users = token_bucket(n, multiple, growth)
+        assert padded >= n and padded % multiple == 0
+        assert buckets.setdefault(padded, users) == users
+        assert padded - n <= max(multiple - 1, (growth - 1) * n + multiple)
+        assert padded - n <= users * multiple
+        smaller = [b for b in buckets if b < padded]
+        assert not smaller or max(smaller) < n
+    assert token_bucket(0, multiple, growth) == (0, 1)
+    rng = np.random.default_rng(0)
+    totals = [int(np.clip(4096 * rng.random(32) ** 3, 16, 4096).astype(int).sum()) for _ in range(500)]
+    by_growth = {token_bucket(t, 1024, growth)[0] for t in totals}
+    by_multiple = {token_bucket(t, 1024)[0] for t in totals}
+    assert len(by_growth) < len(by_multiple) / 2, (len(by_growth), len(by_multiple))
+
+
+def test_token_growth_needs_a_multiple_and_growth(batches) -> None:
+    schema = batches.ranking_schema()
+    with pytest.raises(ValueError, match="`token_growth` must be > 1 and needs `token_multiple`"):
+        _tiny(schema, token_growth=1.125)
+    with pytest.raises(ValueError, match="`token_growth` must be > 1"):
+        _tiny(schema, token_multiple=8, token_growth=1.0)
 
 
 def test_fused_optimizer_is_adamw_fused_over_the_same_groups(batches) -> None:
