@@ -182,6 +182,9 @@ def test_nvidia_hstu_config_has_their_shapes_and_trains_small_on_cpu(
     assert (model["model_dim"], model["num_layers"], model["num_heads"], model["embedding_dim"]) == (1024, 8, 4, 128)
     assert (data["batch_size"], source["min_history_length"], source["max_history_length"]) == (32, 16, 4096)
     assert config["trainer"]["strategy"]["class_path"].endswith("GEM5DStrategy")
+    # The fast path by default: bf16 (faster than FP8 linears at this width), few GEMM shapes, the fused AdamW.
+    assert config["trainer"]["precision"] == "bf16-mixed" and not config["trainer"].get("plugins")
+    assert model["token_multiple"] == 1024 and model["fused_optimizer"] is True
     # The same file, shrunk to CPU size: its model, strategy, precision and data path train.
     small = [
         "--trainer.accelerator=cpu", "--trainer.max_steps=3", "--trainer.log_every_n_steps=1",
