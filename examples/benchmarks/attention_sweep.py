@@ -139,10 +139,13 @@ def sweep_case(
     result: dict = {"forward": [], "backward": []}
 
     # Forward: the tuner's candidates and the wider set.
-    shapes = candidate_tiles("fwd", q.dtype, q.device, head_dim, block_size=case.block_size, max_len_q=max_q)
+    pointwise = case.activation != "softmax"
+    shapes = candidate_tiles(
+        "fwd", q.dtype, q.device, head_dim, block_size=case.block_size, max_len_q=max_q, pointwise=pointwise
+    )
     if not quick:
         shapes = _unique(shapes + [Tiles(*s) for s in FORWARD_SHAPES.get(head_dim, [])])
-    faulting = [t for t in shapes if forward_tiles_fault(t, q.dtype, head_dim, case.block_size)]
+    faulting = [t for t in shapes if forward_tiles_fault(t, q.dtype, head_dim, case.block_size, case.activation)]
     if faulting:  # they can stop the process (a CUDA error): every later variant would be lost
         print(f"  forward tiles left out (forward_tiles_fault): {', '.join(str(tuple(t)) for t in faulting)}")
         shapes = [t for t in shapes if t not in faulting]

@@ -762,13 +762,18 @@ def test_forward_descriptor_loads_bf16_gpu(layout: str, activation: str, dim: in
 
 def test_forward_tiles_fault_rule_and_candidates() -> None:
     """The forward tiles seen to fault on sm_90 are refused, and no tuner candidate on CUDA is one of them (16-bit
-    inputs, head dims up to 128, every length bucket); BlockAttention, fp32, FP8 and head dims over 128 are not
-    concerned."""
+    inputs, head dims up to 128, every length bucket, softmax and pointwise); BlockAttention, fp32, FP8 and head dims
+    over 128 are not concerned. 128 x 32 over three stages faults with softmax only: pointwise activations list it
+    first at head dims over 64 (16-bit, not FP8)."""
     from lightning_gem.ops.attention.impl.triton._tuning import Tiles, candidate_tiles, forward_tiles_fault
 
     bf16 = torch.bfloat16
     for tiles in (Tiles(64, 32, 4, 2), Tiles(128, 32, 8, 3), Tiles(64, 16, 4, 3), Tiles(32, 16, 4, 3)):
         assert forward_tiles_fault(tiles, bf16, 128, None) and forward_tiles_fault(tiles, torch.float16, 64, None)
+    for tiles in (Tiles(64, 32, 4, 2), Tiles(128, 32, 8, 2), Tiles(64, 16, 4, 3), Tiles(128, 16, 8, 3)):
+        assert forward_tiles_fault(tiles, bf16, 128, None, "silu"), tiles
+    assert not forward_tiles_fault(Tiles(128, 32, 8, 3), bf16, 128, None, "silu")
+    assert not forward_tiles_fault(Tiles(128, 32, 8, 3), bf16, 64, None, "gelu")
     for tiles in (Tiles(64, 32, 4, 3), Tiles(128, 64, 8, 3), Tiles(64, 64, 4, 3), Tiles(32, 128, 8, 3)):
         assert not forward_tiles_fault(tiles, bf16, 128, None)
     assert not forward_tiles_fault(Tiles(128, 32, 8, 3), bf16, 256, None)  # the head-dim-256 candidate
@@ -777,8 +782,14 @@ def test_forward_tiles_fault_rule_and_candidates() -> None:
     cuda = torch.device("cuda")
     for dim in (32, 64, 96, 128):
         for max_len_q in (8, 32, 64, 128, 1024, 1 << 30):
-            for tiles in candidate_tiles("fwd", bf16, cuda, dim, max_len_q=max_len_q):
-                assert not forward_tiles_fault(tiles, bf16, dim, None), (dim, max_len_q, tiles)
+            for activation in ("softmax", "silu"):
+                pointwise = activation != "softmax"
+                listed = candidate_tiles("fwd", bf16, cuda, dim, max_len_q=max_len_q, pointwise=pointwise)
+                for tiles in listed:
+                    assert not forward_tiles_fault(tiles, bf16, dim, None, activation), (dim, max_len_q, tiles)
+                first_wide = pointwise and dim > 64 and max_len_q > 64
+                assert (listed[0] == Tiles(128, 32, 8, 3)) == first_wide, (dim, max_len_q, activation, listed)
+    assert Tiles(128, 32, 8, 3) not in candidate_tiles("fwd", bf16, cuda, 128, pointwise=True, fp8=True)
 
 
 def test_delta_launch_zeroes_the_dq_accumulator(device: str) -> None:

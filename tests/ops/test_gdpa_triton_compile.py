@@ -134,6 +134,11 @@ for dim in (128, 256):
         meta = {**options, **tile_meta(tiles), "TMA": False, "FP8": False, "WS": False}
         compiled = compile_kernel(forward._gdpa_fwd_kernel, meta)
         shared[f"fwd {dim} {tuple(tiles)}"] = compiled.metadata.shared
+    if dim <= 128:  # the pointwise forward's own first candidate
+        silu = call_options("silu", dim)
+        tiles = candidate_tiles("fwd", torch.bfloat16, cuda, dim, pointwise=True)[0]
+        meta = {**silu, **tile_meta(tiles), "TMA": False, "FP8": False, "WS": False}
+        shared[f"fwd silu {dim} {tuple(tiles)}"] = compile_kernel(forward._gdpa_fwd_kernel, meta).metadata.shared
     for plan in backward_candidates(torch.bfloat16, cuda, dim, deterministic=False, tma=True):
         meta = plan_meta(plan, options)
         shared[f"bwd {dim} {plan}"] = compile_kernel(plan_kernel(plan), meta).metadata.shared

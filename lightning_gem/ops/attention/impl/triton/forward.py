@@ -416,17 +416,18 @@ def gdpa_forward(
 
         def candidates() -> list[Tiles | str]:
             tiles = candidate_tiles("fwd", q.dtype, q.device, head_dim, block_size=block_size, max_len_q=max_seq_len_q,
-                                    fp8=fp8, pointwise_targets=pointwise_targets)  # fmt: skip
+                                    fp8=fp8, pointwise_targets=pointwise_targets, pointwise=not softmax)  # fmt: skip
             return [*tiles, FLASH] if use_flash else tiles
 
         tiles, meta = pick_launch(
             key, (q.device.type, fast), candidates, lambda t: run(t, options(t)), (q, k, v), options
         )
     else:
-        if q.device.type == "cuda" and not fp8 and forward_tiles_fault(tiles, q.dtype, head_dim, block_size):
+        faults = forward_tiles_fault(tiles, q.dtype, head_dim, block_size, activation)
+        if q.device.type == "cuda" and not fp8 and faults:
             raise ValueError(f"tiles={tiles}: at head dim {head_dim} this forward can fault on sm_90 (a misaligned "
                              "shared-memory address; see forward_tiles_fault): take key tiles of 64, or 32 over three "
-                             "stages under 64-row query tiles")  # fmt: skip
+                             "stages (under 64-row query tiles for softmax)")  # fmt: skip
         if fp8 and fp8_tiles_fault(tiles, head_dim, pointwise_targets):
             raise ValueError(f"tiles={tiles}: the FP8 forward of a pointwise activation with targets at head dim "
                              f"{head_dim} takes tiles over 8 warps")  # fmt: skip
