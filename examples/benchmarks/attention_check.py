@@ -204,7 +204,8 @@ def _tiles() -> None:
             q, k, v, *jagged, causal=options["causal"], window=None, block_size=options["block_size"]
         )
         print(f"\n== tiles: {name} (H={heads}, D={dim}, {total} q tokens, fwd {fwd_flops / 1e9:.3g} GFLOP) ==")
-        fwd = candidate_tiles("fwd", q.dtype, q.device, dim, block_size=options["block_size"], max_len_q=max_q)
+        fwd = candidate_tiles("fwd", q.dtype, q.device, dim, block_size=options["block_size"], max_len_q=max_q,
+                              pointwise=options["activation"] != "softmax")  # fmt: skip
         fwd += [t for t in extra_fwd if t not in fwd and (max_q > 64 or t.block_m <= 64)]
         bwd = backward_candidates(
             q.dtype, q.device, dim, deterministic=False, block_size=options["block_size"], max_len_q=max_q

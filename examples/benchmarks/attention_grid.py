@@ -503,7 +503,13 @@ def time_candidates(case: Case, runs: int) -> dict[str, dict[str, float]]:
                 o["block_size"], o["scale"], o["max_seq_len_q"], o["max_seq_len_kv"])  # fmt: skip
     fwd, bwd = {}, {}
     for tiles in candidate_tiles(
-        "fwd", DTYPE, case.q.device, case.cell.dim, block_size=o["block_size"], max_len_q=o["max_seq_len_q"]
+        "fwd",
+        DTYPE,
+        case.q.device,
+        case.cell.dim,
+        block_size=o["block_size"],
+        max_len_q=o["max_seq_len_q"],
+        pointwise=o["activation"] != "softmax",
     ):
         try:
             fwd[str(tuple(tiles))] = bench(lambda t=tiles: gdpa_forward(*qkv, spec, tiles=t), None, runs)

@@ -101,7 +101,8 @@ def _candidates(case, kwargs: dict) -> None:
     max_q, max_kv = kwargs["max_seq_len_q"], kwargs["max_seq_len_kv"]
     spec = Spec(case.q_offsets, case.kv_offsets, None, None, case.activation, case.causal, None, case.block_size,
                 case.scale, max_q, max_kv)  # fmt: skip
-    fwd = candidate_tiles("fwd", q.dtype, q.device, q.shape[2], block_size=case.block_size, max_len_q=max_q)
+    fwd = candidate_tiles("fwd", q.dtype, q.device, q.shape[2], block_size=case.block_size, max_len_q=max_q,
+                          pointwise=case.activation != "softmax")  # fmt: skip
     out, lse = gdpa_forward(q, k, v, spec)
     print("  forward candidates:")
     for tiles in fwd:
