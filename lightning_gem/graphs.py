@@ -73,7 +73,7 @@ class ShapeGraphs:
     as they are. Eval mode, no-grad calls, traced calls (compilers, symbolic tracing), calls under a dispatch mode (FLOP
     counters) and calls on tensor subclasses run ``module`` as it is. Once ``max_graphs`` signatures are captured, a new
     one runs ``module`` eagerly and says so once in the log (shapes that change every call need padding or bucketing
-    first: ``GEMRanker(token_multiple=...)``, length hints rounded up to powers of two).
+    first: ``GEMRanker(token_multiple=..., token_growth=...)``, length hints rounded up to powers of two).
 
     Compiled or activation-checkpointed submodules are refused at capture. What a captured call may not do (as any CUDA
     graph): read device values on the host, or depend on anything but its arguments' shapes and its non-tensor
@@ -130,7 +130,8 @@ class ShapeGraphs:
             if len(self._graphs) >= self.max_graphs:
                 if not self._full_logged:
                     log.warning(
-                        "ShapeGraphs(%s): %d signatures captured (max_graphs); new ones run eagerly",
+                        "ShapeGraphs(%s): %d signatures captured (max_graphs); new ones run eagerly (fewer distinct "
+                        "shapes: pad to buckets, e.g. GEMRanker(token_growth=...))",
                         type(self.module).__name__,
                         self.max_graphs,
                     )

@@ -149,7 +149,8 @@ def test_eval_no_grad_and_full_run_the_module_as_it_is(caplog: pytest.LogCapture
     assert graphs.num_graphs == 2
     assert out.shape == (6,)
     assert [r.message for r in caplog.records].count(
-        "ShapeGraphs(_Scaled): 2 signatures captured (max_graphs); new ones run eagerly"
+        "ShapeGraphs(_Scaled): 2 signatures captured (max_graphs); new ones run eagerly (fewer distinct shapes: pad "
+        "to buckets, e.g. GEMRanker(token_growth=...))"
     ) == 1
 
 
