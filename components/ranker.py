@@ -423,15 +423,15 @@ class GEMRanker(L.LightningModule):
         if padded:
             history_offsets, candidate_offsets = append_padding_user(
                 history_offsets, candidate_offsets, history_pad, candidate_pad, users=padded,
-                multiple=self.hparams.get("token_multiple"),
+                multiple=self.hparams.token_multiple,
             )  # fmt: skip
             if time_deltas is not None:
                 time_deltas = _pad_rows(time_deltas, history_pad)
-            longest_pad = self.hparams.token_multiple  # the first padding users are full (append_padding_user)
+            # The longest padding user: the first ones are full (append_padding_user).
             if type(max_history) is int:
-                max_history = max(max_history, min(history_pad, longest_pad))
+                max_history = max(max_history, min(history_pad, self.hparams.token_multiple))
             if type(max_candidates) is int:
-                max_candidates = max(max_candidates, min(candidate_pad, longest_pad))
+                max_candidates = max(max_candidates, min(candidate_pad, self.hparams.token_multiple))
         encoder, interaction = self.encoder, self.interaction
         if self.hparams.get("cuda_graphs") and not torch.compiler.is_compiling():
             encoder, interaction = self._graphs()

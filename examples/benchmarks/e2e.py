@@ -17,9 +17,8 @@ pooled user features, hundreds of candidates per user.
   without FSDP2 over a single rank; the next batch, pinned, copied and its embedding input path prepared on a
   side stream; ``--compile-layers``: each HSTU layer compiled too; ``--token-multiple N``: token counts padded
   to multiples of N by a padding user, so GEMMs meet few row counts, and with ``--token-growth G`` to buckets growing
-  by G; ``--fused-optimizer``: AdamW's fused
-  kernel; ``--cuda-graphs``: the encoder and the interaction replayed from CUDA graphs), Base Batch Shuffling in the
-  DataModule;
+  by G; ``--fused-optimizer``: AdamW's fused kernel; ``--cuda-graphs``: the encoder and the interaction replayed
+  from CUDA graphs), Base Batch Shuffling in the DataModule;
 - kit-eager (and kit-eager-2, the same again): the kit stack without ``--token-multiple``, ``--fused-optimizer``,
   ``--cuda-graphs`` and ``--compile-layers``; with the kit stack the summary compares their per-step losses on the
   same batches (the second eager run gives the gap that nondeterministic kernels alone make);

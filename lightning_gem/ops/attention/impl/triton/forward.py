@@ -423,8 +423,11 @@ def gdpa_forward(
             key, (q.device.type, fast), candidates, lambda t: run(t, options(t)), (q, k, v), options
         )
     else:
-        faults = forward_tiles_fault(tiles, q.dtype, head_dim, block_size, activation)
-        if q.device.type == "cuda" and not fp8 and faults:
+        if (
+            q.device.type == "cuda"
+            and not fp8
+            and forward_tiles_fault(tiles, q.dtype, head_dim, block_size, activation)
+        ):
             raise ValueError(f"tiles={tiles}: at head dim {head_dim} this forward can fault on sm_90 (a misaligned "
                              "shared-memory address; see forward_tiles_fault): take key tiles of 64, or 32 over three "
                              "stages (under 64-row query tiles for softmax)")  # fmt: skip
