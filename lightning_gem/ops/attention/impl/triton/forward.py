@@ -77,6 +77,8 @@ __all__ = ["gdpa_forward"]
 
 
 P_CODE = tl.constexpr(P_SCALE)
+P_CODE_LOG2 = tl.constexpr(8.0)  # log2(P_SCALE): softmax's codes from the exponent
+assert P_SCALE == 2.0**8
 BOUND_SLACK = tl.constexpr(_BOUND_SLACK)
 
 
@@ -96,7 +98,19 @@ def _fwd_key_blocks(
     descriptors of :func:`_kv_descriptors`, read at rows ``kv_row + n`` and the head's columns. With ``FP8`` (the
     recipe of :mod:`lightning_gem.ops.attention.fp8`) ``q``, ``k`` and ``v`` are E4M3 codes: ``sq_M`` the query rows'
     scales, ``ks_base`` the keys' (contiguous), ``v_base`` the head's ``[Dv, Tk]`` transposed codes (channels
-    ``stride_vd`` apart) and ``P`` is stored as ``p * p_code_M`` (256 for softmax, ``256 / b_i`` pointwise)."""
+    ``stride_vd`` apart) and ``P`` is stored as ``p * p_code_M`` (256 for softmax, ``256 / b_i`` pointwise). Each
+    score then costs one multiply by its key's scale; the query rows' scales join ``qk_scale`` / ``scale`` as row
+    vectors, and softmax's codes come from the exponent (``exp2(s - m + 8) = 256 p``), so ``l_M`` holds ``256 l``."""
+    if FP8:  # per-row factors, once: a score's product needs its key's scale only
+        row_qk_M = sq_M * qk_scale
+        row_qk_M1 = row_qk_M[:, None]
+        row_scale_M1 = (sq_M * scale)[:, None]
+        code_shift = P_CODE_LOG2
+    else:
+        row_qk_M = qk_scale
+        row_qk_M1 = qk_scale
+        row_scale_M1 = scale
+        code_shift = 0.0
     for n_start in tl.range(n_lo, n_hi, BLOCK_N, warp_specialize=WS):
         if FP8:  # tiles start on multiples of 16 keys (_query_tile_keys' ALIGN): V's transposed rows copy async
             offs_n = tl.max_contiguous(tl.multiple_of(n_start + tl.arange(0, BLOCK_N), 16), BLOCK_N)
@@ -123,33 +137,34 @@ def _fwd_key_blocks(
                 MASKED,
             )  # fmt: skip
         qk_MN = tl.dot(q_MD, tl.trans(k_ND), input_precision=DOT_PRECISION)
-        if FP8:  # the codes' product times both rows' scales (powers of two: exact)
-            qk_MN = qk_MN * (sq_M[:, None] * sk_N[None, :])
+        if FP8:  # the codes' product times its key's scale (a power of two: exact); the row's comes with row_*
+            qk_MN = qk_MN * sk_N[None, :]
         if MASKED:
             allowed_MN = row_ok[:, None] & _history_mask(
                 pos_m[:, None], offs_n[None, :], num_history, window, block_size, CAUSAL, HAS_WINDOW, HAS_BLOCK
             )
         if ACTIVATION == "softmax":
             if MASKED:
-                s_MN = tl.where(allowed_MN, qk_MN * qk_scale, float("-inf"))
+                s_MN = tl.where(allowed_MN, qk_MN * row_qk_M1, float("-inf"))
                 m_new_M = tl.maximum(m_M, tl.max(s_MN, axis=1))
                 # A row with nothing allowed so far keeps -inf: subtract 0 instead (exp2(-inf) = 0, no NaN).
                 m_safe_M = tl.where(m_new_M == float("-inf"), 0.0, m_new_M)
-                p_MN = tl.exp2(s_MN - m_safe_M[:, None])
-            else:  # every score is finite: the new max is too
-                m_new_M = tl.maximum(m_M, tl.max(qk_MN, axis=1) * qk_scale)
+                p_MN = tl.exp2(s_MN - (m_safe_M - code_shift)[:, None])
+            else:  # every score is finite: the new max is too (row factors are >= 0: the max of the scaled row)
+                m_new_M = tl.maximum(m_M, tl.max(qk_MN, axis=1) * row_qk_M)
                 m_safe_M = m_new_M
-                p_MN = tl.exp2(qk_MN * qk_scale - m_safe_M[:, None])
+                p_MN = tl.exp2(qk_MN * row_qk_M1 - (m_safe_M - code_shift)[:, None])
             alpha_M = tl.exp2(m_M - m_safe_M)
             l_M = l_M * alpha_M + tl.sum(p_MN, axis=1)
             acc_MDV = acc_MDV * alpha_M[:, None]
             m_M = m_new_M
         else:
-            p_MN = _scaled_activation(qk_MN, scale, ACTIVATION, FAST)
+            p_MN = _scaled_activation(qk_MN, row_scale_M1, ACTIVATION, FAST)
             if MASKED:
                 p_MN = tl.where(allowed_MN, p_MN, 0.0)
+            if FP8:
+                p_MN = p_MN * p_code_M[:, None]
         if FP8:
-            p_MN = p_MN * p_code_M[:, None]
             if E4M3_GRID_FIRST:
                 p_MN = _e4m3_grid(p_MN)
         acc_MDV = tl.dot(p_MN.to(v_NDV.dtype), v_NDV, acc_MDV, input_precision=DOT_PRECISION)
@@ -253,7 +268,8 @@ def _gdpa_fwd_kernel(
         if ACTIVATION == "softmax":
             m_M = tl.where(own, qk_own_M * qk_scale, float("-inf"))
             l_M = tl.where(own, 1.0, 0.0)
-            if FP8:  # p = 1 at the row's own max: its code is p_code_M, exactly
+            if FP8:  # p = 1 at the row's own max: its code is p_code_M, exactly (l_M sums the codes)
+                l_M = l_M * p_code_M
                 acc_MDV = tl.where(own[:, None], tl.trans(vt_own_DVM).to(tl.float32) * p_code_M[:, None], 0.0)
             else:
                 acc_MDV = tl.where(own[:, None], v_own_MDV, 0.0)
@@ -295,14 +311,21 @@ def _gdpa_fwd_kernel(
                 ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST, TMA, FP8,
             )  # fmt: skip
 
-    if FP8:  # back from the codes' units: P's multiplier per row, V's scale per channel
+    if FP8:  # back from the codes' units: V's scale per channel, and pointwise P's multiplier per row (softmax's
+        # is in l_M too, and cancels)
         v_scale_DV = tl.load(V_SCALE + (kv_seg * heads + head) * HEAD_DIM_V + offs_dv, mask=offs_dv < HEAD_DIM_V,
                              other=0.0)  # fmt: skip
-        acc_MDV = acc_MDV * (v_scale_DV[None, :] / p_code_M[:, None])
+        if ACTIVATION == "softmax":
+            acc_MDV = acc_MDV * v_scale_DV[None, :]
+        else:
+            acc_MDV = acc_MDV * (v_scale_DV[None, :] / p_code_M[:, None])
     if ACTIVATION == "softmax":
         has_key = l_M > 0.0
         out_MDV = acc_MDV / tl.where(has_key, l_M, 1.0)[:, None]
-        lse_M = tl.where(has_key, m_M + tl.log2(tl.where(has_key, l_M, 1.0)), float("inf"))
+        log2_l_M = tl.log2(tl.where(has_key, l_M, 1.0))
+        if FP8:  # l_M summed the codes, 256 p
+            log2_l_M = log2_l_M - P_CODE_LOG2
+        lse_M = tl.where(has_key, m_M + log2_l_M, float("inf"))
         tl.store(LSE + head * stride_lse_h + q_start + offs_m, lse_M, mask=row_ok)
     else:
         out_MDV = acc_MDV / tl.maximum(len_k, 1).to(tl.float32)
