@@ -235,6 +235,24 @@ def test_device_time_unions_each_family_and_shares_divide_by_the_real_step() -> 
     assert gem.step_shares(times, num_steps=1, step_ms=1.0)["host gaps"] == 0.0
 
 
+def test_family_kernels_lists_each_familys_costliest_kernels_per_step() -> None:
+    gem = _benchmark("gem_example")
+    kernels = [
+        ("_gdpa_fwd_kernel", 0.0, 600.0),
+        ("vectorized_elementwise_kernel<add>", 600.0, 700.0),
+        ("reduce_kernel<sum>", 700.0, 1000.0),
+        ("vectorized_elementwise_kernel<add>", 1000.0, 1300.0),
+        ("nvjet_tst_128x256", 1300.0, 1400.0),
+        ("unrolled_elementwise_kernel<mul>", 1400.0, 1410.0),
+    ]
+    lines = gem.family_kernels(kernels, num_steps=2, per_family=2)
+    # Families by their time (attention 0.3 ms a step, other 0.355, gemm 0.05), kernels by theirs, per step.
+    assert [line.split()[0] for line in lines] == ["other", "other", "attention", "gemm"]
+    assert lines[0].split()[1:5] == ["0.20", "ms", "1", "launches"] and lines[0].endswith("kernel<add>")
+    assert lines[1].endswith("reduce_kernel<sum>") and lines[1].split()[1] == "0.15"
+    assert lines[2].split()[1] == "0.30" and lines[3].split()[1] == "0.05"
+
+
 def test_e2e_counts_the_graph_signatures_captured_in_the_timed_steps() -> None:
     """GraphSignatures reads a model's ``graph_signatures`` at the first timed step and at the end of training (a
     model without it: none)."""

@@ -177,6 +177,35 @@ def device_time(kernels: list[Any]) -> dict[str, float]:
     return times
 
 
+def family_kernels(kernels: list[Any], num_steps: int = 1, per_family: int = 5) -> list[str]:
+    """What each :data:`KERNEL_FAMILIES` family of a profiled window spent its time on: per family (costliest
+    first), its ``per_family`` costliest kernel names with their device ms a step and launches a step. The families'
+    shares say where a step goes; this says which kernels those are (the elementwise ops, copies and reductions
+    behind "other", say).
+
+    Args:
+        kernels: as :func:`device_time`'s.
+        num_steps: profiled steps the window held (times and counts are per step).
+        per_family: kernels listed per family.
+
+    Example:
+        >>> family_kernels([("_gdpa_fwd_kernel", 0, 600), ("elementwise_add", 600, 700), ("reduce_sum", 700, 1000),
+        ...                 ("elementwise_add", 1000, 1100)], per_family=1)
+        ['attention      0.60 ms   1 launches  _gdpa_fwd_kernel', 'other          0.30 ms   1 launches  reduce_sum']
+    """
+    spent: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    launches: collections.Counter[str] = collections.Counter()
+    for name, begin, end in (_span(k) for k in kernels):
+        spent[kernel_family(name)][name] += (end - begin) / 1e3 / num_steps
+        launches[name] += 1
+    lines = []
+    for family, by_name in sorted(spent.items(), key=lambda item: -sum(item[1].values())):
+        for name, ms in by_name.most_common(per_family):
+            label = name if len(name) <= 100 else name[:97] + "..."
+            lines.append(f"{family:<13} {ms:5.2f} ms {launches[name] / num_steps:3.0f} launches  {label}")
+    return lines
+
+
 def step_shares(times: dict[str, float], num_steps: int, step_ms: float) -> dict[str, float]:
     """:func:`device_time` of ``num_steps`` profiled steps as shares of an unprofiled step of ``step_ms``: each
     family's, ``busy`` and ``host gaps`` (``1 - busy``: the device waiting for the host)."""
@@ -236,6 +265,8 @@ class ProfileLastSteps(L.Callback):
         text += [f"{key:>14}  {value / self.num_steps:9.2f}" for key, value in self.device_ms.items()]
         # What the host issues a step (kernels, copies and fills): where the host bounds a step, its launches do.
         text.append(f"{'device ops':>14}  {len(kernels) / self.num_steps:9.1f}  (kernels, copies, fills a step)")
+        text.append(f"== {self.label}: costliest kernels of each family, a step ==")
+        text += family_kernels(kernels, self.num_steps)
         for key in ("self_device_time_total", "self_cpu_time_total"):
             text.append(f"== {self.label}: profile of the last steps, by {key} ==")
             text.append(averages.table(sort_by=key, row_limit=25, max_name_column_width=70))
