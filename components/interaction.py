@@ -232,7 +232,8 @@ class GDPAInteraction(nn.Module):
         tokens_CND = torch.stack(tokens, dim=1)
         num_candidates, num_tokens = tokens_CND.shape[:2]
         h, d = self.token_num_heads, self.dim // self.token_num_heads
-        qkv_CNX = self.token_qkv(self.token_norm(tokens_CND))  # [C, N, 3 * dim], laid out as [3, H, d]
+        # [C, N, 3 * dim], laid out as [3, H, d]; the norm written in the Linear's dtype (norm_for_linear)
+        qkv_CNX = self.token_qkv(norm_for_linear(self.token_norm, tokens_CND, pointwise))
         if num_tokens > MAX_TOKENS:  # past what a kernel program holds: PyTorch's ops, whatever the impl beside
             pointwise = "reference"
         if pointwise == "reference":

@@ -169,6 +169,27 @@ def test_token_interaction_fused_matches_reference(num_context_tokens: int) -> N
         torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
 
+def test_every_norm_before_a_linear_goes_through_norm_for_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The query, history, token and MLP norms each feed a Linear through ``norm_for_linear`` (under autocast: the
+    norm written in the Linear's dtype in one pass), with the interaction's pointwise impl; the mix norm, whose output
+    is a token besides a Linear's input, does not."""
+    import lightning_gem.components.interaction as interaction_module
+
+    seen = []
+
+    def spy(module, x, impl="auto"):
+        seen.append((module, impl))
+        return module(x)
+
+    monkeypatch.setattr(interaction_module, "norm_for_linear", spy)
+    interaction = GDPAInteraction(24, 2, self_interaction=True, num_context_tokens=1, attention_impl="reference")
+    candidates, cand_offsets, history, hist_offsets, _ = _inputs(24)
+    interaction(candidates, cand_offsets, history, hist_offsets, context=torch.randn(len(HISTORY), 1, 24))
+    norms = [interaction.query_norm, interaction.history_norm, interaction.token_norm, interaction.mlp_norm]
+    assert [module for module, _ in seen] == norms
+    assert {impl for _, impl in seen} == {"reference"}
+
+
 def test_pointwise_impl_picks_the_token_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """``pointwise_impl`` overrides the impl beside the attention's: ``"reference"`` keeps the token interaction on
     PyTorch's matmuls (the fused ops are never called), ``"triton"`` sends it to the fused ops; a bad value raises."""
