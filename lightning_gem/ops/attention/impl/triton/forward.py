@@ -25,6 +25,8 @@ a segment's end return at once.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -77,8 +79,7 @@ __all__ = ["gdpa_forward"]
 
 
 P_CODE = tl.constexpr(P_SCALE)
-P_CODE_LOG2 = tl.constexpr(8.0)  # log2(P_SCALE): softmax's codes from the exponent
-assert P_SCALE == 2.0**8
+P_CODE_LOG2 = tl.constexpr(math.log2(P_SCALE))  # softmax's codes from the exponent (P_SCALE is a power of two)
 BOUND_SLACK = tl.constexpr(_BOUND_SLACK)
 
 
