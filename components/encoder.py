@@ -103,6 +103,7 @@ def check_option(value: object, name: str, allowed: tuple[str | None, ...]) -> s
 
 
 _PLAIN_NORMS = (RMSNorm, nn.RMSNorm, nn.LayerNorm)
+_PLAIN_PARAMETERS = (Tensor, nn.Parameter)  # not a tensor subclass (a sharded DTensor, a quantized weight)
 
 
 def _norm_kind(module: nn.Module) -> str:
@@ -140,6 +141,28 @@ def norm_for_residual(module: nn.Module, x: Tensor, impl: str = "auto") -> tuple
         return module(x), x
     kind, bias, dtype = fused
     return norm_residual(x, module.weight, bias, eps=module.eps, kind=kind, out_dtype=dtype, impl=impl)
+
+
+def linear_silu_split(
+    linear: nn.Module, x: Tensor, heads: int, sizes: tuple[int, ...], impl: str = "auto"
+) -> tuple[Tensor, ...]:
+    """``silu_split(linear(x).view(T, heads, -1), sizes)`` (:func:`lightning_gem.ops.pointwise.silu_split`). A plain
+    ``nn.Linear`` with a bias (not converted, e.g. to FP8, nor sharded, nor hooked) gives its bias to the split instead
+    of its matmul: the split's backward sums the bias's gradient in the pass that writes the projection's gradient,
+    where the Linear's backward would read that gradient once more. ``impl``: the pointwise ops' impl
+    (``"reference"``, PyTorch's unfused ops, keeps the Linear whole)."""
+    bias = getattr(linear, "bias", None)
+    moved = (
+        impl != "reference"
+        and type(linear) is nn.Linear
+        and bias is not None
+        and type(linear.weight) in _PLAIN_PARAMETERS
+        and type(bias) in _PLAIN_PARAMETERS
+        and not (linear._forward_hooks or linear._forward_pre_hooks)
+    )
+    y = F.linear(x, linear.weight) if moved else linear(x)
+    y = y.view(y.shape[0], heads, sum(sizes))
+    return silu_split(y, sizes, bias=bias.view(heads, sum(sizes)) if moved else None, impl=impl)
 
 
 def _fused_norm(module: nn.Module, x: Tensor) -> tuple[str, Tensor | None, torch.dtype] | None:
@@ -334,11 +357,10 @@ class HSTULayer(nn.Module):
         pointwise = self.pointwise_impl or pointwise_beside(self.attention_impl)
         # The residual through the norm: its backward adds the residual's gradient into dx in the same pass.
         normed_TX, x = norm_for_residual(self.input_norm, x, pointwise)
-        uvqk_TX = self.uvqk(normed_TX)  # every token, also of a sharded x
-        num_tokens = uvqk_TX.shape[0]
-        # One pass: SiLU, and U, V, Q, K each contiguous; its backward writes d(uvqk) in one pass too.
-        uvqk_THX = uvqk_TX.view(num_tokens, h, 2 * dv + 2 * dqk)
-        u_THD, v_THD, q_THD, k_THD = silu_split(uvqk_THX, (dv, dv, dqk, dqk), impl=pointwise)
+        # uvqk sees every token, also of a sharded x. Then one pass: SiLU (after uvqk's bias), and U, V, Q, K each
+        # contiguous; its backward writes d(uvqk) in one pass too, and uvqk's bias gradient beside it.
+        u_THD, v_THD, q_THD, k_THD = linear_silu_split(self.uvqk, normed_TX, h, (dv, dv, dqk, dqk), pointwise)
+        num_tokens = u_THD.shape[0]
         if self.time_bias is not None and time_buckets is None:
             raise ValueError("`time_buckets` is required: the layer was built with relative_time_buckets")
         if self.relative_bias is not None or self.time_bias is not None:

@@ -51,6 +51,44 @@ def test_silu_split_matches_reference(device: str, tokens: int, heads: int, size
     torch.testing.assert_close(dx.double(), dx64, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(("tokens", "heads", "sizes"), [*SPLITS[:4], (300, 3, (16, 16, 8, 8))])
+@pytest.mark.parametrize("used", ["all", "some"])
+def test_silu_split_with_bias(device: str, tokens: int, heads: int, sizes: tuple, used: str) -> None:
+    """``SiLU(x + bias)`` with a ``[H, W]`` bias: values and gradients of ``x`` and the bias (summed over the tokens
+    by the backward's programs; 300 tokens span several row tiles a program) against the float64 reference."""
+    x = torch.randn(tokens, heads, sum(sizes), device=device, requires_grad=True)
+    bias = torch.randn(heads, sum(sizes), device=device, requires_grad=True)
+    parts = silu_split(x, sizes, bias=bias, impl="triton")
+    leaves64 = [t.detach().double().requires_grad_() for t in (x, bias)]
+    exact = silu_split(leaves64[0], sizes, bias=leaves64[1], impl="reference")
+    for part, ref in zip(parts, exact, strict=True):
+        torch.testing.assert_close(part.double(), ref, rtol=1e-6, atol=1e-6)
+    chosen = range(len(sizes)) if used == "all" else range(0, len(sizes), 2)
+    grads = [torch.randn_like(parts[i]) for i in chosen]
+    dx, dbias = _grads([parts[i] for i in chosen], [x, bias], grads)
+    dx64, dbias64 = _grads([exact[i] for i in chosen], leaves64, [g.double() for g in grads])
+    torch.testing.assert_close(dx.double(), dx64, rtol=1e-5, atol=1e-6)
+    if tokens == 0:
+        assert dbias is None or not dbias.any()
+    else:
+        torch.testing.assert_close(dbias.double(), dbias64, rtol=1e-5, atol=1e-5)
+
+
+def test_silu_split_bias_fp32_beside_16bit_x(device: str) -> None:
+    """A float32 bias (a Linear's parameter) with a 16-bit ``x`` (its autocast output): the parts in ``x``'s dtype,
+    the bias's gradient in float32."""
+    dtype = torch.float16
+    x = torch.randn(40, 2, 12, device=device, dtype=dtype, requires_grad=True)
+    bias = torch.randn(2, 12, device=device, requires_grad=True)
+    parts = silu_split(x, (6, 6), bias=bias, impl="triton")
+    assert all(p.dtype == dtype for p in parts)
+    ref = silu_split(x.double() + bias.double(), (6, 6), impl="reference")
+    for part, want in zip(parts, ref, strict=True):
+        torch.testing.assert_close(part.double(), want, rtol=2e-3, atol=2e-3)
+    sum(p.float().sum() for p in parts).backward()
+    assert bias.grad.dtype == torch.float32 and x.grad.dtype == dtype
+
+
 NORMS = [(7, 6), (1, 64), (0, 16), (130, 50), (5, 1024)]
 
 
@@ -183,6 +221,12 @@ def test_inputs_are_checked() -> None:
         silu_split(x, (4, 4), impl="cuda")
     with pytest.raises(TypeError, match="float16, bfloat16 or float32"):  # a named impl never falls back
         silu_split(x.double(), (4, 4), impl="triton")
+    with pytest.raises(ValueError, match="bias"):
+        silu_split(x, (4, 4), bias=torch.zeros(3, 8))
+    with pytest.raises(ValueError, match="bias"):
+        silu_split(x[0], (4, 4), bias=torch.zeros(8))
+    with pytest.raises(TypeError, match="bias"):
+        silu_split(x, (4, 4), bias=torch.zeros(8, dtype=torch.int64))
     with pytest.raises(ValueError, match="gate"):
         norm_mul(x, x[:, :4])
     with pytest.raises(ValueError, match="weight"):
@@ -236,6 +280,27 @@ def _run_layer_pair(device: str, fused_options: dict, plain_options: dict, autoc
         y.square().sum().backward()
         runs.append((y.detach(), [xi.grad, *(p.grad for p in layer.parameters())], nodes))
     return runs
+
+
+@pytest.mark.parametrize("case", ["plain", "hooked", "reference"])
+def test_linear_silu_split_moves_a_plain_linears_bias(device: str, case: str) -> None:
+    """A plain Linear's bias goes to the split (no addmm in the graph); a hooked Linear, or the reference impl, keeps
+    it in the matmul. Values and gradients are the unfused composition's either way."""
+    from lightning_gem.components.encoder import linear_silu_split
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(8, 2 * 12).to(device)
+    if case == "hooked":
+        linear.register_forward_hook(lambda module, args, out: None)
+    x = torch.randn(30, 8, device=device, requires_grad=True)
+    parts = linear_silu_split(linear, x, 2, (4, 8), "reference" if case == "reference" else "triton")
+    assert ("AddmmBackward0" in _graph_nodes(parts[0].grad_fn)) == (case != "plain")
+    grads = [torch.randn_like(p) for p in parts]
+    got = _grads(parts, [x, linear.weight, linear.bias], grads)
+    want_parts = silu_split(linear(x).view(30, 2, 12), (4, 8), impl="reference")
+    want = _grads(want_parts, [x, linear.weight, linear.bias], grads)
+    for a, b in zip((*parts, *got), (*want_parts, *want), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("per_head_norm", [True, False])

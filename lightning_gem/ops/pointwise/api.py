@@ -35,17 +35,22 @@ def _silu_split_kernel() -> object:
     return _silu_split_fwd_kernel
 
 
-def silu_split(x: Tensor, sizes: Sequence[int], *, impl: str = "auto") -> tuple[Tensor, ...]:
-    """``SiLU(x)`` split along the last dim into parts of ``sizes`` columns, each part contiguous.
+def silu_split(
+    x: Tensor, sizes: Sequence[int], *, bias: Tensor | None = None, impl: str = "auto"
+) -> tuple[Tensor, ...]:
+    """``SiLU(x + bias)`` split along the last dim into parts of ``sizes`` columns, each part contiguous.
 
     The HSTU layer's ``U, V, Q, K`` from its projection viewed as ``[T, H, 2 Dv + 2 Dqk]``: each part comes out
     as its own contiguous ``[T, H, P]`` tensor (dense rows, which tensor-descriptor loads need), in one pass over ``x``;
     the backward writes ``x``'s gradient in one pass over the parts' gradients (a part whose output is unused
-    gets zeros).
+    gets zeros). The projection's bias may come here instead of to its matmul (``x`` without it): the backward then
+    sums the bias's gradient in the same pass, where a Linear's backward reads its whole output gradient once more.
 
     Args:
         x: ``[..., W]`` float tensor (a non-contiguous one is copied first).
         sizes: one to four positive column counts summing to ``W``.
+        bias: None, or ``x.shape[1:]`` (e.g. ``[H, W]`` for ``x [T, H, W]``), added to every row of ``x``'s first
+            dim; any float dtype (a float32 parameter stays float32, its gradient too: the sum is in fp32).
         impl: ``"auto"``, ``"triton"`` or ``"reference"`` (see the module docstring).
 
     Returns:
@@ -63,11 +68,18 @@ def silu_split(x: Tensor, sizes: Sequence[int], *, impl: str = "auto") -> tuple[
         raise ValueError(f"`x` must be [..., {sum(sizes)}] (the sum of `sizes` {sizes}), got {tuple(x.shape)}")
     if not x.is_floating_point():
         raise TypeError(f"`x` must be a float tensor, got {x.dtype}")
+    if bias is not None:
+        if x.dim() < 2 or bias.shape != x.shape[1:]:
+            raise ValueError(f"`bias` must be x.shape[1:] for `x` of two dims or more, got {tuple(bias.shape)} "
+                             f"for `x` {tuple(x.shape)}")  # fmt: skip
+        if not bias.is_floating_point() or bias.device != x.device:
+            raise TypeError(f"`bias` must be a float tensor on `x`'s device ({x.device}), got {bias.dtype} on "
+                            f"{bias.device}")  # fmt: skip
     if _resolve_impl(impl, x) == "reference":
-        return silu_split_reference(x, sizes)
+        return silu_split_reference(x, sizes, bias)
     from lightning_gem.ops.pointwise.impl.triton import silu_split_triton
 
-    return silu_split_triton(x.contiguous(), sizes)
+    return silu_split_triton(x.contiguous(), sizes, None if bias is None else bias.contiguous())
 
 
 def _check_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str) -> None:

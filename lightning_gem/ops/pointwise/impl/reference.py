@@ -14,10 +14,12 @@ from torch import Tensor
 __all__ = ["norm_mul_reference", "norm_reference", "silu_split_reference"]
 
 
-def silu_split_reference(x_RW: Tensor, sizes: Sequence[int]) -> tuple[Tensor, ...]:
-    """``SiLU(x)`` of each ``[..., W]`` row split into parts of ``sizes`` columns (``sum(sizes) == W``; views of one
-    tensor). ``F.silu`` computes reduced-precision inputs in fp32 and rounds once, as the kernel does."""
-    return tuple(F.silu(x_RW).split(list(sizes), dim=-1))
+def silu_split_reference(x_RW: Tensor, sizes: Sequence[int], bias: Tensor | None = None) -> tuple[Tensor, ...]:
+    """``SiLU(x + bias)`` of each ``[..., W]`` row split into parts of ``sizes`` columns (``sum(sizes) == W``; views of
+    one tensor); ``bias`` broadcasts over ``x``'s leading dims. ``F.silu`` computes reduced-precision inputs in fp32 and
+    rounds once, as the kernel does; the sum with the bias is rounded to ``x``'s dtype first, as a Linear's output is
+    (the kernel adds in fp32)."""
+    return tuple(F.silu(x_RW if bias is None else (x_RW + bias).to(x_RW.dtype)).split(list(sizes), dim=-1))
 
 
 def norm_mul_reference(

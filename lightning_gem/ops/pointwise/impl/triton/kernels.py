@@ -7,7 +7,8 @@ columns, ``N`` the normalised width.
   read and one write, where ``F.silu`` left one wide activation and the split strided views of it (which tensor
   descriptors cannot read). Its backward multiplies the parts' gradients by ``SiLU'`` straight into the projection's
   gradient, where autograd concatenated the parts' gradients first (one more read and write of the widest
-  activation of the layer).
+  activation of the layer). The projection's bias may come to the kernels instead of its matmul: the forward adds it,
+  and the backward sums its gradient in registers as it writes the projection's (one read of that gradient fewer).
 - ``norm_mul``: ``norm(A) * U`` (RMSNorm or LayerNorm of the attention output, gated): one pass forward where the
   norm and the product were two, and one backward pass for ``dA``, ``dU`` and the weight's partial sums, where
   the product's backward and the norm's were several kernels and the norm's output was saved for the backward.
@@ -35,10 +36,12 @@ _ELEMENTS = 4096
 
 
 @triton.jit
-def _silu_part_forward(X, OUT, rows, row_ok, start, width, P: tl.constexpr, BLOCK_P: tl.constexpr):
+def _silu_part_forward(X, BIAS, OUT, rows, groups_R, row_ok, start, width, P: tl.constexpr, BLOCK_P: tl.constexpr):
     cols = tl.arange(0, BLOCK_P)
     mask = row_ok[:, None] & (cols < P)[None, :]
     x = tl.load(X + rows[:, None] * width + start + cols[None, :], mask=mask).to(tl.float32)
+    if BIAS is not None:
+        x += tl.load(BIAS + groups_R[:, None] * width + start + cols[None, :], mask=mask).to(tl.float32)
     y = x * tl.sigmoid(x)
     tl.store(OUT + rows[:, None] * P + cols[None, :], y.to(OUT.dtype.element_ty), mask=mask)
 
@@ -46,58 +49,103 @@ def _silu_part_forward(X, OUT, rows, row_ok, start, width, P: tl.constexpr, BLOC
 # Per-batch sizes (jagged token counts): no new compiled variant when their divisibility by 16 changes.
 @triton.jit(do_not_specialize=["num_rows"])
 def _silu_split_fwd_kernel(
-    X, OUT0, OUT1, OUT2, OUT3,  # [R, W]; [R, P0] ... [R, P3]
-    num_rows,
+    X, BIAS, OUT0, OUT1, OUT2, OUT3,  # [R, W]; [G, W] or None; [R, P0] ... [R, P3]
+    num_rows, groups,
     P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):  # fmt: skip
+    """Row ``r`` adds the bias row ``r % groups`` (the rows are tokens x ``groups``) before the SiLU."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_rows
+    groups_R = rows % groups
     width = P0 + P1 + P2 + P3
-    _silu_part_forward(X, OUT0, rows, row_ok, 0, width, P0, BLOCK_P)
+    _silu_part_forward(X, BIAS, OUT0, rows, groups_R, row_ok, 0, width, P0, BLOCK_P)
     if P1 > 0:
-        _silu_part_forward(X, OUT1, rows, row_ok, P0, width, P1, BLOCK_P)
+        _silu_part_forward(X, BIAS, OUT1, rows, groups_R, row_ok, P0, width, P1, BLOCK_P)
     if P2 > 0:
-        _silu_part_forward(X, OUT2, rows, row_ok, P0 + P1, width, P2, BLOCK_P)
+        _silu_part_forward(X, BIAS, OUT2, rows, groups_R, row_ok, P0 + P1, width, P2, BLOCK_P)
     if P3 > 0:
-        _silu_part_forward(X, OUT3, rows, row_ok, P0 + P1 + P2, width, P3, BLOCK_P)
+        _silu_part_forward(X, BIAS, OUT3, rows, groups_R, row_ok, P0 + P1 + P2, width, P3, BLOCK_P)
 
 
 @triton.jit
 def _silu_part_backward(
-    X, GRAD, DX, rows, row_ok, start, width, P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr,
-    HAS_GRAD: tl.constexpr,
+    X, BIAS, GRAD, DX, rows, row_ok, group, start, width, P: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_R: tl.constexpr, HAS_GRAD: tl.constexpr,
 ):  # fmt: skip
+    """Writes the part's columns of ``dX`` for ``rows`` and returns them (fp32; zeros at rows past the end)."""
     cols = tl.arange(0, BLOCK_P)
-    mask = row_ok[:, None] & (cols < P)[None, :]
+    col_ok = cols < P
+    mask = row_ok[:, None] & col_ok[None, :]
     offsets = rows[:, None] * width + start + cols[None, :]
     if HAS_GRAD:
-        x = tl.load(X + offsets, mask=mask).to(tl.float32)
-        g = tl.load(GRAD + rows[:, None] * P + cols[None, :], mask=mask).to(tl.float32)
+        x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+        if BIAS is not None:
+            x += tl.load(BIAS + group * width + start + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        g = tl.load(GRAD + rows[:, None] * P + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         s = tl.sigmoid(x)
         dx = g * s * (1.0 + x * (1.0 - s))
     else:  # a part without a gradient (unused output): its columns of dX are zeros
         dx = tl.zeros((BLOCK_R, BLOCK_P), dtype=tl.float32)
     tl.store(DX + offsets, dx.to(DX.dtype.element_ty), mask=mask)
+    return dx
 
 
-@triton.jit(do_not_specialize=["num_rows"])
+@triton.jit
+def _store_bias_part(DB_PART, db, start, P: tl.constexpr, BLOCK_P: tl.constexpr):
+    cols = tl.arange(0, BLOCK_P)
+    tl.store(DB_PART + start + cols, tl.sum(db, axis=0), mask=cols < P)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_tiles"])
 def _silu_split_bwd_kernel(
-    X, G0, G1, G2, G3, DX,  # [R, W]; [R, P0] ... [R, P3]; [R, W]
-    num_rows,
+    X, BIAS, G0, G1, G2, G3, DX, DB_PART,  # [R, W]; [G, W] or None; [R, P0] ... [R, P3]; [R, W]; [S, G, W] or None
+    num_tokens, num_tiles,
     P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_R: tl.constexpr, HAS0: tl.constexpr, HAS1: tl.constexpr, HAS2: tl.constexpr, HAS3: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = rows < num_rows
+    """Program ``(s, g)`` walks the tiles ``s, s + S, ...`` of ``BLOCK_R`` tokens of bias group ``g`` (rows
+    ``token * G + g``; ``G`` is 1 without a bias). With a bias it sums its rows of ``dX`` per column in registers and
+    writes them once, to ``DB_PART[s, g]``; the launcher sums the ``S`` partial rows. The sums stay per thread (a tile's
+    shape) until the end: a column sum per tile would cross warps through shared memory on every tile."""
+    pid = tl.program_id(0)
+    group = tl.program_id(1)
+    groups = tl.num_programs(1)
     width = P0 + P1 + P2 + P3
-    _silu_part_backward(X, G0, DX, rows, row_ok, 0, width, P0, BLOCK_P, BLOCK_R, HAS0)
-    if P1 > 0:
-        _silu_part_backward(X, G1, DX, rows, row_ok, P0, width, P1, BLOCK_P, BLOCK_R, HAS1)
-    if P2 > 0:
-        _silu_part_backward(X, G2, DX, rows, row_ok, P0 + P1, width, P2, BLOCK_P, BLOCK_R, HAS2)
-    if P3 > 0:
-        _silu_part_backward(X, G3, DX, rows, row_ok, P0 + P1 + P2, width, P3, BLOCK_P, BLOCK_R, HAS3)
+    db0 = tl.zeros((BLOCK_R, BLOCK_P), dtype=tl.float32)
+    db1 = tl.zeros((BLOCK_R, BLOCK_P), dtype=tl.float32)
+    db2 = tl.zeros((BLOCK_R, BLOCK_P), dtype=tl.float32)
+    db3 = tl.zeros((BLOCK_R, BLOCK_P), dtype=tl.float32)
+    for tile in range(pid, num_tiles, tl.num_programs(0)):
+        tokens = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        row_ok = tokens < num_tokens
+        rows = tokens * groups + group
+        dx = _silu_part_backward(X, BIAS, G0, DX, rows, row_ok, group, 0, width, P0, BLOCK_P, BLOCK_R, HAS0)
+        if DB_PART is not None:
+            db0 += dx
+        if P1 > 0:
+            dx = _silu_part_backward(X, BIAS, G1, DX, rows, row_ok, group, P0, width, P1, BLOCK_P, BLOCK_R, HAS1)
+            if DB_PART is not None:
+                db1 += dx
+        if P2 > 0:
+            start = P0 + P1
+            dx = _silu_part_backward(X, BIAS, G2, DX, rows, row_ok, group, start, width, P2, BLOCK_P, BLOCK_R, HAS2)
+            if DB_PART is not None:
+                db2 += dx
+        if P3 > 0:
+            start = P0 + P1 + P2
+            dx = _silu_part_backward(X, BIAS, G3, DX, rows, row_ok, group, start, width, P3, BLOCK_P, BLOCK_R, HAS3)
+            if DB_PART is not None:
+                db3 += dx
+    if DB_PART is not None:
+        base = DB_PART + (pid * groups + group) * width
+        _store_bias_part(base, db0, 0, P0, BLOCK_P)
+        if P1 > 0:
+            _store_bias_part(base, db1, P0, P1, BLOCK_P)
+        if P2 > 0:
+            _store_bias_part(base, db2, P0 + P1, P2, BLOCK_P)
+        if P3 > 0:
+            _store_bias_part(base, db3, P0 + P1 + P2, P3, BLOCK_P)
 
 
 @triton.jit
@@ -194,9 +242,9 @@ def _norm_mul_bwd_kernel(
         tl.store(DB_PART + pid * N + cols, db, mask=col_ok)
 
 
-def _tile_rows(block_cols: int, max_rows: int = 64) -> int:
-    """Rows a program takes so a tile holds about ``_ELEMENTS`` values (both powers of two)."""
-    return max(1, min(max_rows, _ELEMENTS // block_cols))
+def _tile_rows(block_cols: int, max_rows: int = 64, elements: int = _ELEMENTS) -> int:
+    """Rows a program takes so a tile holds about ``elements`` values (all powers of two)."""
+    return max(1, min(max_rows, elements // block_cols))
 
 
 def _split_launch(sizes: tuple[int, ...]) -> tuple[int, int, tuple[int, ...]]:
@@ -205,9 +253,15 @@ def _split_launch(sizes: tuple[int, ...]) -> tuple[int, int, tuple[int, ...]]:
     return block_p, _tile_rows(block_p), (*sizes, 0, 0, 0)[:4]
 
 
-def silu_split_forward(x_RW: Tensor, sizes: tuple[int, ...]) -> tuple[Tensor, ...]:
-    """``SiLU(x)`` of a contiguous ``[..., W]`` tensor (``R`` rows of ``W``) split into ``len(sizes)`` (1 to 4)
-    contiguous ``[..., P]`` parts of ``sizes`` columns."""
+def _bias_groups(x_RW: Tensor, bias: Tensor | None) -> int:
+    """Bias rows (1 without a bias): row ``r`` of ``x`` takes bias row ``r % groups``."""
+    return 1 if bias is None else bias.numel() // x_RW.shape[-1]
+
+
+def silu_split_forward(x_RW: Tensor, sizes: tuple[int, ...], bias: Tensor | None = None) -> tuple[Tensor, ...]:
+    """``SiLU(x + bias)`` of a contiguous ``[..., W]`` tensor (``R`` rows of ``W``) split into ``len(sizes)`` (1 to 4)
+    contiguous ``[..., P]`` parts of ``sizes`` columns. ``bias``: None, or a contiguous ``[G, W]`` (or ``[W]``) whose
+    rows repeat down ``x``'s rows (``x`` viewed as ``[R / G, G, W]``)."""
     num_rows = x_RW.numel() // x_RW.shape[-1]
     lead = x_RW.shape[:-1]
     parts = tuple(x_RW.new_empty(*lead, p) for p in sizes)
@@ -215,23 +269,37 @@ def silu_split_forward(x_RW: Tensor, sizes: tuple[int, ...]) -> tuple[Tensor, ..
         return parts
     block_p, block_r, padded = _split_launch(sizes)
     outs = (*parts, x_RW, x_RW, x_RW)[:4]  # a missing part is never written (its size is 0)
-    args = (x_RW, *outs, num_rows, *padded, block_p, block_r)
+    args = (x_RW, bias, *outs, num_rows, _bias_groups(x_RW, bias), *padded, block_p, block_r)
     launch(_silu_split_fwd_kernel, (cdiv(num_rows, block_r),), args, {"num_warps": 4})
     return parts
 
 
-def silu_split_backward(x_RW: Tensor, grads: tuple[Tensor | None, ...], sizes: tuple[int, ...]) -> Tensor:
-    """``dX`` in ``x``'s shape: each part's gradient (None: zeros) times ``SiLU'`` of its columns of ``x``."""
-    num_rows = x_RW.numel() // x_RW.shape[-1]
+def silu_split_backward(
+    x_RW: Tensor, grads: tuple[Tensor | None, ...], sizes: tuple[int, ...], bias: Tensor | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """``(dX in x's shape, dbias in bias's shape or None)``: each part's gradient (None: zeros) times ``SiLU'`` of
+    its columns of ``x + bias``; the bias's gradient summed by the same pass (fp32 partial sums per program)."""
+    width = x_RW.shape[-1]
+    num_rows = x_RW.numel() // width
+    groups = _bias_groups(x_RW, bias)
     dx = torch.empty_like(x_RW)
     if num_rows == 0:
-        return dx
+        return dx, None if bias is None else torch.zeros_like(bias)
     block_p, block_r, padded = _split_launch(sizes)
     has = tuple(g is not None for g in grads) + (False,) * (4 - len(grads))
     gs = tuple(g.contiguous() if g is not None else x_RW for g in (*grads, None, None, None)[:4])
-    args = (x_RW, *gs, dx, num_rows, *padded, block_p, block_r, *has)
-    launch(_silu_split_bwd_kernel, (cdiv(num_rows, block_r),), args, {"num_warps": 4})
-    return dx
+    if bias is not None:  # a quarter of the rows: each part's running sums stay in registers (about 80 a thread)
+        block_r = _tile_rows(block_p, elements=_ELEMENTS // 4)
+    num_tokens = num_rows // groups
+    num_tiles = cdiv(num_tokens, block_r)
+    programs = num_tiles  # a program a tile
+    if bias is not None:  # persistent programs, as many as stay resident: each writes one row of partial sums
+        per_device = 4 * _num_sms(x_RW.device.index or 0) if x_RW.device.type == "cuda" else 4
+        programs = max(1, min(num_tiles, per_device // groups))
+    db_part = None if bias is None else x_RW.new_empty(programs, groups, width, dtype=torch.float32)
+    args = (x_RW, bias, *gs, dx, db_part, num_tokens, num_tiles, *padded, block_p, block_r, *has)
+    launch(_silu_split_bwd_kernel, (programs, groups), args, {"num_warps": 4})
+    return dx, None if bias is None else db_part.sum(0).to(bias.dtype).view(bias.shape)
 
 
 def tile_warps(tile_elements: int) -> int:

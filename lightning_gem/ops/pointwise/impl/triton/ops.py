@@ -23,24 +23,29 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton_op("lightning_gem::silu_split", mutates_args=())
-def _silu_split_op(x: Tensor, sizes: list[int]) -> list[Tensor]:
-    return list(silu_split_forward(x, tuple(sizes)))
+def _silu_split_op(x: Tensor, sizes: list[int], bias: Tensor | None) -> list[Tensor]:
+    return list(silu_split_forward(x, tuple(sizes), bias))
 
 
 @triton_op("lightning_gem::silu_split_backward", mutates_args=())
-def _silu_split_backward_op(x: Tensor, grads: list[Tensor | None], sizes: list[int]) -> Tensor:
-    return silu_split_backward(x, tuple(grads), tuple(sizes))
+def _silu_split_backward_op(
+    x: Tensor, grads: list[Tensor | None], sizes: list[int], bias: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """``(dx, dbias)``; an empty tensor for a missing bias (an op's outputs are fixed)."""
+    dx, dbias = silu_split_backward(x, tuple(grads), tuple(sizes), bias)
+    return dx, x.new_empty(0) if dbias is None else dbias
 
 
 def _silu_split_setup(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)  # an unused part's gradient stays None: its columns of dX are written as zeros
-    ctx.save_for_backward(inputs[0])
+    ctx.save_for_backward(inputs[0], inputs[2])
     ctx.sizes = inputs[1]
 
 
 def _silu_split_grad(ctx, grads):
-    (x,) = ctx.saved_tensors
-    return _silu_split_backward_op(x, list(grads), list(ctx.sizes)), None
+    x, bias = ctx.saved_tensors
+    dx, dbias = _silu_split_backward_op(x, list(grads), list(ctx.sizes), bias)
+    return dx, None, dbias if bias is not None else None
 
 
 _silu_split_op.register_autograd(_silu_split_grad, setup_context=_silu_split_setup)
@@ -101,17 +106,18 @@ class _SiluSplitEager(torch.autograd.Function):
     """The op and its autograd formula without the custom-op dispatch, for plain eager calls."""
 
     @staticmethod
-    def forward(ctx, x, sizes):
+    def forward(ctx, x, sizes, bias):
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(x)
+        ctx.save_for_backward(x, bias)
         ctx.sizes = sizes
-        return silu_split_forward(x, sizes)
+        return silu_split_forward(x, sizes, bias)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
-        (x,) = ctx.saved_tensors
-        return silu_split_backward(x, grads, ctx.sizes), None
+        x, bias = ctx.saved_tensors
+        dx, dbias = silu_split_backward(x, grads, ctx.sizes, bias)
+        return dx, None, dbias
 
 
 class _NormMulEager(torch.autograd.Function):
@@ -155,13 +161,14 @@ class _NormResidualEager(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-def silu_split_triton(x_RW: Tensor, sizes: tuple[int, ...]) -> tuple[Tensor, ...]:
-    """``SiLU(x)`` split into contiguous parts through the Triton kernels (inputs validated by the caller)."""
-    if not plain_eager((x_RW,)):
-        return tuple(_silu_split_op(x_RW, list(sizes)))
-    if records_graph(x_RW):
-        return _SiluSplitEager.apply(x_RW, sizes)
-    return silu_split_forward(x_RW, sizes)
+def silu_split_triton(x_RW: Tensor, sizes: tuple[int, ...], bias: Tensor | None = None) -> tuple[Tensor, ...]:
+    """``SiLU(x + bias)`` split into contiguous parts through the Triton kernels (inputs validated by the caller;
+    ``bias`` a contiguous ``[G, W]`` or ``[W]``, or None)."""
+    if not plain_eager((x_RW, bias)):
+        return tuple(_silu_split_op(x_RW, list(sizes), bias))
+    if records_graph(x_RW) or (bias is not None and records_graph(bias)):
+        return _SiluSplitEager.apply(x_RW, sizes, bias)
+    return silu_split_forward(x_RW, sizes, bias)
 
 
 def norm_mul_triton(
