@@ -10,6 +10,7 @@ naively in the tested dtype (``lightning_gem.testing``'s padded oracle), not by 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 from collections.abc import Callable
@@ -163,6 +164,18 @@ def test_whole_block_tiles(device: str, layout: str, activation: str) -> None:
     kv_lengths = {"cross": [40, 17, 33, 0, 29], "shared_kv": [40, 17, 33]}.get(layout)
     inputs = _inputs(layout, 31, torch.float32, device, kv_lengths=kv_lengths)
     _check_against_reference(inputs, _options(activation, activation == "silu", None, 16), f"{layout}/{activation}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_softmax_scores_growing_along_keys(device: str, causal: bool) -> None:
+    """Scores that grow along each segment's keys (exp of the score by up to 2^26 from one 16-key tile to the next):
+    the forward's running max moves on later key tiles, and their rescale of what the earlier ones summed decides the
+    output (random scores barely move it after the first tile); output and gradients (through the log-sum-exp) as the
+    reference's."""
+    inputs = _inputs("self", 11, torch.float32, device)
+    ramp = torch.cat([torch.linspace(0.25, 6.0, int(n)) for n in inputs.q_lengths]).to(device)
+    inputs = dataclasses.replace(inputs, q=inputs.q.abs(), k=inputs.k.abs() * ramp[:, None, None])
+    _check_against_reference(inputs, _options("softmax", causal, None, None), f"growing/causal{int(causal)}")
 
 
 @pytest.mark.parametrize("activation", ["gelu", "relu", "sigmoid"])
