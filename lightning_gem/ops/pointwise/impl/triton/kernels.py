@@ -288,16 +288,15 @@ def silu_split_backward(
     block_p, block_r, padded = _split_launch(sizes)
     has = tuple(g is not None for g in grads) + (False,) * (4 - len(grads))
     gs = tuple(g.contiguous() if g is not None else x_RW for g in (*grads, None, None, None)[:4])
-    if bias is not None:  # a quarter of the rows: each part's running sums stay in registers (about 80 a thread)
+    if bias is None:  # a program a tile
+        num_tiles = programs = cdiv(num_rows, block_r)
+    else:  # a quarter of the rows (each part's running sums stay in registers, about 80 a thread) and persistent
+        # programs, as many as stay resident: each writes one row of partial sums
         block_r = _tile_rows(block_p, elements=_ELEMENTS // 4)
-    num_tokens = num_rows // groups
-    num_tiles = cdiv(num_tokens, block_r)
-    programs = num_tiles  # a program a tile
-    if bias is not None:  # persistent programs, as many as stay resident: each writes one row of partial sums
-        per_device = 4 * _num_sms(x_RW.device.index or 0) if x_RW.device.type == "cuda" else 4
-        programs = max(1, min(num_tiles, per_device // groups))
+        num_tiles = cdiv(num_rows // groups, block_r)
+        programs = max(1, min(num_tiles, _resident_programs(x_RW) // groups))
     db_part = None if bias is None else x_RW.new_empty(programs, groups, width, dtype=torch.float32)
-    args = (x_RW, bias, *gs, dx, db_part, num_tokens, num_tiles, *padded, block_p, block_r, *has)
+    args = (x_RW, bias, *gs, dx, db_part, num_rows // groups, num_tiles, *padded, block_p, block_r, *has)
     launch(_silu_split_bwd_kernel, (programs, groups), args, {"num_warps": 4})
     return dx, None if bias is None else db_part.sum(0).to(bias.dtype).view(bias.shape)
 
@@ -337,6 +336,11 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _resident_programs(x: Tensor) -> int:
+    """Persistent programs of a launch on ``x``'s device: 4 an SM (4 in Triton's interpreter)."""
+    return 4 * _num_sms(x.device.index or 0) if x.device.type == "cuda" else 4
+
+
 def norm_mul_backward(
     grad_RN: Tensor,
     x_RN: Tensor,
@@ -358,8 +362,7 @@ def norm_mul_backward(
     block_n = next_power_of_2(n)
     block_r = _tile_rows(block_n, max_rows=32)
     num_tiles = cdiv(num_rows, block_r)
-    per_device = 4 * _num_sms(x_RN.device.index or 0) if x_RN.device.type == "cuda" else 4
-    programs = max(1, min(num_tiles, per_device))
+    programs = max(1, min(num_tiles, _resident_programs(x_RN)))
     if num_rows == 0:
         return dx, dgate, None if weight is None else weight.new_zeros(n), None if bias is None else bias.new_zeros(n)
     if grad_residual is not None:
