@@ -332,6 +332,30 @@ def test_sweep_plans_parse_tiles_and_flags() -> None:
             parse_plan(bad)
 
 
+def test_forward_tiles_checks_each_descriptor_tile_under_the_interpreter(tmp_path: Path) -> None:
+    """``forward_tiles.py --check`` runs the descriptor-load forward of every softmax mode against float64 (on CPU:
+    Triton's interpreter, tiny shapes); its cells parse and its jagged lengths stay in ``[16, L]``."""
+    script = _benchmark("forward_tiles")
+    assert script.parse_cell("bidirectional,8,64,256,j1024") == (False, 8, 64, 256, "j1024")
+    with pytest.raises(ValueError, match="not a cell"):
+        script.parse_cell("window,8,64,256,j1024")
+    lengths = script.cell_lengths("j1024", 300, torch.Generator().manual_seed(0))
+    assert len(lengths) == 300 and min(lengths) == 16 and max(lengths) <= 1024 and len(set(lengths)) > 100
+    assert script.cell_lengths("4096", 3, torch.Generator()) == [4096] * 3
+    out = tmp_path / "tiles.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "benchmarks" / "forward_tiles.py"), "--device", "cpu", "--check", "2",
+         "--no-timing", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    checked = json.loads(out.read_text())["check"]
+    assert set(checked) == set(script.CHECK_MODES)
+    for mode, rows in checked.items():
+        assert rows and all(row["failed"] == 0 for row in rows.values()), (mode, rows)
+        assert all(label.endswith(" tma") for label in rows), rows
+
+
 @pytest.mark.slow
 def test_token_interaction_times_both_paths(tmp_path: Path) -> None:
     out = tmp_path / "tokens.json"

@@ -179,7 +179,7 @@ def _tiles() -> None:
         candidate_tiles,
     )
     from lightning_gem.ops.attention.impl.triton.backward import gdpa_backward
-    from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
+    from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward, kv_descriptors_ok
 
     extra_fwd = [Tiles(128, 64, 8, 2), Tiles(128, 128, 8, 3), Tiles(64, 64, 4, 2), Tiles(128, 64, 4, 3)]
     extra_bwd = [BackwardTiles(Tiles(64, 128, 8, 3), Tiles(128, 64, 8, 3)), BackwardTiles(Tiles(32, 128, 8, 2)),
@@ -205,15 +205,16 @@ def _tiles() -> None:
         )
         print(f"\n== tiles: {name} (H={heads}, D={dim}, {total} q tokens, fwd {fwd_flops / 1e9:.3g} GFLOP) ==")
         fwd = candidate_tiles("fwd", q.dtype, q.device, dim, block_size=options["block_size"], max_len_q=max_q,
-                              pointwise=options["activation"] != "softmax")  # fmt: skip
+                              pointwise=options["activation"] != "softmax",
+                              descriptors=kv_descriptors_ok(q, k, v))  # fmt: skip
         fwd += [t for t in extra_fwd if t not in fwd and (max_q > 64 or t.block_m <= 64)]
         bwd = backward_candidates(
             q.dtype, q.device, dim, deterministic=False, block_size=options["block_size"], max_len_q=max_q
         )
         bwd += [t for t in extra_bwd if t not in bwd and (max_q > 64 or t.dkdv.block_m <= 64)]
-        runs = [(f"forward {tuple(t)}", partial(gdpa_forward, q, k, v, spec, tiles=t)) for t in fwd]
+        runs = [(f"forward {t.label}", partial(gdpa_forward, q, k, v, spec, tiles=t)) for t in fwd]
         for plan in bwd:
-            label = f"backward {tuple(plan.dkdv)} " + ("atomic dQ" if plan.dq is None else f"dQ {tuple(plan.dq)}")
+            label = f"backward {plan.dkdv.label} " + ("atomic dQ" if plan.dq is None else f"dQ {plan.dq.label}")
             run = partial(gdpa_backward, grad_out, q, k, v, out, lse, spec, dkdv_tiles=plan.dkdv, dq_tiles=plan.dq)
             runs.append((label, run))
         for label, run in runs:

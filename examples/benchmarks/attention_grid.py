@@ -494,7 +494,7 @@ def time_candidates(case: Case, runs: int) -> dict[str, dict[str, float]]:
     """Every Triton candidate of the case's forward and backward launchers, each timed alone (ms)."""
     from lightning_gem.ops.attention.impl.triton._tuning import backward_candidates, candidate_tiles
     from lightning_gem.ops.attention.impl.triton.backward import bulk_reduction_ok, gdpa_backward
-    from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
+    from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward, kv_descriptors_ok
 
     o = case.options
     kv_offsets = case.q_offsets if case.kv_offsets is None else case.kv_offsets
@@ -510,11 +510,12 @@ def time_candidates(case: Case, runs: int) -> dict[str, dict[str, float]]:
         block_size=o["block_size"],
         max_len_q=o["max_seq_len_q"],
         pointwise=o["activation"] != "softmax",
+        descriptors=kv_descriptors_ok(*qkv),
     ):
         try:
-            fwd[str(tuple(tiles))] = bench(lambda t=tiles: gdpa_forward(*qkv, spec, tiles=t), None, runs)
+            fwd[tiles.label] = bench(lambda t=tiles: gdpa_forward(*qkv, spec, tiles=t), None, runs)
         except Exception as error:
-            fwd[str(tuple(tiles))] = f"{type(error).__name__}"
+            fwd[tiles.label] = f"{type(error).__name__}"
     out, lse = gdpa_forward(*qkv, spec)
     short = case.kv_offsets is None and case.num_targets is None and o["max_seq_len_q"] <= 64
     plans = backward_candidates(DTYPE, case.q.device, case.cell.dim, deterministic=False, block_size=o["block_size"],
@@ -550,13 +551,13 @@ def _label(choice: object) -> str:
     if choice == FLASH:
         return "fa4"
     if not hasattr(choice, "dkdv"):
-        return str(tuple(choice))
+        return choice.label
     if choice.short:
-        return f"short {tuple(choice.dkdv)}"
+        return f"short {choice.dkdv.label}"
     split = " split" if choice.split else ""
     if choice.dq is None:
-        return f"{tuple(choice.dkdv)}{split} {'bulk' if choice.tma else 'atomic'} dQ"
-    return f"{tuple(choice.dkdv)}{split} dQ {tuple(choice.dq)}"
+        return f"{choice.dkdv.label}{split} {'bulk' if choice.tma else 'atomic'} dQ"
+    return f"{choice.dkdv.label}{split} dQ {choice.dq.label}"
 
 
 def _tuned(before: dict) -> dict[str, dict[str, float]]:

@@ -159,13 +159,13 @@ def sweep_case(
         variants += [(t, True, True) for t in specialized if warp_specialize_fault(q, t, True, False, False) is None]
 
     def forward(variant: tuple[Tiles, bool, bool]) -> tuple:
-        return gdpa_forward(q, k, v, spec, tiles=variant[0], tma=variant[1], warp_specialize=variant[2])
+        return gdpa_forward(q, k, v, spec, tiles=variant[0]._replace(tma=variant[1]), warp_specialize=variant[2])
 
     _compile_all(variants, forward)
     print("  forward:")
     for variant in variants:
         tiles, tma, ws = variant
-        label = f"{tuple(tiles)}{' tma' if tma else ''}{' ws' if ws else ''}"
+        label = f"{tiles._replace(tma=tma).label}{' ws' if ws else ''}"
         try:
             ms = _bench(lambda t=variant: forward(t))
         except Exception as error:
@@ -173,7 +173,9 @@ def sweep_case(
             if _context_lost(error):
                 return {**result, "context_lost": label}
             continue
-        result["forward"].append({"tiles": list(tiles), "tma": tma, "ws": ws, "ms": ms, "tflops": fwd_flops / ms / 1e9})
+        result["forward"].append(
+            {"tiles": list(tiles[:4]), "tma": tma, "ws": ws, "ms": ms, "tflops": fwd_flops / ms / 1e9}
+        )
         print(f"    {ms * 1e3:8.1f} us {fwd_flops / ms / 1e9:7.1f} TF/s  {label}")
     best = min(result["forward"], key=lambda r: r["ms"])
     best_variant = (Tiles(*best["tiles"]), best["tma"], best["ws"])

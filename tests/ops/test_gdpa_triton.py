@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import itertools
 import math
 from collections.abc import Callable
 
@@ -670,8 +671,8 @@ def test_forward_descriptor_loads(device: str, layout: str, activation: str, mas
     kv_offsets = inputs.q_offsets if inputs.kv_offsets is None else inputs.kv_offsets
     jagged = (inputs.q_offsets, kv_offsets, inputs.kv_index, inputs.num_targets)
     spec = Spec(*jagged, **options, max_seq_len_q=max(inputs.q_lengths), max_seq_len_kv=max(inputs.kv_lengths))
-    tiles = Tiles(16, 16, 1, 1) if device == "cpu" else Tiles(64, 64, 4, 2)
-    out, _ = gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=tiles, tma=True)
+    tiles = Tiles(16, 16, 1, 1, tma=True) if device == "cpu" else Tiles(64, 64, 4, 2, tma=True)
+    out, _ = gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=tiles)
     cpu64 = [t.cpu().double() for t in (inputs.q, inputs.k, inputs.v)]
     cpu_spec = Spec(*(None if t is None else t.cpu() for t in jagged), **options)
     torch.testing.assert_close(out.cpu().double(), gdpa_reference(*cpu64, cpu_spec), rtol=0, atol=1e-5)
@@ -697,11 +698,11 @@ def test_forward_warp_specialized(layout: str, activation: str, mask: tuple) -> 
     kv_offsets = inputs.q_offsets if inputs.kv_offsets is None else inputs.kv_offsets
     jagged = (inputs.q_offsets, kv_offsets, inputs.kv_index, inputs.num_targets)
     spec = Spec(*jagged, **options, max_seq_len_q=max(inputs.q_lengths), max_seq_len_kv=max(inputs.kv_lengths))
-    out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=Tiles(64, 16, 4, 1), tma=True,
-                            warp_specialize=True)  # fmt: skip
+    tiles = Tiles(64, 16, 4, 1, tma=True)
+    out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=tiles, warp_specialize=True)
     reference = gdpa_reference(inputs.q.double(), inputs.k.double(), inputs.v.double(), spec)
     torch.testing.assert_close(out.double(), reference, rtol=0, atol=1e-5)
-    plain_out, plain_lse = gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=Tiles(64, 16, 4, 1), tma=True)
+    plain_out, plain_lse = gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=tiles)
     torch.testing.assert_close(lse, plain_lse, rtol=0, atol=1e-5)  # the log-sum-exp the backward reads
 
 
@@ -716,7 +717,7 @@ def test_warp_specialize_refuses_what_it_cannot_run() -> None:
     spec = Spec(*jagged, **_options("silu", True, None, None), max_seq_len_q=MAX_LEN, max_seq_len_kv=MAX_LEN)
     q, k, v = inputs.q, inputs.k, inputs.v
     with pytest.raises(ValueError, match="`warp_specialize=True`: not with `num_targets`"):
-        gdpa_forward(q, k, v, spec, tiles=Tiles(64, 16, 4, 1), tma=True, warp_specialize=True)
+        gdpa_forward(q, k, v, spec, tiles=Tiles(64, 16, 4, 1, tma=True), warp_specialize=True)
     assert "4 warps" in warp_specialize_fault(q, Tiles(64, 64, 8, 2), True, False, False)
     assert "64 query rows" in warp_specialize_fault(q, Tiles(32, 64, 4, 2), True, False, False)
     assert "4 warps" in warp_specialize_fault(q, None, True, False, False)  # the tuner's choice: never
@@ -739,7 +740,7 @@ def test_warp_specialized_forward_is_refused_on_gpus() -> None:
     inputs = _inputs("cross", 23, torch.bfloat16, "cuda", q_lengths=[300, 0, 1, 64], max_len=320, dim=64, dim_v=64)
     spec = Spec(inputs.q_offsets, inputs.kv_offsets, inputs.kv_index, None, **_options("silu", True, None, None))
     with pytest.raises(ValueError, match="interpreter only"):
-        gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=Tiles(64, 64, 4, 2), tma=True, warp_specialize=True)
+        gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=Tiles(64, 64, 4, 2, tma=True), warp_specialize=True)
 
 
 @pytest.mark.gpu
@@ -763,11 +764,13 @@ def test_forward_descriptor_loads_bf16_gpu(layout: str, activation: str, dim: in
     kv_offsets = inputs.q_offsets if inputs.kv_offsets is None else inputs.kv_offsets
     jagged = (inputs.q_offsets, kv_offsets, inputs.kv_index, inputs.num_targets)
     lens = {"max_seq_len_q": max(inputs.q_lengths), "max_seq_len_kv": max(inputs.kv_lengths)}
-    for tiles in candidate_tiles("fwd", torch.bfloat16, inputs.q.device, dim, max_len_q=lens["max_seq_len_q"]):
+    listed = candidate_tiles("fwd", torch.bfloat16, inputs.q.device, dim, max_len_q=lens["max_seq_len_q"],
+                             pointwise=activation != "softmax", descriptors=True)  # fmt: skip
+    for tiles in listed:
 
         def run(grad_out: torch.Tensor, tiles=tiles) -> tuple:
             spec = Spec(*jagged, **options, **lens)
-            out, _ = gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=tiles, tma=True)
+            out, _ = gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=tiles._replace(tma=True))
             return out, _run_triton(inputs, grad_out, **options, **lens)[1]
 
         _check_against_reference(inputs, options, f"{layout} {activation} D={dim} tma {tiles}", run=run)
@@ -795,14 +798,36 @@ def test_forward_tiles_fault_rule_and_candidates() -> None:
     cuda = torch.device("cuda")
     for dim in (32, 64, 96, 128):
         for max_len_q in (8, 32, 64, 128, 1024, 1 << 30):
-            for activation in ("softmax", "silu"):
+            for activation, descriptors in itertools.product(("softmax", "silu"), (False, True)):
                 pointwise = activation != "softmax"
-                listed = candidate_tiles("fwd", bf16, cuda, dim, max_len_q=max_len_q, pointwise=pointwise)
+                listed = candidate_tiles("fwd", bf16, cuda, dim, max_len_q=max_len_q, pointwise=pointwise,
+                                         descriptors=descriptors)  # fmt: skip
                 for tiles in listed:
                     assert not forward_tiles_fault(tiles, bf16, dim, None, activation), (dim, max_len_q, tiles)
                 first_wide = pointwise and dim > 64 and max_len_q > 64
                 assert (listed[0] == Tiles(128, 32, 8, 3)) == first_wide, (dim, max_len_q, activation, listed)
     assert Tiles(128, 32, 8, 3) not in candidate_tiles("fwd", bf16, cuda, 128, pointwise=True, fp8=True)
+
+
+def test_descriptor_load_candidates() -> None:
+    """Where the call allows descriptor loads, the 16-bit softmax forward over query segments longer than 64 at head
+    dims up to 128 lists tiles with ``tma`` after its pointer tiles (a traced call, which cannot build descriptors,
+    keeps its first candidate); pointwise activations, FP8 codes, short queries, BlockAttention and head dims over
+    128 list none, and neither does a call that cannot take them."""
+    from lightning_gem.ops.attention.impl.triton._tuning import Tiles, candidate_tiles
+
+    bf16, cuda = torch.bfloat16, torch.device("cuda")
+    for dim in (64, 128):
+        plain = candidate_tiles("fwd", bf16, cuda, dim)
+        listed = candidate_tiles("fwd", bf16, cuda, dim, descriptors=True)
+        assert listed[: len(plain)] == plain and not any(t.tma for t in plain)
+        assert listed[len(plain) :] == [Tiles(64, 64, 4, 3, tma=True), Tiles(128, 64, 8, 3, tma=True)]
+        assert Tiles(64, 64, 4, 3) != Tiles(64, 64, 4, 3, tma=True)  # both may be timed
+    for options in (dict(pointwise=True), dict(fp8=True), dict(max_len_q=64), dict(block_size=64)):
+        assert not any(t.tma for t in candidate_tiles("fwd", bf16, cuda, 128, descriptors=True, **options)), options
+    assert not any(t.tma for t in candidate_tiles("fwd", bf16, cuda, 256, descriptors=True))
+    assert not any(t.tma for t in candidate_tiles("fwd", torch.float32, cuda, 128, descriptors=True))
+    assert Tiles(64, 64, 4, 3, tma=True).label == "(64, 64, 4, 3) tma" and Tiles(64, 64, 4, 3).label == "(64, 64, 4, 3)"
 
 
 def test_delta_launch_zeroes_the_dq_accumulator(device: str) -> None:

@@ -346,7 +346,6 @@ def gdpa_forward(
     flash: bool = False,
     tiles: Tiles | None = None,
     need_lse: bool = True,
-    tma: bool = False,
     warp_specialize: bool = False,
     lse_format: dict | None = None,
 ) -> tuple[Tensor, Tensor]:
@@ -355,9 +354,9 @@ def gdpa_forward(
     ``tiles`` overrides the tuned choice (:mod:`._tuning`). ``flash`` (``impl="auto"``) lets the tuner pick
     FlashAttention-4 instead (:func:`flash_candidate`), which needs ``max_seq_len_kv`` too; ``need_lse=False``
     (nothing differentiates the call) lets FlashAttention-4 skip the log-sum-exp (the returned one is then empty).
-    ``tma`` reads key and value tiles through tensor descriptors where :func:`kv_descriptors_ok` (else it is
-    ignored): a variant ``examples/benchmarks/attention_sweep.py`` times beside each tile shape, not yet a tuner
-    candidate. ``warp_specialize`` (with ``tiles`` of 4 warps and ``tma``, bf16 or fp16, q's heads one dense row of
+    Tiles with ``tma`` read key and value tiles through tensor descriptors where :func:`kv_descriptors_ok` (else
+    through pointers); the tuner lists such candidates for softmax (:func:`._tuning.candidate_tiles`).
+    ``warp_specialize`` (with ``tiles`` of 4 warps and ``tma``, bf16 or fp16, q's heads one dense row of
     ``[Tq, H * D]``, no targets): the loop over key tiles warp-specialized (:func:`warp_specialize_fault` says what
     else it needs), another variant the sweep times, never the tuner's. ``spec.precision == "fp8"`` quantizes q, k
     and v (:func:`lightning_gem.ops.attention.fp8.quantize_fp8`) (the same codes from
@@ -401,14 +400,13 @@ def gdpa_forward(
         scale, window or 0, block_size or 1, pair_group(q.device, kv_bytes),
     )  # fmt: skip
     flags = mode_flags(activation, causal, window, block_size, kv_index, num_targets)
-    tma = tma and not fp8 and kv_descriptors_ok(q, k, v)
+    descriptors = not fp8 and kv_descriptors_ok(q, k, v)
     if warp_specialize:
+        tma = descriptors and isinstance(tiles, Tiles) and tiles.tma
         reason = warp_specialize_fault(q, tiles, tma, fp8, num_targets is not None)
         if reason is not None:
             raise ValueError(f"`warp_specialize=True`: {reason}")
-    # Triton 3.6 miscompiles the one-instruction tanh of the pointwise activations in a loop fed by descriptor loads
-    # at some tile shapes (64 x 64 over 4 warps, 2-3 stages: the launch fails on an H200), so those take the exact form.
-    fast = fast_math(q) and not tma
+    fast = fast_math(q)
 
     use_flash = flash and not fp8 and flash_candidate(q, k, v, spec)
     dtype = operands[0].dtype  # of the kernel's products: the inputs', or E4M3
@@ -416,8 +414,12 @@ def gdpa_forward(
     def options(tiles: Tiles | str) -> dict[str, object]:
         if tiles == FLASH:
             return {}
-        meta = {**kernel_options(head_dim, head_dim_v, flags, dtype, fast), **tile_meta(tiles), "TMA": tma, "FP8": fp8}
-        return {**meta, "WS": warp_specialize}
+        tma = descriptors and tiles.tma
+        # Triton 3.6 miscompiles the one-instruction tanh of the pointwise activations in a loop fed by descriptor
+        # loads at some tile shapes (64 x 64 over 4 warps, 2-3 stages: the launch fails on an H200), so those take the
+        # exact form.
+        meta = {**kernel_options(head_dim, head_dim_v, flags, dtype, fast and not tma), **tile_meta(tiles)}
+        return {**meta, "TMA": tma, "FP8": fp8, "WS": warp_specialize}
 
     def run(tiles: Tiles | str, meta: dict[str, object]) -> None:
         if tiles == FLASH:
@@ -434,13 +436,14 @@ def gdpa_forward(
     if tiles is None:
         # With FlashAttention-4 a candidate, a call that keeps no log-sum-exp (nothing differentiates it) is its own
         # key: FA4 skips computing it there, so the fastest candidate can differ from a training call's.
-        key = ("fwd", head_dim, head_dim_v, dtype, flags, block_size, tma, length_bucket(max_seq_len_q), heads,
+        key = ("fwd", head_dim, head_dim_v, dtype, flags, block_size, descriptors, length_bucket(max_seq_len_q), heads,
                work_bucket(num_q, heads, k.shape[0], kv_offsets.shape[0] - 1), use_flash and not need_lse,
                use_flash)  # fmt: skip
 
         def candidates() -> list[Tiles | str]:
             tiles = candidate_tiles("fwd", q.dtype, q.device, head_dim, block_size=block_size, max_len_q=max_seq_len_q,
-                                    fp8=fp8, pointwise_targets=pointwise_targets, pointwise=not softmax)  # fmt: skip
+                                    fp8=fp8, pointwise_targets=pointwise_targets, pointwise=not softmax,
+                                    descriptors=descriptors)  # fmt: skip
             return [*tiles, FLASH] if use_flash else tiles
 
         tiles, meta = pick_launch(
