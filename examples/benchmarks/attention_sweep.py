@@ -147,7 +147,7 @@ def sweep_case(
         shapes = _unique(shapes + [Tiles(*s) for s in FORWARD_SHAPES.get(head_dim, [])])
     faulting = [t for t in shapes if forward_tiles_fault(t, q.dtype, head_dim, case.block_size, case.activation)]
     if faulting:  # they can stop the process (a CUDA error): every later variant would be lost
-        print(f"  forward tiles left out (forward_tiles_fault): {', '.join(str(tuple(t)) for t in faulting)}")
+        print(f"  forward tiles left out (forward_tiles_fault): {', '.join(t.label for t in faulting)}")
         shapes = [t for t in shapes if t not in faulting]
 
     # Each shape with pointer loads of the key and value tiles and, where the GPU has them, tensor-descriptor loads,
@@ -228,10 +228,9 @@ def sweep_case(
         dq_tiles = None if plan.dq is None else list(plan.dq)
         result["backward"].append({"plan": label, "dkdv": list(plan.dkdv), "dq": dq_tiles, "ms": ms,
                                    "tflops": bwd_flops / ms / 1e9, "rel_err": err})  # fmt: skip
-        dq = "" if plan.dq is None else f" dq {tuple(plan.dq)}"
+        dq = "" if plan.dq is None else f" dq {plan.dq.label}"
         print(
-            f"    {ms * 1e3:8.1f} us {bwd_flops / ms / 1e9:7.1f} TF/s  err {err:.1e}  {label:16s} "
-            f"{tuple(plan.dkdv)}{dq}"
+            f"    {ms * 1e3:8.1f} us {bwd_flops / ms / 1e9:7.1f} TF/s  err {err:.1e}  {label:16s} {plan.dkdv.label}{dq}"
         )
     return result
 

@@ -83,7 +83,7 @@ def main() -> None:
                 meta = {**options, **tile_meta(tiles), "TMA": variant == "tma", "FP8": variant == "fp8", "WS": False}
                 meta["FAST"] = options["FAST"] and variant != "tma"  # as the launcher compiles them
                 compiled = compile_kernel(forward._gdpa_fwd_kernel, meta)
-                print(_row(f"fwd {tuple(tiles)} {variant}".rstrip(), compiled), flush=True)
+                print(_row(f"fwd {tiles.label} {variant}".rstrip(), compiled), flush=True)
     if "bwd" not in args.parts:
         return
     plans = args.plans
@@ -111,8 +111,8 @@ def main() -> None:
 
 def _label(plan) -> str:
     if plan.dq is not None:
-        return f"one-launch {tuple(plan.dkdv)} dq {tuple(plan.dq)}" + (" split" if plan.split else "")
-    label = f"dkdv {tuple(plan.dkdv)}" + (" bulk dQ" if plan.tma else " atomic dQ") + (" split" if plan.split else "")
+        return f"one-launch {plan.dkdv.label} dq {plan.dq.label}" + (" split" if plan.split else "")
+    label = f"dkdv {plan.dkdv.label}" + (" bulk dQ" if plan.tma else " atomic dQ") + (" split" if plan.split else "")
     return label + (" halves" if plan.halves else "") + (f" dv{plan.dv_stages}" if plan.dv_stages else "")
 
 
