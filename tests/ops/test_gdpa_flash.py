@@ -243,11 +243,16 @@ def test_auto_inference_skips_the_log_sum_exp(auto_with_stand_in: dict) -> None:
     assert auto_with_stand_in["need_lse"] == [False, True]
     torch.testing.assert_close(inference, training.detach(), rtol=0, atol=0)
     # The two calls tune keys of their own (FA4's cost differs), and both leave their best Triton tiles under the
-    # one key a call without FA4 (a traced one) looks up.
-    from lightning_gem.ops.attention.impl.triton import _tuning
+    # one key a call without FA4 looks up; where the calls allow descriptor loads, their best pointer tile goes under
+    # the key of a call without either (a traced one).
+    from lightning_gem.ops.attention.impl.triton import _tuning, forward
 
+    descriptors = forward.kv_descriptors_ok(q, k, v)
     forward_keys = [key for key in _tuning.chosen_tiles() if key[0] == "fwd"]
-    assert sorted(key[-2:] for key in forward_keys) == [(False, False), (False, True), (True, True)]
+    timed = [key for key in forward_keys if key[6] == descriptors]
+    assert sorted(key[-2:] for key in timed) == [(False, False), (False, True), (True, True)]
+    traced = [key for key in forward_keys if key[6] != descriptors]
+    assert [key[-2:] for key in traced] == ([(False, False)] if descriptors else [])
 
 
 def test_flash_eager_calls_skip_the_ops_and_keep_the_natural_lse(

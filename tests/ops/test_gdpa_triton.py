@@ -830,6 +830,46 @@ def test_descriptor_load_candidates() -> None:
     assert Tiles(64, 64, 4, 3, tma=True).label == "(64, 64, 4, 3) tma" and Tiles(64, 64, 4, 3).label == "(64, 64, 4, 3)"
 
 
+@pytest.mark.parametrize("flash", [False, True])
+def test_a_timed_descriptor_key_leaves_its_best_pointer_tile_for_traced_calls(
+    monkeypatch: pytest.MonkeyPatch, flash: bool
+) -> None:
+    """A forward key that allows descriptor loads (and, with ``impl="auto"``, FlashAttention-4) chooses among all its
+    candidates; the key of a call of the same shape that can take neither (a traced call) gets the fastest pointer
+    tile of that timing, not its first candidate. A key already chosen keeps its choice; backward keys are left
+    alone."""
+    from lightning_gem.ops.attention.impl.triton import _tuning
+    from lightning_gem.ops.attention.impl.triton._tuning import FLASH, Tiles
+
+    times = {Tiles(64, 32, 4, 3): 3.0, Tiles(128, 64, 8, 3): 2.0, Tiles(64, 64, 4, 3, tma=True): 1.0, FLASH: 0.5}
+
+    def pick(registry, key, candidates, run, tensors, *, timings=None, **options):
+        timings.update({c: times[c] for c in candidates})
+        registry[key] = min(candidates, key=times.__getitem__)
+        return registry[key]
+
+    monkeypatch.setattr(_tuning, "pick_fastest", pick)
+    _tuning.forget_choices()
+    try:
+        listed = [c for c in times if flash or c != FLASH]
+        key = ("fwd", 128, 128, torch.bfloat16, (), None, True, 4096, 16, 30, False, flash)
+        chosen = _tuning.pick_tiles(key, lambda: listed, lambda c: None, ())
+        assert chosen == (FLASH if flash else Tiles(64, 64, 4, 3, tma=True))
+        traced = ("fwd", 128, 128, torch.bfloat16, (), None, False, 4096, 16, 30, False, False)
+        assert _tuning.chosen_tiles()[traced] == Tiles(128, 64, 8, 3)
+        if flash:  # FA4's memo: the best Triton candidate, descriptors allowed
+            assert _tuning.chosen_tiles()[(*key[:-1], False)] == Tiles(64, 64, 4, 3, tma=True)
+        _tuning.forget_choices()
+        _tuning._CHOSEN[traced] = Tiles(64, 32, 4, 3)  # tuned on its own earlier: kept
+        _tuning.pick_tiles(key, lambda: listed, lambda c: None, ())
+        assert _tuning.chosen_tiles()[traced] == Tiles(64, 32, 4, 3)
+        backward_key = ("dkdv", *key[1:])
+        _tuning.pick_tiles(backward_key, lambda: listed, lambda c: None, ())
+        assert ("dkdv", *traced[1:]) not in _tuning.chosen_tiles()
+    finally:
+        _tuning.forget_choices()
+
+
 def test_delta_launch_zeroes_the_dq_accumulator(device: str) -> None:
     """Softmax's ``delta`` launch also zeroes the atomic plans' fp32 dQ accumulator (rows past a block edge
     included), and computes the same ``delta`` with or without it."""

@@ -10,7 +10,9 @@ training run whose batches hold about the same number of tokens tunes a key or t
 ``impl="auto"`` adds :data:`FLASH` (FlashAttention-4, :mod:`..flash`) to the candidates where it computes the mode
 exactly; its key says so. The fastest Triton candidate of that timing is remembered too, under the key without
 FlashAttention-4, which is what a traced call of the same shape (``torch.compile``, where only the Triton kernels
-are traced) then uses. Each such choice is logged at INFO level with the times it was made on.
+are traced) then uses. Each such choice is logged at INFO level with the times it was made on. Likewise a forward
+key that allows descriptor loads (``Tiles.tma``) leaves its fastest pointer tile under the key of a call that
+cannot take them (a traced one).
 
 The tuner compiles a key's candidates at once on a thread pool, then times them on the call's own inputs
 (CUDA events, after one warm-up run), only for real CUDA tensors outside tracing and graph capture;
@@ -162,9 +164,9 @@ def candidate_tiles(
     forward can fault at that tile, :func:`forward_tiles_fault`). ``descriptors`` (the call allows descriptor loads,
     :func:`.forward.kv_descriptors_ok`): a 16-bit softmax forward at head dims up to 128 over query segments longer
     than 64 also lists the 64 x 64 tile over 4 warps and the 128 x 64 over 8, both at three stages, with ``tma``
-    (the 64 x 64 one was the fastest softmax forward timed on an H100 at head dims 64 and 128, causal, 4-16 heads:
-    5-9% over the best pointer tile). Pointwise activations list none: under descriptor loads the launcher gives
-    them the exact activation, which costs them more than the loads save.
+    (timed on an H100, the best of them runs 4-13% over the best pointer tile on segments of 4K and longer, about
+    even at 1K: docs/benchmarks.md, "Softmax forward: descriptor-load tiles"). Pointwise activations list none:
+    under descriptor loads the launcher gives them the exact activation, which costs them more than the loads save.
     """
     if device.type != "cuda":
         return [Tiles(16, 16, 1, 1)]
@@ -382,6 +384,8 @@ def pick_tiles(
         _FAILED.update((static, c) for c in listed if c not in timings and c != FLASH)
         if FLASH in listed:
             _remember_auto(key, chosen, timings)
+        if key[0] == "fwd" and key[6]:
+            _remember_pointer_tiles(key, timings)
     return chosen
 
 
@@ -413,6 +417,15 @@ def _remember_auto(key: tuple, chosen: object, timings: dict) -> None:
 
 def _label(choice: Tiles | BackwardTiles) -> str:
     return choice.label if isinstance(choice, Tiles) else str(tuple(choice))
+
+
+def _remember_pointer_tiles(key: tuple, timings: dict) -> None:
+    """After timing a forward key that allows descriptor loads: its fastest pointer tile under the key of a call of
+    the same shape that allows neither descriptors nor FlashAttention-4 (a traced one), which then runs that tile
+    instead of its first candidate."""
+    pointer = {c: ms for c, ms in timings.items() if isinstance(c, Tiles) and not c.tma}
+    if pointer:
+        _CHOSEN.setdefault((*key[:6], False, *key[7:-2], False, False), min(pointer, key=pointer.__getitem__))
 
 
 def pick_launch(
