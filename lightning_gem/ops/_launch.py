@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -13,6 +14,7 @@ import torch
 __all__ = [
     "cdiv",
     "compile_only",
+    "device_capability",
     "dot_precision",
     "is_interpreted",
     "keep_opaque_when_interpreted",
@@ -24,6 +26,12 @@ __all__ = [
 ]
 
 _COMPILE_ONLY: ContextVar[bool] = ContextVar("lightning_gem_compile_only", default=False)
+
+
+@functools.cache
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """``torch.cuda.get_device_capability(device)``, read once per device: launchers ask on every call."""
+    return torch.cuda.get_device_capability(device)
 
 
 def plain_eager(args: Sequence[object]) -> bool:

@@ -23,14 +23,13 @@ formulas, so ``torch.compile`` and ``FlopCounterMode`` see one node each.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 from torch import Tensor
 
 from lightning_gem.imports import FA4_AVAILABLE, FA4_INSTALL
-from lightning_gem.ops._launch import plain_eager, records_graph
+from lightning_gem.ops._launch import device_capability, plain_eager, records_graph
 from lightning_gem.ops.attention.impl.derived import made_from
 from lightning_gem.ops.attention.ops import register_flop_formulas
 from lightning_gem.ops.attention.spec import HINTS_SCHEMA, MODE_SCHEMA, Spec, with_length_hints
@@ -73,7 +72,7 @@ def unsupported(
         return f"`q` of dtype {q.dtype} (FlashAttention-4 takes float16 and bfloat16)"
     if not q.is_cuda:
         return f"`q` on {q.device} (FlashAttention-4 runs on CUDA GPUs)"
-    major = _capability(q.device)[0]
+    major = device_capability(q.device)[0]
     if major not in (9, 10, 11):
         return f"`q` on a GPU of compute capability {major}.x (FlashAttention-4 runs on 9.x, 10.x and 11.x)"
     dim, dim_v = q.shape[2], v.shape[2]
@@ -89,11 +88,6 @@ def require_flash() -> None:
     """Raise ``ModuleNotFoundError`` with the install command unless FlashAttention-4 (pinned) imports."""
     if not FA4_AVAILABLE:
         raise ModuleNotFoundError(f"impl='flash' needs FlashAttention-4: {FA4_INSTALL} ({FA4_AVAILABLE})")
-
-
-@functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
 
 
 def block_offsets(offsets: Tensor, block_size: int, num_rows: int) -> Tensor:

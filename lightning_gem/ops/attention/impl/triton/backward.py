@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_gem.ops._launch import plain_eager
+from lightning_gem.ops._launch import device_capability, plain_eager
 from lightning_gem.ops.attention.impl.derived import segments_by_length
 from lightning_gem.ops.attention.impl.triton._common import (
     _load_tile,
@@ -199,7 +199,7 @@ def bulk_reduction_ok(q: Tensor) -> bool:
     head_dim = q.shape[2]
     if not q.is_cuda or q.shape[0] == 0 or head_dim != max(16, next_power_of_2(head_dim)):  # the kernels' BLOCK_D
         return False
-    return torch.cuda.get_device_capability(q.device)[0] >= 9
+    return device_capability(q.device)[0] >= 9
 
 
 def _row_tiles(dq: Tensor, block_m: int, columns: int | None = None) -> object:

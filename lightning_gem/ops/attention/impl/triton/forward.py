@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_gem.ops._launch import plain_eager
+from lightning_gem.ops._launch import device_capability, plain_eager
 from lightning_gem.ops.attention.fp8 import BOUND_SLACK as _BOUND_SLACK
 from lightning_gem.ops.attention.fp8 import P_SCALE
 from lightning_gem.ops.attention.impl.derived import segments_by_length
@@ -494,7 +494,7 @@ def kv_descriptors_ok(q: Tensor, k: Tensor, v: Tensor) -> bool:
         return False
     if not k.is_cuda:
         return is_interpreted(_gdpa_fwd_kernel)
-    return torch.cuda.get_device_capability(k.device)[0] >= 9
+    return device_capability(k.device)[0] >= 9
 
 
 def warp_specialize_fault(q: Tensor, tiles: Tiles | str | None, tma: bool, fp8: bool, targets: bool) -> str | None:
