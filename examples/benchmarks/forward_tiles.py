@@ -16,7 +16,8 @@ Per cell it prints the best pointer tile, the best descriptor tile and their rat
 ``--check N`` first runs each descriptor tile the tuner lists on N random jagged shapes per softmax mode (causal,
 bidirectional, windows, targets, candidates over histories, a shared history; 1-12 segments of up to 1,200 tokens,
 1-8 heads, head dims 64 and 128) against the float64 reference by FlashAttention's rule (within twice the error of
-the same computation in bf16 plus two bf16 ulps), and its log-sum-exp against the pointer tile's.
+the same computation in the inputs' dtype plus two of its ulps: bf16 on a GPU, fp32 under the CPU interpreter), and
+its log-sum-exp against the pointer tile's.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ def check_mode(name: str, shapes: int, device: torch.device) -> dict:
         q, k, v = t["q"], t["k"], t["v"]
         exact = gdpa_reference(q.double(), k.double(), v.double(), spec)
         same = gdpa_reference(q, k, v, spec, compute_dtype=dtype)
-        eps = torch.finfo(DTYPE).eps
+        eps = torch.finfo(dtype).eps
         budget = max(2 * max_abs_error(same, exact) + 2 * eps * float(exact.abs().max()), 1e-30)
         listed = candidate_tiles("fwd", dtype, device, dim, max_len_q=longest_q, descriptors=True)
         tiles = [x for x in listed if x.tma] if device.type == "cuda" else [x._replace(tma=True) for x in listed]
