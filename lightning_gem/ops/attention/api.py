@@ -7,13 +7,13 @@ HSTU pointwise attention, target-aware candidate attention and BlockAttention ar
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import Tensor
 
 from lightning_gem import jagged
-from lightning_gem.ops._launch import device_capability as _capability
 from lightning_gem.ops.attention.impl.reference import ACTIVATIONS
 from lightning_gem.ops.attention.spec import Spec
 
@@ -298,6 +298,13 @@ def _renormalized(
         lengths = lengths[kv_index.to(torch.int64)]
     factor = lengths[jagged.segment_ids(q_offsets, out.shape[0])] / normalization_length
     return out * factor[:, None, None]
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    # Not lightning_gem.ops._launch.device_capability: importing that module loads torch._dynamo and Triton, which
+    # `import lightning_gem.ops` must not.
+    return torch.cuda.get_device_capability(device)
 
 
 def jagged_flash_attention(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, **kwargs) -> Tensor:
