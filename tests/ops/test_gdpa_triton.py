@@ -48,7 +48,9 @@ if importlib.util.find_spec("triton") is not None:  # else the tests that need i
     @triton.jit
     def _order_kernel(OUT, ORDER, group, BY_LENGTH: tl.constexpr):
         """Adds each program's launch index (from 1) at the (pair, z) that ``_program_ids`` gives it."""
-        a, head, z = _program_ids(group, ORDER, BY_LENGTH)
+        a, head, z = _program_ids(group)
+        if BY_LENGTH:  # as the kernels do: the order is read in the kernel's body
+            a = tl.load(ORDER + a)
         heads, num_z = tl.num_programs(1), tl.num_programs(2)
         launched = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + heads * tl.program_id(2))
         tl.atomic_add(OUT + (a * heads + head) * num_z + z, launched + 1)
@@ -292,8 +294,8 @@ def test_split_dkdv_programs(
 @pytest.mark.parametrize("group", [1, 2, 3, 7, 100])
 def test_program_order(device: str, group: int, by_length: bool) -> None:
     """``_program_ids`` maps the launch order of a ``(A, H, Z)`` grid onto every (a, head, z) once: ``group`` pairs
-    (a, head) at a time, each group z by z, the last group holding what is left; with ``BY_LENGTH`` the pairs' ``a``
-    in the order given (the segments longest first)."""
+    (a, head) at a time, each group z by z, the last group holding what is left; with ``BY_LENGTH`` the kernel reads
+    the pairs' ``a`` from the order given (the segments longest first)."""
     from lightning_gem.ops.attention.impl.derived import segments_by_length
 
     num_a, heads, num_z = 5, 3, 4

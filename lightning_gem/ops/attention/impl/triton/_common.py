@@ -60,15 +60,18 @@ def _pow2_ceil(x):
 
 
 @triton.jit
-def _program_ids(group, ORDER, BY_LENGTH: tl.constexpr):
+def _program_ids(group):
     """This program's ``(a, head, z)`` on a grid ``(A, H, Z)``, in an order that keeps what a program streams in the
     L2 cache: the programs, counted as launched (axis 0 fastest), take the first ``group`` (a, head) pairs at ``z``
     0, then at 1, up to ``Z - 1``, then the next ``group`` pairs the same way. Programs that run together then
     share their pairs' operands (a segment's keys and values read by each of its query tiles, or its queries and
     output gradients read by each of its key tiles) instead of each reading its own from memory; and within a group
-    the programs of lower ``z`` (which the kernels give the costliest tiles) start first. ``BY_LENGTH``: the pairs'
-    ``a`` in the order of ``ORDER [A]`` (the segments longest first, :func:`..derived.segments_by_length`), so the
-    long segments' tiles start in the first waves instead of trailing behind the short ones; else in index order."""
+    the programs of lower ``z`` (which the kernels give the costliest tiles) start first. ``a`` is a position in the
+    pairs' order: a kernel that schedules longest segments first loads its segment from the order
+    (:func:`..derived.segments_by_length`) itself, so the long segments' tiles start in the first waves instead of
+    trailing behind the short ones. That load stays in the kernel's own body: ``torch.compile``'s analysis of which
+    arguments a kernel writes follows a called function's results back to all of its arguments, and a store address
+    computed from this function's result would mark the order as written (then cloned before every launch)."""
     num_a = tl.num_programs(0)
     heads = tl.num_programs(1)
     num_z = tl.num_programs(2)
@@ -77,10 +80,7 @@ def _program_ids(group, ORDER, BY_LENGTH: tl.constexpr):
     size = tl.minimum(group, num_a * heads - first)  # the last group may hold fewer
     within = r - first * num_z
     pair = first + within % size
-    a = pair // heads
-    if BY_LENGTH:
-        a = tl.load(ORDER + a)
-    return a, (pair % heads).to(tl.int64), within // size
+    return pair // heads, (pair % heads).to(tl.int64), within // size
 
 
 @triton.jit

@@ -121,7 +121,9 @@ def _gdpa_bwd_dkdv_kernel(
     codes (:func:`gdpa_backward`); else those arguments are not read."""
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
     fp8 = (Q8, K8, V8, DO8, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE, stride_qs_h, stride_ks_h)
-    kv_seg, head, index = _program_ids(group, BY_LENGTH, not HAS_KV_INDEX)
+    kv_seg, head, index = _program_ids(group)
+    if not HAS_KV_INDEX:  # longest segments first
+        kv_seg = tl.load(BY_LENGTH + kv_seg)
     _dkdv_programs(
         Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_DESC, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
@@ -157,7 +159,9 @@ def _gdpa_bwd_kernel(
     ``S`` and ``dP`` from the row codes (:func:`gdpa_backward`); else those arguments are not read."""
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
     fp8 = (Q8, K8, V8, DO8, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE, stride_qs_h, stride_ks_h)
-    seg, head, z = _program_ids(group, BY_LENGTH, not HAS_KV_INDEX)
+    seg, head, z = _program_ids(group)
+    if not HAS_KV_INDEX:  # longest segments first
+        seg = tl.load(BY_LENGTH + seg)
     paired = tl.minimum(num_key_tiles, num_query_tiles)
     is_dq = tl.where(z < 2 * paired, z % 2 == 1, num_query_tiles > num_key_tiles)
     index = tl.where(z < 2 * paired, z // 2, z - paired)

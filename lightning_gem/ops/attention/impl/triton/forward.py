@@ -197,7 +197,9 @@ def _gdpa_fwd_kernel(
     output is in OUT's dtype either way."""
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
     qk_scale = scale * LOG2E  # softmax scores in base 2
-    seg, head, z = _program_ids(group, BY_LENGTH, not HAS_KV_INDEX)
+    seg, head, z = _program_ids(group)
+    if not HAS_KV_INDEX:  # longest segments first
+        seg = tl.load(BY_LENGTH + seg)
     m_start = (tl.num_programs(2) - 1 - z) * BLOCK_M  # last query blocks first
     q_start = tl.load(Q_OFFSETS + seg).to(tl.int64)
     len_q = (tl.load(Q_OFFSETS + seg + 1) - q_start).to(tl.int32)
