@@ -288,16 +288,19 @@ def test_e2e_presets_set_nvidia_hstu_shapes_and_flags_override_them() -> None:
 def test_e2e_preset_runs_the_kit_stack_with_uniform_histories(tmp_path: Path) -> None:
     out = tmp_path / "e2e.json"
     printed = _run(
-        "e2e.py", "--device", "cpu", "--tiny", "--preset", "nvidia-hstu-fixed", "--stacks", "kit,kit-fp8-saved",
-        "--model-dim", "64", "--root", str(tmp_path), "--out", str(out),
+        "e2e.py", "--device", "cpu", "--tiny", "--preset", "nvidia-hstu-fixed", "--stacks",
+        "kit,kit-fp8-saved,kit-2,kit-seed", "--model-dim", "64", "--root", str(tmp_path), "--out", str(out),
     )  # fmt: skip
     assert "histories of 64" in printed  # --tiny's longest history, every history that long
-    assert "FP8 saved activations: peak memory" in printed
+    summary = next(line for line in printed.splitlines() if line.startswith("FP8 saved activations: peak memory"))
+    assert " kit-2 0, 0, " in summary and " kit-seed " in summary  # the noise floors beside the FP8 gap
     results = json.loads(out.read_text())
     assert results["args"]["num_layers"] == "2" and results["args"]["min_history"] == "64"
     assert results["kit"]["step_ms"] > 0 and "plain" not in results
     exact, fp8 = results["kit"]["losses"], results["kit-fp8-saved"]["losses"]
     assert len(exact) == len(fp8) and exact[0] == fp8[0]  # the same first forward; FP8 changes backwards only
+    assert results["kit-2"]["losses"] == exact  # the CPU path is deterministic: run again, the same losses
+    assert results["kit-seed"]["losses"][0] != exact[0]  # other initial weights, the same batches
 
 
 @pytest.mark.slow

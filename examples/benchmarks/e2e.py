@@ -31,7 +31,10 @@ pooled user features, hundreds of candidates per user.
   instead of one batch ahead on a side stream;
 - kit-fp8-saved: the kit stack with ``MXFP8Precision(saved_activations="fp8")``: what the HSTU layers and the
   candidate interaction save for the backward is stored in MXFP8 (the summary line compares its peak memory,
-  step time and per-step losses with the kit stack's).
+  step time and per-step losses with the kit stack's);
+- kit-2 and kit-seed: the kit stack again, on the same batches: kit-2 from the same seed (its losses differ from
+  the kit stack's only by nondeterministic kernels such as atomic adds), kit-seed with its weights initialized from
+  the next seed (seed noise); with kit-fp8-saved the summary sets its loss gaps beside theirs.
 
 Each stack runs ``--warmup + --steps`` training steps in ``Trainer.fit``; a step's time is the interval
 between the ends of consecutive steps on the device's timeline (CUDA events: no device sync is added, data
@@ -84,7 +87,9 @@ from lightning_gem.data import GEMDataModule, SyntheticRankingSource
 from lightning_gem.flops import model_flops, peak_tflops
 from lightning_gem.precision import MXFP8Precision
 
-STACKS = ("plain", "kit", "kit-unfused", "kit-no-prefetch", "kit-fp8-saved", "kit-eager", "kit-eager-2")
+STACKS = (
+    "plain", "kit", "kit-unfused", "kit-no-prefetch", "kit-fp8-saved", "kit-2", "kit-seed", "kit-eager", "kit-eager-2"
+)  # fmt: skip
 
 _NVIDIA_HSTU = {
     "model_dim": 1024,
@@ -123,7 +128,7 @@ def run_stack(
     stack: str, source: SyntheticRankingSource, tokens_per_step: float, args: argparse.Namespace
 ) -> dict[str, float]:
     """Train ``stack`` for warm-up + timed steps on ``source``; returns its measurements."""
-    L.seed_everything(args.seed, verbose=False)
+    L.seed_everything(args.seed + (stack == "kit-seed"), verbose=False)  # the batches come from `source` either way
     kit = stack.startswith("kit")
     fast = kit and not stack.startswith("kit-eager")  # the host-time options apply (kit-eager: without them)
     saved = "fp8" if stack == "kit-fp8-saved" else None  # the GDPA layers' saved activations in FP8
@@ -223,6 +228,23 @@ def _loss_gaps(results: dict[str, dict]) -> str:
         line += f"; kit-eager run twice: largest {worst2:.4g}, mean {mean2:.4g}"
     speedup = results["kit-eager"]["step_ms"] / results["kit"]["step_ms"]
     return f"{line}; step time kit-eager / kit {speedup:.2f}x"
+
+
+def _saved_activation_summary(results: dict[str, dict]) -> str:
+    """kit-fp8-saved against the kit stack: peak memory, step time, and its per-step loss gaps (largest, mean) and
+    late loss beside those of kit-2 (nondeterministic kernels alone) and kit-seed (another initialization) where
+    they ran, all on the same batches."""
+    exact, fp8 = results["kit"], results["kit-fp8-saved"]
+    line = (
+        f"FP8 saved activations: peak memory {fp8['peak_gib'] / exact['peak_gib'] - 1:+.1%}, step time "
+        f"{fp8['step_ms'] / exact['step_ms'] - 1:+.1%}; per-step loss gap against kit (largest, mean), late loss:"
+    )
+    for stack in ("kit-fp8-saved", "kit-2", "kit-seed"):
+        if stack in results:
+            diffs = [abs(a - b) for a, b in zip(exact["losses"], results[stack]["losses"], strict=False)]
+            worst, mean = (max(diffs), statistics.fmean(diffs)) if diffs else (float("nan"), float("nan"))
+            line += f" {stack} {worst:.4g}, {mean:.4g}, {_late_loss(results[stack]['losses']):.4f};"
+    return f"{line} kit's late loss {_late_loss(exact['losses']):.4f}"
 
 
 def useful_flops_per_step(source: SyntheticRankingSource, args: argparse.Namespace) -> float:
@@ -370,12 +392,7 @@ def main() -> None:
     if {"plain", "kit"} <= results.keys():
         print(f"kit / plain step throughput: {results['plain']['step_ms'] / results['kit']['step_ms']:.2f}x")
     if {"kit", "kit-fp8-saved"} <= results.keys():
-        exact, fp8 = results["kit"], results["kit-fp8-saved"]
-        gap = max(abs(a - b) for a, b in zip(exact["losses"], fp8["losses"], strict=False))
-        print(
-            f"FP8 saved activations: peak memory {fp8['peak_gib'] / exact['peak_gib'] - 1:+.1%}, step time "
-            f"{fp8['step_ms'] / exact['step_ms'] - 1:+.1%}, largest per-step loss gap {gap:.4f} (same batches)"
-        )
+        print(_saved_activation_summary(results))
     if {"kit", "kit-eager"} <= results.keys():
         print(_loss_gaps(results))
     if args.out is not None:
