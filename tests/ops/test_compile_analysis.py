@@ -40,11 +40,11 @@ class _Hopper:  # the target torch.compile's analysis builds a kernel's IR for, 
 triton.runtime.driver.set_active(_Hopper())
 
 import lightning_gem.ops._launch as launching
-from lightning_gem.ops.attention.impl.triton import _common, _tuning, backward, forward, ops
-from lightning_gem.ops.pointwise.impl.triton import kernels as pointwise
+from lightning_gem.ops.attention.impl.triton import _common, _tuning, backward, forward, ops, quantize
+from lightning_gem.ops.pointwise.impl.triton import kernels as pointwise, token_kernels
 
 launches = []
-for module in (forward, backward, pointwise):  # the launchers record their launches instead of running them
+for module in (forward, backward, quantize, pointwise, token_kernels):  # record the launches instead of running them
     module.launch = lambda kernel, grid, args, meta: launches.append((kernel, args, meta))
 for module in (launching, _common, ops, forward):  # CPU tensors pass the launchers' device checks
     module.is_interpreted = lambda kernel: True
@@ -63,20 +63,33 @@ for head_dim in (64, 256):
         dict(activation="softmax", causal=False, block_size=64),
         dict(activation="silu", causal=True, kv_index=torch.tensor([0, 0, 3, 3])),
         dict(activation="softmax", causal=True, deterministic=True),
+        dict(activation="silu", causal=True, precision="fp8"),
     ]
     for mode in modes:
-        deterministic = mode.pop("deterministic", False)
+        deterministic, precision = mode.pop("deterministic", False), mode.pop("precision", None)
         spec = Spec(offsets, offsets, mode.pop("kv_index", None), mode.pop("num_targets", None), mode.pop("activation"),
                     mode.pop("causal"), mode.pop("window", None), mode.pop("block_size", None), head_dim ** -0.5,
-                    max_seq_len_q=59, max_seq_len_kv=59, deterministic=deterministic)
+                    max_seq_len_q=59, max_seq_len_kv=59, deterministic=deterministic, precision=precision)
         out, lse = forward.gdpa_forward(q, k, v, spec)
+        # Every plan the tuner may time on long segments, and the short-query kernel where the segments fit it.
         plans = _tuning.backward_candidates(bf16, cuda, head_dim, deterministic=deterministic,
                                             block_size=spec.block_size, max_len_q=4096, tma=False)
+        if spec.kv_index is None and spec.num_targets is None and precision is None:  # what the short kernel takes
+            plans += [p for p in _tuning.backward_candidates(bf16, cuda, head_dim, deterministic=deterministic,
+                                                             block_size=spec.block_size, max_len_q=59,
+                                                             short_query=True, tma=False) if p.short]
         for plan in plans:
             if plan.short:
+                backward.gdpa_backward(grad, q, k, v, out, lse, spec, short_tiles=plan.dkdv)
                 continue
             backward.gdpa_backward(grad, q, k, v, out, lse, spec, dkdv_tiles=plan.dkdv, dq_tiles=plan.dq,
                                    split_dkdv=plan.split, column_halves=plan.halves, dv_stages=plan.dv_stages)
+
+from lightning_gem.ops.pointwise.tokens import pairwise_dots, token_attention
+
+tokens = torch.randn(8, 6, 3 * 64, dtype=bf16, requires_grad=True)  # the candidate interaction's token ops
+token_attention(tokens, 2, impl="triton").float().sum().backward()
+pairwise_dots(torch.randn(8, 6, 64, dtype=bf16, requires_grad=True), impl="triton").float().sum().backward()
 
 from lightning_gem.components.encoder import HSTULayer
 
@@ -104,8 +117,9 @@ print(json.dumps(written))
 """
 
 # What a kernel may write: its outputs and its own scratch (gradients but the incoming ``DO``, partial sums, the
-# normalizer's statistics, the backward's ``DELTA``).
-_OUTPUT_PREFIXES = ("OUT", "Y", "RSTD", "MEAN", "LSE", "DELTA", "DK", "DV", "DQ", "DX", "DGATE", "DW", "DB")
+# normalizer's statistics, the backward's ``DELTA``, FP8 attention's codes, scales and maxima).
+_OUTPUT_PREFIXES = ("OUT", "Y", "RSTD", "MEAN", "LSE", "DELTA", "DK", "DV", "DQ", "DX", "DGATE", "DW", "DB", "CODES",
+                    "SCALE", "NORM", "AMAX", "V_T", "V_SCALE")  # fmt: skip
 
 
 @pytest.mark.slow
@@ -124,8 +138,11 @@ def test_compile_sees_only_outputs_written() -> None:
     assert result.returncode == 0, result.stderr[-4000:]
     written = json.loads(result.stdout.strip().splitlines()[-1])
     kernels = {label.split()[0] for label in written}
-    assert {"_gdpa_fwd_kernel", "_gdpa_bwd_kernel", "_gdpa_bwd_dkdv_kernel", "_silu_split_fwd_kernel",
-            "_silu_split_bwd_kernel", "_norm_mul_fwd_kernel", "_norm_mul_bwd_kernel"} <= kernels, kernels  # fmt: skip
+    assert {"_gdpa_fwd_kernel", "_gdpa_bwd_kernel", "_gdpa_bwd_dkdv_kernel", "_gdpa_bwd_short_kernel", "_rows_kernel",
+            "_values_kernel", "_silu_split_fwd_kernel", "_silu_split_bwd_kernel", "_norm_mul_fwd_kernel",
+            "_norm_mul_bwd_kernel", "_token_attention_fwd_kernel", "_token_attention_bwd_kernel",
+            "_pairwise_dots_fwd_kernel", "_pairwise_dots_bwd_kernel"} <= kernels, kernels  # fmt: skip
+    assert any("FP8=True" in label for label in written), written  # the FP8 forward and backward
     inputs = {
         label: [name for name in names if not name.startswith(_OUTPUT_PREFIXES)] for label, names in written.items()
     }

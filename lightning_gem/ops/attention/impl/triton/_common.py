@@ -363,18 +363,17 @@ def _code_rows(codes_base, scales_base, offs_r, rows_ok, stride_r, NUM_COLS: tl.
 
 @triton.jit
 def _key_tile(
-    k_base, v_base, n_start, hi, stride_kt, stride_vt,
+    k_base, v_base, offs_n, col_ok, stride_kt, stride_vt,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    MASKED: tl.constexpr,
 ):  # fmt: skip
-    """Key rows ``n_start + [0, BLOCK_N)`` of one kv segment and head: ``offs_n``, ``col_ok`` (rows below
-    ``hi``), ``k [N, D]`` and ``v [N, DV]``; ``MASKED`` loads zeros at rows from ``hi`` on (else every row is
-    read)."""
-    offs_n = n_start + tl.arange(0, BLOCK_N)
-    col_ok = offs_n < hi
+    """Key rows ``offs_n`` of one kv segment and head: ``k [N, D]`` and ``v [N, DV]``; ``MASKED`` loads zeros at
+    rows not ``col_ok`` (else every row is read). The caller makes the rows: a store addressed by a called
+    function's result counts all of its arguments as written in ``torch.compile``'s analysis (see
+    :func:`_program_ids`), so no row index comes out of a function that takes ``k_base`` or ``v_base``."""
     k_ND = _load_tile(k_base, offs_n, stride_kt, tl.arange(0, BLOCK_D), col_ok, HEAD_DIM, BLOCK_D, MASKED)
     v_NDV = _load_tile(v_base, offs_n, stride_vt, tl.arange(0, BLOCK_DV), col_ok, HEAD_DIM_V, BLOCK_DV, MASKED)
-    return offs_n, col_ok, k_ND, v_NDV
+    return k_ND, v_NDV
 
 
 @triton.jit
@@ -447,10 +446,11 @@ def _dq_key_blocks(
             qk_MN = tl.dot(q_MD, tl.trans(k8_ND)) * (sq_M[:, None] * sk_N[None, :])
             dp_MN = tl.dot(do_MDV, tl.trans(v8_NDV)) * (sdo_M[:, None] * sv_N[None, :])
         else:
-            offs_n, col_ok, k_ND, v_NDV = _key_tile(
-                k_base, v_base, n_start, hi, stride_kt, stride_vt, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-                MASKED,
-            )  # fmt: skip
+            offs_n = n_start + tl.arange(0, BLOCK_N)
+            col_ok = offs_n < hi
+            k_ND, v_NDV = _key_tile(
+                k_base, v_base, offs_n, col_ok, stride_kt, stride_vt, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, MASKED
+            )
             qk_MN = tl.dot(q_MD, tl.trans(k_ND), input_precision=DOT_PRECISION)
             dp_MN = tl.dot(do_MDV, tl.trans(v_NDV), input_precision=DOT_PRECISION)
         if MASKED:

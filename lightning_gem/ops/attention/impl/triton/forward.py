@@ -133,10 +133,11 @@ def _fwd_key_blocks(
             k_ND = k_base.load([kv_row + n_start, head * HEAD_DIM])
             v_NDV = v_base.load([kv_row + n_start, head * HEAD_DIM_V])
         else:
-            offs_n, col_ok, k_ND, v_NDV = _key_tile(
-                k_base, v_base, n_start, hi, stride_kt, stride_vt, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-                MASKED,
-            )  # fmt: skip
+            offs_n = n_start + tl.arange(0, BLOCK_N)
+            col_ok = offs_n < hi
+            k_ND, v_NDV = _key_tile(
+                k_base, v_base, offs_n, col_ok, stride_kt, stride_vt, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, MASKED
+            )
         qk_MN = tl.dot(q_MD, tl.trans(k_ND), input_precision=DOT_PRECISION)
         if FP8:  # the codes' product times its key's scale (a power of two: exact); the row's comes with row_*
             qk_MN = qk_MN * sk_N[None, :]

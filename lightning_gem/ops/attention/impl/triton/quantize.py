@@ -42,20 +42,13 @@ def _codes(x, scale):
 
 
 @triton.jit
-def _segment_tile(X, OFFSETS, stride_xt, stride_xh, NUM_COLS: tl.constexpr, BLOCK_C: tl.constexpr,
-                  BLOCK_T: tl.constexpr):  # fmt: skip
-    """This program's segment, head (and the head count), its rows ``start + offs_t`` (``BLOCK_T`` of the segment's,
-    from axis 2), which of them and of the ``BLOCK_C`` columns are in range (``ok``), and its ``[BLOCK_T, BLOCK_C]``
-    tile of ``X`` in fp32 (zeros out of range; all of it past the segment's end)."""
-    seg = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-    start = tl.load(OFFSETS + seg).to(tl.int64)
-    length = (tl.load(OFFSETS + seg + 1) - start).to(tl.int32)
-    offs_t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_c = tl.arange(0, BLOCK_C)
-    ok = (offs_t < length)[:, None] & (offs_c < NUM_COLS)[None, :]
-    x = tl.load(X + (start + offs_t)[:, None] * stride_xt + head * stride_xh + offs_c[None, :], mask=ok, other=0.0)
-    return seg, head, tl.num_programs(1), start, offs_t, offs_c, ok, x.to(tl.float32)
+def _tile(X, rows, head, offs_c, ok, stride_xt, stride_xh):
+    """The ``[BLOCK_T, BLOCK_C]`` tile of ``X`` at token rows ``rows`` and columns ``offs_c`` of ``head``, in fp32
+    (zeros where not ``ok``). Only loaded values come out: the rows and columns a kernel stores at are its own (a
+    store addressed by a called function's result counts all of its arguments as written in ``torch.compile``'s
+    analysis; see :func:`._common._program_ids`)."""
+    x = tl.load(X + rows[:, None] * stride_xt + head * stride_xh + offs_c[None, :], mask=ok, other=0.0)
+    return x.to(tl.float32)
 
 
 @triton.jit
@@ -66,13 +59,17 @@ def _rows_kernel(
 ):  # fmt: skip
     """Codes of ``BLOCK_T`` rows of one segment and head with one scale a row; ``WITH_NORM``: the segment's largest
     dequantized row norm into ``NORM``."""
-    length = tl.load(OFFSETS + tl.program_id(0) + 1) - tl.load(OFFSETS + tl.program_id(0))
+    seg = tl.program_id(0)
+    start = tl.load(OFFSETS + seg).to(tl.int64)
+    length = (tl.load(OFFSETS + seg + 1) - start).to(tl.int32)
     if tl.program_id(2) * BLOCK_T >= length:
         return
-    seg, head, heads, start, offs_t, offs_d, ok, x = _segment_tile(
-        X, OFFSETS, stride_xt, stride_xh, HEAD_DIM, BLOCK_D, BLOCK_T
-    )
+    head, heads = tl.program_id(1).to(tl.int64), tl.num_programs(1)
+    offs_t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)  # this program's rows of the segment
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (offs_t < length)[:, None] & (offs_d < HEAD_DIM)[None, :]
     rows = start + offs_t
+    x = _tile(X, rows, head, offs_d, ok, stride_xt, stride_xh)
     scale_T = _pow2_scale(tl.max(tl.abs(x), axis=1))
     codes = _codes(x, scale_T[:, None])
     tl.store(CODES + rows[:, None] * stride_ct + head * stride_ch + offs_d[None, :], codes, mask=ok)
@@ -94,16 +91,19 @@ def _values_kernel(
     transposed (tokens contiguous), the first block of each segment and head (an empty segment's too: scale 1) also
     writing those scales to ``V_SCALE``."""
     seg = tl.program_id(0)
-    length = tl.load(OFFSETS + seg + 1) - tl.load(OFFSETS + seg)
+    start = tl.load(OFFSETS + seg).to(tl.int64)
+    length = (tl.load(OFFSETS + seg + 1) - start).to(tl.int32)
     if WRITE_CODES and tl.program_id(2) == 0:
         offs = (seg * tl.num_programs(1) + tl.program_id(1)) * HEAD_DIM_V + tl.arange(0, BLOCK_DV)
         in_row = tl.arange(0, BLOCK_DV) < HEAD_DIM_V
         tl.store(V_SCALE + offs, _pow2_scale(tl.load(AMAX + offs, mask=in_row, other=0.0)), mask=in_row)
     if tl.program_id(2) * BLOCK_T >= length:
         return
-    seg, head, heads, start, offs_t, offs_d, ok, v = _segment_tile(
-        V, OFFSETS, stride_vt, stride_vh, HEAD_DIM_V, BLOCK_DV, BLOCK_T
-    )
+    head, heads = tl.program_id(1).to(tl.int64), tl.num_programs(1)
+    offs_t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)  # this program's tokens of the segment
+    offs_d = tl.arange(0, BLOCK_DV)
+    ok = (offs_t < length)[:, None] & (offs_d < HEAD_DIM_V)[None, :]
+    v = _tile(V, start + offs_t, head, offs_d, ok, stride_vt, stride_vh)
     entry = AMAX + (seg * heads + head) * HEAD_DIM_V + offs_d
     if WRITE_CODES:
         codes = _codes(v, _pow2_scale(tl.load(entry, mask=offs_d < HEAD_DIM_V, other=0.0))[None, :])
