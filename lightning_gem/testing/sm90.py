@@ -10,18 +10,41 @@ little; one in the loop over key or query tiles costs every iteration. Run with 
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 
-__all__ = ["LoopUse", "Resources", "compile_kernel", "resources"]
+__all__ = ["LoopUse", "Resources", "compile_kernel", "resources", "run_uninterpreted"]
 
 # Pointer arguments in fp32 (the rest of the upper-case arguments are bf16 tensors), and the offset-like ones.
 _FP32 = ("LSE", "DELTA", "DQ", "Q_SCALE", "K_SCALE", "V_SCALE", "DO_SCALE", "K_NORM", "SCALE", "NORM", "AMAX")
 _FP8 = ("CODES", "V_T", "Q8", "K8", "V8", "DO8")  # the FP8 quantizer's outputs, the FP8 backward's row codes
 _OFFSETS = ("Q_OFFSETS", "KV_OFFSETS", "KV_INDEX", "NUM_TARGETS", "SEG_OFFSETS", "SEG_ORDER", "BY_LENGTH")
+
+
+def run_uninterpreted(script: str, *, timeout: float = 900) -> object:
+    """Run the Python source ``script`` in a fresh interpreter with Triton's interpreter off (``TRITON_INTERPRET=0``:
+    the kernels go through Triton's compiler), from the repository's root and with it on the path; return the JSON
+    value its last line of output prints.
+
+    Raises:
+        RuntimeError: the script failed (the message ends with its standard error's tail).
+    """
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "0",
+        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
+                            timeout=timeout)  # fmt: skip
+    if result.returncode != 0:
+        raise RuntimeError(f"the script exited with {result.returncode}:\n{result.stderr[-4000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def compile_kernel(kernel, meta: dict, offsets: str = "*i32"):

@@ -15,12 +15,10 @@ torch's own analysis which arguments each kernel writes (their IR built for sm_9
 from __future__ import annotations
 
 import importlib
-import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from lightning_gem.testing.sm90 import run_uninterpreted
 
 _ANALYZE = r"""
 import json
@@ -127,16 +125,7 @@ def test_compile_sees_only_outputs_written() -> None:
     pytest.importorskip("triton")
     importlib.import_module("triton.backends.nvidia.compiler")
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "0",
-        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-    }
-    result = subprocess.run([sys.executable, "-c", _ANALYZE], env=env, cwd=root, capture_output=True, text=True,
-                            timeout=900)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
-    written = json.loads(result.stdout.strip().splitlines()[-1])
+    written = run_uninterpreted(_ANALYZE)
     kernels = {label.split()[0] for label in written}
     assert {"_gdpa_fwd_kernel", "_gdpa_bwd_kernel", "_gdpa_bwd_dkdv_kernel", "_gdpa_bwd_short_kernel", "_rows_kernel",
             "_values_kernel", "_silu_split_fwd_kernel", "_silu_split_bwd_kernel", "_norm_mul_fwd_kernel",

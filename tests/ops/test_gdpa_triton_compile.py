@@ -9,12 +9,10 @@ compiler and the ``ptxas`` its wheel ships (no GPU needed).
 from __future__ import annotations
 
 import importlib
-import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from lightning_gem.testing.sm90 import run_uninterpreted
 
 # Two specializations that between them turn on every mode flag, a head dim below its block (96 of 128), int32 and
 # int64 offsets, the forward with key and value tiles through tensor descriptors (and its warp-specialized loop), the
@@ -100,15 +98,7 @@ def test_kernels_compile_for_sm90() -> None:
     pytest.importorskip("triton")
     importlib.import_module("triton.backends.nvidia.compiler")  # the CUDA backend is installed
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "0",
-        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-    }
-    result = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
-    sizes = json.loads(result.stdout.strip().splitlines()[-1])
+    sizes = run_uninterpreted(_COMPILE)
     assert len(sizes) == 28
     assert all(size > 0 for size in sizes.values()), sizes
 
@@ -163,16 +153,7 @@ def test_tuner_candidates_fit_shared_memory_sm90() -> None:
     pytest.importorskip("triton")
     importlib.import_module("triton.backends.nvidia.compiler")
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "0",
-        "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
-    }
-    result = subprocess.run([sys.executable, "-c", _FITS], env=env, cwd=root, capture_output=True, text=True,
-                            timeout=900)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = run_uninterpreted(_FITS)
     assert len(report["shared"]) >= 20  # forward and backward candidates at both head dims
     too_big = {name: size for name, size in report["shared"].items() if size > report["limit"]}
     assert not too_big, too_big
