@@ -42,6 +42,16 @@ def _codes(x, scale):
 
 
 @triton.jit
+def _tile_range(length, NUM_COLS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
+    """This program's ``BLOCK_T`` rows of a segment of ``length`` (from axis 2), its ``BLOCK_C`` columns, and which
+    of them are in range (``ok``). Takes no pointer: the kernels load ``length`` and address their stores with
+    these."""
+    offs_t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_c = tl.arange(0, BLOCK_C)
+    return offs_t, offs_c, (offs_t < length)[:, None] & (offs_c < NUM_COLS)[None, :]
+
+
+@triton.jit
 def _tile(X, rows, head, offs_c, ok, stride_xt, stride_xh):
     """The ``[BLOCK_T, BLOCK_C]`` tile of ``X`` at token rows ``rows`` and columns ``offs_c`` of ``head``, in fp32
     (zeros where not ``ok``). Only loaded values come out: the rows and columns a kernel stores at are its own (a
@@ -65,9 +75,7 @@ def _rows_kernel(
     if tl.program_id(2) * BLOCK_T >= length:
         return
     head, heads = tl.program_id(1).to(tl.int64), tl.num_programs(1)
-    offs_t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)  # this program's rows of the segment
-    offs_d = tl.arange(0, BLOCK_D)
-    ok = (offs_t < length)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    offs_t, offs_d, ok = _tile_range(length, HEAD_DIM, BLOCK_D, BLOCK_T)
     rows = start + offs_t
     x = _tile(X, rows, head, offs_d, ok, stride_xt, stride_xh)
     scale_T = _pow2_scale(tl.max(tl.abs(x), axis=1))
@@ -100,9 +108,7 @@ def _values_kernel(
     if tl.program_id(2) * BLOCK_T >= length:
         return
     head, heads = tl.program_id(1).to(tl.int64), tl.num_programs(1)
-    offs_t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)  # this program's tokens of the segment
-    offs_d = tl.arange(0, BLOCK_DV)
-    ok = (offs_t < length)[:, None] & (offs_d < HEAD_DIM_V)[None, :]
+    offs_t, offs_d, ok = _tile_range(length, HEAD_DIM_V, BLOCK_DV, BLOCK_T)
     v = _tile(V, start + offs_t, head, offs_d, ok, stride_vt, stride_vh)
     entry = AMAX + (seg * heads + head) * HEAD_DIM_V + offs_d
     if WRITE_CODES:
