@@ -211,20 +211,22 @@ def _late_loss(losses: list[float]) -> float:
     return statistics.fmean(tail)
 
 
+def _gaps(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Largest and mean absolute difference of two runs' per-step losses (NaN for none)."""
+    diffs = [abs(x - y) for x, y in zip(a, b, strict=False)] or [float("nan")]
+    return max(diffs), statistics.fmean(diffs)
+
+
 def _loss_gaps(results: dict[str, dict]) -> str:
     """The kit stack's per-step losses against the kit without its host-time options (``kit-eager``), on the same
     batches: largest and mean gap, and where ``kit-eager-2`` ran (the same eager stack again, differing only by
     nondeterministic kernels such as atomic adds), the same figures between the two eager runs as the noise floor."""
 
-    def gaps(a: list[float], b: list[float]) -> tuple[float, float]:
-        diffs = [abs(x - y) for x, y in zip(a, b, strict=False)] or [float("nan")]
-        return max(diffs), statistics.fmean(diffs)
-
     eager = results["kit-eager"]["losses"]
-    worst, mean = gaps(results["kit"]["losses"], eager)
+    worst, mean = _gaps(results["kit"]["losses"], eager)
     line = f"kit against kit-eager over {len(eager)} steps: per-step loss gap largest {worst:.4g}, mean {mean:.4g}"
     if "kit-eager-2" in results:
-        worst2, mean2 = gaps(results["kit-eager-2"]["losses"], eager)
+        worst2, mean2 = _gaps(results["kit-eager-2"]["losses"], eager)
         line += f"; kit-eager run twice: largest {worst2:.4g}, mean {mean2:.4g}"
     speedup = results["kit-eager"]["step_ms"] / results["kit"]["step_ms"]
     return f"{line}; step time kit-eager / kit {speedup:.2f}x"
@@ -241,8 +243,7 @@ def _saved_activation_summary(results: dict[str, dict]) -> str:
     )
     for stack in ("kit-fp8-saved", "kit-2", "kit-seed"):
         if stack in results:
-            diffs = [abs(a - b) for a, b in zip(exact["losses"], results[stack]["losses"], strict=False)]
-            worst, mean = (max(diffs), statistics.fmean(diffs)) if diffs else (float("nan"), float("nan"))
+            worst, mean = _gaps(exact["losses"], results[stack]["losses"])
             line += f" {stack} {worst:.4g}, {mean:.4g}, {_late_loss(results[stack]['losses']):.4f};"
     return f"{line} kit's late loss {_late_loss(exact['losses']):.4f}"
 

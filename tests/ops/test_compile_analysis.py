@@ -8,8 +8,9 @@ further, but through a called ``@triton.jit`` function's result to all of the fu
 pointer passed to a helper whose result addresses a store counts as written.
 
 Here a subprocess with the interpreter off captures the launches of GDPA (each backward plan the tuner can pick at
-head dims 64 and 256, and the modes' flags) and of an HSTU layer's pointwise kernels, with no kernel run, and asks
-torch's own analysis which arguments each kernel writes (their IR built for sm_90; no GPU needed).
+head dims 64 and 256, the short-query kernel, FP8 attention's quantizer, and the modes' flags), of the candidate
+interaction's token ops and of an HSTU layer's pointwise kernels, with no kernel run, and asks torch's own analysis
+which arguments each kernel writes (their IR built for sm_90; no GPU needed).
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ y.float().sum().backward()
 
 from torch._higher_order_ops import triton_kernel_wrap as wrap
 
-written = {}
+written = {}  # per kernel and flags, what any of its launches writes
 for kernel, args, meta in launches:
     kwargs = dict(zip(kernel.arg_names, args))
     kwargs.update({name: value for name, value in meta.items() if name not in ("num_warps", "num_stages")})
@@ -110,7 +111,7 @@ for kernel, args, meta in launches:
         names = sorted(wrap.identify_mutated_tensors(kernel, kwargs, {}))
     label = kernel.fn.__name__ + " " + ",".join(f"{k}={v}" for k, v in sorted(meta.items()) if k.isupper()
                                                 and isinstance(v, bool) and v)
-    written[label] = names
+    written[label] = sorted({*written.get(label, ()), *names})
 print(json.dumps(written))
 """
 
