@@ -17,7 +17,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_gem.ops.mx import dequantize, quantize
-from lightning_gem.ops.mx.saved import QuantizedSavedTensors, save_exact
+from lightning_gem.ops.mx.saved import QuantizedSavedTensors, save_derived, save_exact
+from lightning_gem.ops.pointwise import silu_split
 from lightning_gem.precision import MXConfig, MXFP8Precision, convert
 
 
@@ -76,6 +77,59 @@ def test_a_tensor_saved_twice_is_quantized_once_and_outer_hooks_see_fp8() -> Non
     torch.testing.assert_close(x.grad, 2 * _fp8_roundtrip(x.detach()), rtol=0, atol=0)
 
 
+def _split_grads(x0: torch.Tensor, weights: list[torch.Tensor], context: QuantizedSavedTensors | None):
+    x = x0.clone().requires_grad_()
+    with context if context is not None else torch.enable_grad():
+        h = x * 1.0
+        parts = silu_split(h, [32, 32, 64], impl="reference")
+        loss = sum((p * p.sin() * w).sum() for p, w in zip(parts, weights, strict=True))  # each part saved twice
+    loss.backward()
+    return x.grad
+
+
+def test_derived_parts_are_recomputed_from_the_source_once() -> None:
+    """``silu_split``'s parts are stored as a reference to its input: with the input kept exact the gradients are
+    those of a run without the context, bit for bit, and the backward recomputes the parts once for all of them."""
+    torch.manual_seed(0)
+    x0 = torch.randn(40, 128)
+    weights = [torch.randn(40, n) for n in (32, 32, 64)]
+    plain = _split_grads(x0, weights, None)
+    exact = QuantizedSavedTensors(min_elements=1 << 30)  # nothing quantized: only the recompute differs
+    torch.testing.assert_close(_split_grads(x0, weights, exact), plain, rtol=0, atol=0)
+    assert exact.stats.recomputed == 3 and exact.stats.bytes_recomputed == 40 * 128 * 4 and exact.stats.tensors == 0
+    quantized = QuantizedSavedTensors(min_elements=0)  # the input stored in FP8: the parts come from its copy
+    grads = _split_grads(x0, weights, quantized)
+    assert quantized.stats.recomputed == 3 and quantized.stats.tensors >= 1
+    assert 0 < float((grads - plain).norm() / plain.norm()) < 2**-3
+
+    calls = []
+    x = torch.randn(16, 64, requires_grad=True)
+    with QuantizedSavedTensors(min_elements=0):
+        h = x * 1.0
+        u, v = h[:, :32].sigmoid(), h[:, 32:].sigmoid()  # each its own storage (sigmoid saves its output)
+        save_derived((u, v), h, lambda s: calls.append(1) or (s[:, :32].sigmoid(), s[:, 32:].sigmoid()))
+        y = (u * v).sum()
+    y.backward(retain_graph=True)
+    assert len(calls) == 1  # one recompute for both parts, each read twice (by sigmoid's and the product's backward)
+    first = x.grad.clone()
+    y.backward()  # retained: read again, recomputed again
+    assert len(calls) == 2
+    torch.testing.assert_close(x.grad, 2 * first)
+
+
+def test_a_part_changed_in_place_is_saved_as_it_is() -> None:
+    x = torch.randn(16, 64, requires_grad=True)
+    with QuantizedSavedTensors(min_elements=1 << 30) as saved:
+        h = x * 1.0
+        u = h * 2.0  # saves nothing
+        save_derived((u,), h, lambda s: s * 2.0)
+        u.add_(1.0)  # no longer 2 h: the product must not get it back recomputed
+        y = (u * x).sum()
+    y.backward()
+    assert saved.stats.recomputed == 0
+    torch.testing.assert_close(x.grad, 4 * x.detach() + 1)  # d/dx of (2x + 1) x
+
+
 def test_context_rules() -> None:
     with pytest.raises(ValueError, match="min_elements"):
         QuantizedSavedTensors(min_elements=-1)
@@ -110,7 +164,8 @@ def test_hstu_layer_gradients_within_the_fp8_budget(activation: str) -> None:
         assert torch.isfinite(b).all()
         assert float((a - b).norm() / a.norm()) < 2**-3
     stats = quantized.saved_activation_stats
-    assert stats.tensors >= 8 and stats.bytes_out <= 33 / 64 * stats.bytes_in  # bf16 (and fp32) saves at 1 + 1/32 B
+    assert stats.tensors >= 5 and stats.bytes_out <= 33 / 64 * stats.bytes_in  # bf16 (and fp32) saves at 1 + 1/32 B
+    assert stats.recomputed == 4  # U, V, Q and K: recomputed from the projection's saved copy
 
 
 def test_convert_installs_reconfigures_and_respects_keep_bf16() -> None:
@@ -240,4 +295,5 @@ def test_hstu_layer_on_the_gpu_quantizes_with_the_kernels_within_budget(activati
         assert torch.isfinite(b).all()
         assert float((a.float() - b.float()).norm() / a.float().norm()) < 2**-3
     stats = quantized.saved_activation_stats
-    assert stats.tensors >= 8 and stats.bytes_out <= 33 / 64 * stats.bytes_in
+    assert stats.tensors >= 5 and stats.bytes_out <= 33 / 64 * stats.bytes_in
+    assert stats.recomputed == 4

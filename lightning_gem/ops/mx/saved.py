@@ -6,7 +6,9 @@ stored as FP8 E4M3 codes with one E8M0 scale per 32 values along its last dim (`
 value saturates) and dequantized to its dtype when the backward reads it: a bf16 activation then takes
 ``1 + 1/32`` bytes an element instead of 2, an fp32 one instead of 4. Stay exact: parameters and their
 casts (a leaf tensor or a cast of one), small tensors, integer and boolean tensors, and what a kit op marks
-with :func:`save_exact` (GDPA's softmax output and log-sum-exp, whose backward differences them).
+with :func:`save_exact` (GDPA's softmax output and log-sum-exp, whose backward differences them). What an op
+marks with :func:`save_derived` (``silu_split``'s parts, each a function of its saved input) is not stored at all:
+its saving op gets it back recomputed from the source's saved copy, one recompute for all the parts.
 
 The hooks chain to whatever hooks were active when the context was entered (an activation-checkpointing
 region, a memory profiler): those see the FP8 codes and scales instead of the activation, so a quantized
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,11 +37,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_gem.ops.mx.formats import QuantizedTensor
 
-__all__ = ["QuantizedSavedTensors", "SavedTensorStats", "save_exact"]
+__all__ = ["QuantizedSavedTensors", "SavedTensorStats", "save_derived", "save_exact"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _EXACT: dict[int, weakref.ref] = {}  # id -> tensor marked by save_exact (not a WeakSet: a tensor's == is elementwise)
-_OPEN = [0]  # contexts open in this process: save_exact is free otherwise
+_DERIVED: dict[int, tuple[weakref.ref, int, _Derivation, int]] = {}  # part's storage address -> (part, its version,
+# derivation, index)
+_OPEN = [0]  # contexts open in this process: save_exact and save_derived are free otherwise
 
 
 def save_exact(*tensors: Tensor | None) -> None:
@@ -50,6 +54,22 @@ def save_exact(*tensors: Tensor | None) -> None:
             if t is not None and not _is_exact(t):
                 key = id(t)
                 _EXACT[key] = weakref.ref(t, lambda _ref, key=key: _EXACT.pop(key, None))
+
+
+def save_derived(parts: Sequence[Tensor], source: Tensor, recompute: Callable[[Tensor], Sequence[Tensor]]) -> None:
+    """Inside a :class:`QuantizedSavedTensors` context (a no-op outside one): ``parts`` (each with a storage of its
+    own) are ``recompute(source)``, a cheap function of ``source``. A part saved in the context (or a view of its
+    storage) is stored as a reference to ``source``'s saved copy, and the backward's first read of any of them
+    recomputes all of them from it (without grad), kept until each saved part was read. ``source`` must not change in
+    place before it is saved; a changed one (or part) is saved as it is."""
+    if not _OPEN[0] or torch.compiler.is_compiling():
+        return
+    derivation = _Derivation(source, recompute)
+    for index, part in enumerate(parts):
+        key = part.untyped_storage().data_ptr()
+        if key:  # an empty part has no storage of its own
+            ref = weakref.ref(part, lambda _ref, key=key: _DERIVED.pop(key, None))
+            _DERIVED[key] = (ref, part._version, derivation, index)
 
 
 def _is_exact(t: Tensor) -> bool:
@@ -67,9 +87,13 @@ class SavedTensorStats:
     """Their bytes in their own dtype."""
     bytes_out: int = 0
     """Their bytes as FP8 codes and scales."""
+    recomputed: int = 0
+    """Saved tensors stored as a reference to the source they are recomputed from (:func:`save_derived`)."""
+    bytes_recomputed: int = 0
+    """Their bytes in their own dtype (none stored)."""
 
     def reset(self) -> None:
-        self.tensors = self.bytes_in = self.bytes_out = 0
+        self.tensors = self.bytes_in = self.bytes_out = self.recomputed = self.bytes_recomputed = 0
 
 
 class _Outer:
@@ -95,6 +119,49 @@ class _Quantized:
         if self.unpack is not None:  # once: a tensor saved twice shares this object, and outer hooks unpack once
             self.codes, self.scales, self.unpack = self.unpack(self.codes), self.unpack(self.scales), None
         return dequantize(QuantizedTensor(self.codes, self.scales, "mx"), self.dtype).view(self.shape)
+
+
+class _Derivation:
+    """Parts that ``recompute(source)`` gives back: the source (until the context saves it), its saved copy, and
+    the recomputed parts while saved ones are still to be read."""
+
+    __slots__ = ("source", "version", "recompute", "packed", "parts", "pending", "counted")
+
+    def __init__(self, source: Tensor, recompute: Callable[[Tensor], Sequence[Tensor]]) -> None:
+        self.source: Tensor | None = source
+        self.version = source._version
+        self.recompute = recompute
+        self.packed: Any = None
+        self.parts: tuple[Tensor, ...] | None = None
+        self.pending = 0
+        self.counted: set[tuple] = set()
+
+    def part(self, index: int, first: bool) -> Tensor:
+        parts = self.parts
+        if parts is None:
+            with torch.no_grad():
+                parts = tuple(self.recompute(QuantizedSavedTensors._unpack(self.packed)))
+            self.parts = parts
+        if first:
+            self.pending -= 1
+            if self.pending == 0:  # every saved part was read: a later read (retain_graph) recomputes
+                self.parts = None
+        return parts[index]
+
+
+class _Derived:
+    """A saved part of a :class:`_Derivation`: which part, and the view of its storage that was saved."""
+
+    __slots__ = ("derivation", "index", "shape", "stride", "offset", "read")
+
+    def __init__(self, derivation: _Derivation, index: int, t: Tensor) -> None:
+        self.derivation, self.index, self.read = derivation, index, False
+        self.shape, self.stride, self.offset = t.shape, t.stride(), t.storage_offset()
+
+    def restore(self) -> Tensor:
+        part = self.derivation.part(self.index, not self.read)
+        self.read = True
+        return part.as_strided(self.shape, self.stride, self.offset)
 
 
 def _is_parameter_or_cast(t: Tensor) -> bool:
@@ -165,7 +232,12 @@ class QuantizedSavedTensors(torch.autograd.graph.saved_tensors_hooks):
 
     def _pack(self, t: Tensor) -> Any:
         outer = self._outer
-        if torch.compiler.is_compiling() or not self._eligible(t):
+        if torch.compiler.is_compiling():
+            return t if outer is None else _Outer(outer[0](t), outer[1])
+        derived = self._pack_derived(t)
+        if derived is not None:
+            return derived
+        if not self._eligible(t):
             return t if outer is None else _Outer(outer[0](t), outer[1])
         storage = t.untyped_storage()
         key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
@@ -185,8 +257,32 @@ class QuantizedSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         self.stats.bytes_out += q.data.numel() + q.scale.numel()
         return packed
 
+    def _pack_derived(self, t: Tensor) -> _Derived | None:
+        """``t`` as a reference to its derivation's source (:func:`save_derived`), or None if it is not a part of
+        one, or it or its source changed in place since."""
+        if not _DERIVED or type(t) is not Tensor:
+            return None
+        entry = _DERIVED.get(t.untyped_storage().data_ptr() or -1)
+        if entry is None or entry[0]() is None or t._version != entry[1]:  # a live part holds its storage's address
+            return None
+        _, _, derivation, index = entry
+        if derivation.packed is None:
+            source = derivation.source
+            if source is None or source._version != derivation.version:
+                return None
+            derivation.packed, derivation.source = self._pack(source), None
+        derivation.pending += 1
+        view = (t.storage_offset(), tuple(t.shape), t.stride())
+        if view not in derivation.counted:  # a view saved twice counts once, as a quantized tensor does
+            derivation.counted.add(view)
+            self.stats.recomputed += 1
+            self.stats.bytes_recomputed += t.numel() * t.element_size()
+        return _Derived(derivation, index, t)
+
     @staticmethod
     def _unpack(packed: Any) -> Tensor:
+        if isinstance(packed, _Derived):
+            return packed.restore()
         if isinstance(packed, _Quantized):
             return packed.restore()
         if isinstance(packed, _Outer):

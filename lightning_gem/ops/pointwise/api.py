@@ -11,12 +11,14 @@ the reference is the unfused composition (each op rounded to the input's dtype).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_gem.ops._launch import resolve_triton_impl
+from lightning_gem.ops.mx.saved import save_derived
 from lightning_gem.ops.pointwise.impl.reference import norm_mul_reference, norm_reference, silu_split_reference
 
 __all__ = ["IMPLS", "norm", "norm_mul", "norm_residual", "silu_split"]
@@ -76,10 +78,16 @@ def silu_split(
             raise TypeError(f"`bias` must be a float tensor on `x`'s device ({x.device}), got {bias.dtype} on "
                             f"{bias.device}")  # fmt: skip
     if _resolve_impl(impl, x) == "reference":
-        return silu_split_reference(x, sizes, bias)
-    from lightning_gem.ops.pointwise.impl.triton import silu_split_triton
+        split = functools.partial(silu_split_reference, sizes=sizes, bias=bias)
+    else:
+        from lightning_gem.ops.pointwise.impl.triton import silu_split_triton
 
-    return silu_split_triton(x.contiguous(), sizes, None if bias is None else bias.contiguous())
+        x = x.contiguous()
+        split = functools.partial(silu_split_triton, sizes=sizes, bias=None if bias is None else bias.contiguous())
+    parts = split(x)
+    if not torch.compiler.is_compiling() and parts[0].requires_grad:  # quantized saves keep x's copy, not the parts
+        save_derived(parts, x, split)
+    return parts
 
 
 def _check_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, kind: str) -> None:
