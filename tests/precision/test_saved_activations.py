@@ -64,15 +64,23 @@ def test_what_stays_exact() -> None:
     assert all(t.dtype != torch.float16 for t in seen)  # the weight's cast was saved only as its fp32 recast
 
 
-def test_a_tensor_saved_twice_is_quantized_once_and_outer_hooks_see_fp8() -> None:
+def test_a_tensor_saved_twice_is_quantized_once_and_outer_hooks_see_fp8(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning_gem.ops.mx.api as mx_api
+
+    reads = []
+    dequantize_once = mx_api.dequantize
+    monkeypatch.setattr(mx_api, "dequantize", lambda *a, **k: reads.append(1) or dequantize_once(*a, **k))
     seen: list[torch.Tensor] = []
     x = torch.randn(32, 64, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
         with QuantizedSavedTensors(min_elements=0) as saved:
             h = x * 1
             y = h * h  # saves h twice
-    y.sum().backward()
-    assert saved.stats.tensors == 1
+    y.sum().backward(retain_graph=True)
+    assert saved.stats.tensors == 1 and len(reads) == 1  # both reads take one dequantized copy
+    y.sum().backward()  # a retained graph read again: dequantized at each read
+    assert len(reads) == 3
+    x.grad = x.grad / 2
     assert sorted(str(t.dtype) for t in seen) == ["torch.float8_e4m3fn", "torch.uint8"]
     torch.testing.assert_close(x.grad, 2 * _fp8_roundtrip(x.detach()), rtol=0, atol=0)
 

@@ -12,7 +12,8 @@ its saving op gets it back recomputed from the source's saved copy, one recomput
 
 The hooks chain to whatever hooks were active when the context was entered (an activation-checkpointing
 region, a memory profiler): those see the FP8 codes and scales instead of the activation, so a quantized
-region counts at its quantized size. A tensor saved twice in one region (by two ops) is quantized once.
+region counts at its quantized size. A tensor saved twice in one region (by two ops) is quantized once, and
+dequantized once when the backward reads it (kept until its last read).
 
 Example:
     >>> import torch
@@ -106,19 +107,28 @@ class _Outer:
 
 
 class _Quantized:
-    """An activation's FP8 codes and E8M0 scales (each as the outer hooks packed it), its shape and dtype."""
+    """An activation's FP8 codes and E8M0 scales (each as the outer hooks packed it), its shape and dtype, and how
+    many saves of it are still to be read: the first read dequantizes, and the others until the last take the same
+    tensor."""
 
-    __slots__ = ("codes", "scales", "shape", "dtype", "unpack")
+    __slots__ = ("codes", "scales", "shape", "dtype", "unpack", "pending", "restored")
 
     def __init__(self, codes: Any, scales: Any, shape: torch.Size, dtype: torch.dtype, unpack: Any) -> None:
         self.codes, self.scales, self.shape, self.dtype, self.unpack = codes, scales, shape, dtype, unpack
+        self.pending = 0
+        self.restored: Tensor | None = None
 
     def restore(self) -> Tensor:
         from lightning_gem.ops.mx.api import dequantize
 
         if self.unpack is not None:  # once: a tensor saved twice shares this object, and outer hooks unpack once
             self.codes, self.scales, self.unpack = self.unpack(self.codes), self.unpack(self.scales), None
-        return dequantize(QuantizedTensor(self.codes, self.scales, "mx"), self.dtype).view(self.shape)
+        restored = self.restored
+        if restored is None:
+            restored = dequantize(QuantizedTensor(self.codes, self.scales, "mx"), self.dtype).view(self.shape)
+        self.pending -= 1  # below zero only when a retained graph is read again: each read dequantizes then
+        self.restored = restored if self.pending > 0 else None
+        return restored
 
 
 class _Derivation:
@@ -243,6 +253,7 @@ class QuantizedSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
         seen = self._seen.get(key)
         if seen is not None and not seen[0].expired():  # the same tensor again (a freed one's address: expired)
+            seen[1].pending += 1
             return seen[1]
         from lightning_gem.ops.mx.api import quantize
 
@@ -251,6 +262,7 @@ class QuantizedSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         if outer is not None:
             codes, scales = outer[0](codes), outer[0](scales)
         packed = _Quantized(codes, scales, t.shape, t.dtype, None if outer is None else outer[1])
+        packed.pending = 1
         self._seen[key] = (StorageWeakRef(storage), packed)
         self.stats.tensors += 1
         self.stats.bytes_in += t.numel() * t.element_size()

@@ -22,25 +22,27 @@ _BLOCK = 32  # elements per E8M0 scale (OCP MX)
 _TILE = 4096  # elements a program writes: 16 KiB of fp32, enough to keep the copy at memory speed
 
 
-@triton.jit(do_not_specialize=["num_elements"])
+@triton.jit(do_not_specialize=["num_blocks"])
 def _dequantize_mx_kernel(
     CODES,  # [N] E4M3 codes as uint8 (a contiguous [R, C] matrix, C a multiple of 32)
-    SCALES,  # [N / 32] biased E8M0 exponents, row-major
+    SCALES,  # [N / 32] biased E8M0 exponents, row-major: one a block of 32 codes
     OUT,  # [N] output
-    num_elements,
-    TILE: tl.constexpr,
+    num_blocks,
+    BLOCKS: tl.constexpr,  # blocks of 32 a program
     FP16_OUT: tl.constexpr,
 ):
-    offsets = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
-    mask = offsets < num_elements
-    codes = tl.load(CODES + offsets, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    biased = tl.load(SCALES + offsets // 32, mask=mask, other=127).to(tl.int32)
-    values = codes * _pow2(biased - 127)
-    values = tl.where(biased == 255, float("nan"), values)
+    # [BLOCKS, 32] tiles: one scale load and one power of two a block, broadcast along its 32 codes (an element-wise
+    # index into the scales would load and decode every scale 32 times)
+    blocks = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+    in_range = blocks < num_blocks
+    offsets = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]
+    codes = tl.load(CODES + offsets, mask=in_range[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    biased = tl.load(SCALES + blocks, mask=in_range, other=127).to(tl.int32)
+    values = codes * _pow2(biased - 127)[:, None]
     if FP16_OUT:
-        values = tl.minimum(tl.maximum(values, -65504.0), 65504.0)  # NaN stays NaN: the select comes after
-        values = tl.where(biased == 255, float("nan"), values)
-    tl.store(OUT + offsets, values.to(OUT.dtype.element_ty), mask=mask)
+        values = tl.minimum(tl.maximum(values, -65504.0), 65504.0)
+    values = tl.where((biased == 255)[:, None], float("nan"), values)  # after the clamp: NaN stays NaN
+    tl.store(OUT + offsets, values.to(OUT.dtype.element_ty), mask=in_range[:, None])
 
 
 def dequantize_mx_triton(data: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
@@ -51,7 +53,7 @@ def dequantize_mx_triton(data: Tensor, scale: Tensor, dtype: torch.dtype) -> Ten
         launch(
             _dequantize_mx_kernel,
             (cdiv(num_elements, _TILE),),
-            (data.view(torch.uint8), scale, out, num_elements),
-            {"TILE": _TILE, "FP16_OUT": dtype == torch.float16, "num_warps": 8},
+            (data.view(torch.uint8), scale, out, num_elements // _BLOCK),
+            {"BLOCKS": _TILE // _BLOCK, "FP16_OUT": dtype == torch.float16, "num_warps": 8},
         )
     return out
