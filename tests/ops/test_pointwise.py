@@ -74,6 +74,42 @@ def test_silu_split_with_bias(device: str, tokens: int, heads: int, sizes: tuple
         torch.testing.assert_close(dbias.double(), dbias64, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize(("tokens", "sizes"), [(37, (32, 32, 64, 32)), (1, (96,)), (0, (32, 32))])
+def test_silu_split_writes_and_reads_an_mx_copy(device: str, dtype, with_bias: bool, tokens: int, sizes) -> None:
+    """The forward's MX copy of x is the MX quantizer's, bit for bit (a block of zeros, a block of large values);
+    the forward and backward read from the copy give what they give on the copy dequantized, bit for bit."""
+    from lightning_gem.ops.mx import dequantize, quantize
+    from lightning_gem.ops.pointwise.impl.triton.kernels import MXRows, silu_split_backward, silu_split_forward
+
+    torch.manual_seed(0)
+    width = sum(sizes)
+    x = (torch.randn(tokens, 3, width, device=device) * 3).to(dtype)
+    if tokens:
+        x[0, 0, :32], x[-1, 1, -32:] = 0.0, x[-1, 1, -32:] * 1e4
+    bias = torch.randn(3, width, device=device).to(dtype) if with_bias else None
+    *parts, copy = silu_split_forward(x, sizes, bias, save_fp8=True)
+    assert all(torch.equal(a, b) for a, b in zip(parts, silu_split_forward(x, sizes, bias), strict=True))
+    q, _ = quantize(x.reshape(-1, width), "mx")
+    assert copy.codes.dtype == torch.float8_e4m3fn and copy.scales.shape == (tokens, 3, width // 32)
+    assert torch.equal(copy.codes.reshape(-1, width).view(torch.uint8), q.data.view(torch.uint8))
+    assert torch.equal(copy.scales.reshape(-1, width // 32), q.scale)
+    decoded = dequantize(q, dtype).view(x.shape)
+    from_copy, from_decoded = silu_split_forward(copy, sizes, bias), silu_split_forward(decoded, sizes, bias)
+    assert all(torch.equal(a, b) for a, b in zip(from_copy, from_decoded, strict=True))
+    grads = [torch.randn_like(p) for p in from_decoded]
+    grads[-1] = None  # an unused part
+    (dx, db), (dx_ref, db_ref) = (
+        silu_split_backward(copy, grads, sizes, bias),
+        silu_split_backward(decoded, grads, sizes, bias),
+    )
+    assert dx.dtype == dtype and torch.equal(dx, dx_ref)
+    assert (db is None and db_ref is None) or torch.equal(db, db_ref)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        silu_split_forward(MXRows(copy.codes, copy.scales, dtype), (16, width - 16))
+
+
 def test_silu_split_bias_fp32_beside_16bit_x(device: str) -> None:
     """A float32 bias (a Linear's parameter) with a 16-bit ``x`` (its autocast output): the parts in ``x``'s dtype,
     the bias's gradient in float32."""

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_gem.ops.mx import dequantize, quantize
-from lightning_gem.ops.mx.saved import QuantizedSavedTensors, save_derived, save_exact
+from lightning_gem.ops.mx.saved import QuantizedSavedTensors, save_derived, save_exact, saves_quantized
 from lightning_gem.ops.pointwise import silu_split
 from lightning_gem.precision import MXConfig, MXFP8Precision, convert
 
@@ -174,6 +174,59 @@ def test_hstu_layer_gradients_within_the_fp8_budget(activation: str) -> None:
     stats = quantized.saved_activation_stats
     assert stats.tensors >= 5 and stats.bytes_out <= 33 / 64 * stats.bytes_in  # bf16 (and fp32) saves at 1 + 1/32 B
     assert stats.recomputed == 4  # U, V, Q and K: recomputed from the projection's saved copy
+
+
+def test_hstu_layer_saves_the_mx_copy_its_silu_split_wrote(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the Triton pointwise kernels (interpreted on CPU), the SiLU-split forward writes its input's MX copy and
+    saves that, the backward reads it, and U, V, Q, K come back recomputed from it: the same gradients, bit for bit,
+    as quantizing the saved input by the context's own pass, with one quantizing pass fewer."""
+    import lightning_gem.ops.mx.api as mx_api
+    import lightning_gem.ops.pointwise.impl.triton.ops as pointwise_ops
+    from lightning_gem.ops._launch import is_interpreted
+    from lightning_gem.ops.pointwise.impl.triton.kernels import _silu_split_fwd_kernel
+
+    if not (torch.cuda.is_available() or is_interpreted(_silu_split_fwd_kernel)):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    layer = HSTULayer(dim=128, num_heads=2, attention_impl="triton", pointwise_impl="triton").to(device)
+    nn.init.normal_(layer.output.weight, std=0.02)
+    fused = convert(copy.deepcopy(layer), MXConfig(backend="mx_emulated", saved_activations="fp8"))
+    unfused = convert(copy.deepcopy(layer), MXConfig(backend="mx_emulated", saved_activations="fp8"))
+    x0, offsets = torch.randn(150, 128, device=device), torch.tensor([0, 60, 61, 150], device=device)
+    quantized = []
+    quantize_once = mx_api.quantize
+    monkeypatch.setattr(mx_api, "quantize", lambda *a, **k: quantized.append(1) or quantize_once(*a, **k))
+
+    def grads(model: nn.Module) -> list[torch.Tensor]:
+        quantized.clear()
+        x = x0.clone().requires_grad_()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            y = model(x * 1.0, offsets)
+        (y.float() ** 2).sum().backward()
+        return [x.grad, *(p.grad for p in model.parameters())]
+
+    got = grads(fused)
+    passes = len(quantized)
+    monkeypatch.setattr(pointwise_ops, "saves_quantized", lambda t: None)  # the context quantizes the input itself
+    expected = grads(unfused)
+    assert passes == len(quantized) - 1
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+    assert fused.saved_activation_stats == unfused.saved_activation_stats
+    assert fused.saved_activation_stats.recomputed == 4
+
+
+def test_saves_quantized_only_where_the_context_stores_the_tensor() -> None:
+    x = torch.randn(64, 64, requires_grad=True) * 1.0
+    assert saves_quantized(x) is None  # no context
+    with QuantizedSavedTensors(min_elements=0) as context:
+        assert saves_quantized(x) is context
+        assert saves_quantized(x[:, :48]) is None  # not whole blocks of 32 along the rows
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            assert saves_quantized(x) is None  # other hooks came after: they would see what is saved
+    with QuantizedSavedTensors(min_elements=0, rounding="floor"):
+        assert saves_quantized(x) is None  # the kernels write RCEIL blocks
 
 
 def test_convert_installs_reconfigures_and_respects_keep_bf16() -> None:

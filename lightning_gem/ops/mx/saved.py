@@ -38,13 +38,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_gem.ops.mx.formats import QuantizedTensor
 
-__all__ = ["QuantizedSavedTensors", "SavedTensorStats", "save_derived", "save_exact"]
+__all__ = ["QuantizedSavedTensors", "SavedTensorStats", "save_derived", "save_exact", "saves_quantized"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _EXACT: dict[int, weakref.ref] = {}  # id -> tensor marked by save_exact (not a WeakSet: a tensor's == is elementwise)
 _DERIVED: dict[int, tuple[weakref.ref, int, _Derivation, int]] = {}  # part's storage address -> (part, its version,
 # derivation, index)
 _OPEN = [0]  # contexts open in this process: save_exact and save_derived are free otherwise
+_ACTIVE: list[QuantizedSavedTensors] = []  # the open contexts, innermost last
 
 
 def save_exact(*tensors: Tensor | None) -> None:
@@ -71,6 +72,21 @@ def save_derived(parts: Sequence[Tensor], source: Tensor, recompute: Callable[[T
         if key:  # an empty part has no storage of its own
             ref = weakref.ref(part, lambda _ref, key=key: _DERIVED.pop(key, None))
             _DERIVED[key] = (ref, part._version, derivation, index)
+
+
+def saves_quantized(t: Tensor) -> QuantizedSavedTensors | None:
+    """The open context that would store ``t`` in MXFP8 (RCEIL blocks of 32 along its last dim) if an op saved it
+    now, or None: the innermost saved-tensor hooks are that context's and ``t`` is an activation it quantizes. An op
+    that writes ``t``'s MX copy itself, from a read it makes anyway, saves the copy instead (codes and scales are
+    stored as they are) and reports it with :meth:`QuantizedSavedTensors.count`."""
+    if not _ACTIVE or torch.compiler.is_compiling():
+        return None
+    context = _ACTIVE[-1]
+    top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    top = top_hooks(False) if top_hooks is not None else None
+    if top is None or top[0] is not context.pack_hook or context.rounding != "rceil" or not context._eligible(t):
+        return None
+    return context
 
 
 def _is_exact(t: Tensor) -> bool:
@@ -219,14 +235,22 @@ class QuantizedSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         super().__enter__()
         self._open = True
         _OPEN[0] += 1
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        _ACTIVE.remove(self)
         _OPEN[0] -= 1
         self._open = False
         self._seen.clear()
         self._outer = None
         super().__exit__(*exc)
+
+    def count(self, t: Tensor, codes: Tensor, scales: Tensor) -> None:
+        """Add ``t``, stored by an op as its MX copy ``codes, scales`` (see :func:`saves_quantized`), to the stats."""
+        self.stats.tensors += 1
+        self.stats.bytes_in += t.numel() * t.element_size()
+        self.stats.bytes_out += codes.numel() * codes.element_size() + scales.numel() * scales.element_size()
 
     def _eligible(self, t: Tensor) -> bool:
         return (
@@ -284,7 +308,7 @@ class QuantizedSavedTensors(torch.autograd.graph.saved_tensors_hooks):
                 return None
             derivation.packed, derivation.source = self._pack(source), None
         derivation.pending += 1
-        view = (t.storage_offset(), tuple(t.shape), t.stride())
+        view = (index, t.storage_offset(), tuple(t.shape), t.stride())
         if view not in derivation.counted:  # a view saved twice counts once, as a quantized tensor does
             derivation.counted.add(view)
             self.stats.recomputed += 1

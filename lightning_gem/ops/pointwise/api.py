@@ -77,16 +77,13 @@ def silu_split(
         if not bias.is_floating_point() or bias.device != x.device:
             raise TypeError(f"`bias` must be a float tensor on `x`'s device ({x.device}), got {bias.dtype} on "
                             f"{bias.device}")  # fmt: skip
-    if _resolve_impl(impl, x) == "reference":
-        split = functools.partial(silu_split_reference, sizes=sizes, bias=bias)
-    else:
+    if _resolve_impl(impl, x) == "triton":
         from lightning_gem.ops.pointwise.impl.triton import silu_split_triton
 
-        x = x.contiguous()
-        split = functools.partial(silu_split_triton, sizes=sizes, bias=None if bias is None else bias.contiguous())
-    parts = split(x)
+        return silu_split_triton(x.contiguous(), sizes, None if bias is None else bias.contiguous())
+    parts = silu_split_reference(x, sizes, bias)
     if not torch.compiler.is_compiling() and parts[0].requires_grad:  # quantized saves keep x's copy, not the parts
-        save_derived(parts, x, split)
+        save_derived(parts, x, functools.partial(silu_split_reference, sizes=sizes, bias=bias))
     return parts
 
 

@@ -21,25 +21,58 @@ columns, ``N`` the normalised width.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_gem.ops._launch import cdiv, launch, next_power_of_2
+from lightning_gem.ops._launch import cdiv, is_interpreted, launch, next_power_of_2
+from lightning_gem.ops.mx.impl.triton._common import _pow2, _quantize_rows, _scale_value
 
-__all__ = ["norm_mul_backward", "norm_mul_forward", "silu_split_backward", "silu_split_forward", "tile_warps"]
+__all__ = ["MXRows", "norm_mul_backward", "norm_mul_forward", "silu_split_backward", "silu_split_forward", "tile_warps"]
 
 # Elements a program holds per part or per tile: a few registers a thread at 4 warps.
 _ELEMENTS = 4096
 
 
 @triton.jit
-def _silu_part_forward(X, BIAS, OUT, rows, groups_R, row_ok, start, width, P: tl.constexpr, BLOCK_P: tl.constexpr):
+def _x_tile(X, CODES, SCALES, rows, row_ok, start, width, P: tl.constexpr, BLOCK_R: tl.constexpr,
+            BLOCK_P: tl.constexpr, FROM_FP8: tl.constexpr):  # fmt: skip
+    """A part's ``[BLOCK_R, BLOCK_P]`` tile of ``x`` in fp32 (zeros outside): loaded, or ``FROM_FP8`` decoded from its
+    MX copy (codes ``[R, W]`` as bytes, biased E8M0 scales ``[R, W / 32]``; the part's columns whole blocks)."""
     cols = tl.arange(0, BLOCK_P)
     mask = row_ok[:, None] & (cols < P)[None, :]
-    x = tl.load(X + rows[:, None] * width + start + cols[None, :], mask=mask).to(tl.float32)
+    if FROM_FP8:
+        codes = tl.load(CODES + rows[:, None] * width + start + cols[None, :], mask=mask, other=0)
+        blocks = tl.arange(0, BLOCK_P // 32)
+        scale_mask = row_ok[:, None] & (blocks < P // 32)[None, :]
+        biased = tl.load(SCALES + rows[:, None] * (width // 32) + start // 32 + blocks[None, :], mask=scale_mask,
+                         other=127).to(tl.int32)  # fmt: skip
+        scale = tl.where(biased == 255, float("nan"), _pow2(biased - 127))
+        x = tl.reshape(codes.to(tl.float8e4nv, bitcast=True).to(tl.float32), (BLOCK_R, BLOCK_P // 32, 32))
+        x = tl.reshape(x * scale[:, :, None], (BLOCK_R, BLOCK_P))
+    else:
+        x = tl.load(X + rows[:, None] * width + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _silu_part_forward(
+    X, BIAS, OUT, CODES, SCALES, rows, groups_R, row_ok, start, width, P: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr, SAVE_FP8: tl.constexpr, FROM_FP8: tl.constexpr, EXACT: tl.constexpr,
+):  # fmt: skip
+    cols = tl.arange(0, BLOCK_P)
+    mask = row_ok[:, None] & (cols < P)[None, :]
+    x = _x_tile(X, CODES, SCALES, rows, row_ok, start, width, P, BLOCK_R, BLOCK_P, FROM_FP8)
+    if SAVE_FP8:  # x's MX copy (RCEIL blocks of 32 along the row) from the same read
+        q, exponent, nonfinite = _quantize_rows(x, BLOCK_R, BLOCK_P, 32, True, EXACT)
+        tl.store(CODES + rows[:, None] * width + start + cols[None, :], q.to(tl.uint8, bitcast=True), mask=mask)
+        blocks = tl.arange(0, BLOCK_P // 32)
+        scale_mask = row_ok[:, None] & (blocks < P // 32)[None, :]
+        scales = _scale_value(exponent, nonfinite, True)
+        tl.store(SCALES + rows[:, None] * (width // 32) + start // 32 + blocks[None, :], scales, mask=scale_mask)
     if BIAS is not None:
         x += tl.load(BIAS + groups_R[:, None] * width + start + cols[None, :], mask=mask).to(tl.float32)
     y = x * tl.sigmoid(x)
@@ -50,28 +83,41 @@ def _silu_part_forward(X, BIAS, OUT, rows, groups_R, row_ok, start, width, P: tl
 @triton.jit(do_not_specialize=["num_rows"])
 def _silu_split_fwd_kernel(
     X, BIAS, OUT0, OUT1, OUT2, OUT3,  # [R, W]; [G, W] or None; [R, P0] ... [R, P3]
+    CODES, SCALES,  # x's MX copy, [R, W] bytes and [R, W / 32] biased exponents: written (SAVE_FP8) or read for x
     num_rows, groups,
     P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    BLOCK_R: tl.constexpr, SAVE_FP8: tl.constexpr = False, FROM_FP8: tl.constexpr = False,
+    EXACT: tl.constexpr = False,
 ):  # fmt: skip
     """Row ``r`` adds the bias row ``r % groups`` (the rows are tokens x ``groups``) before the SiLU."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_rows
     groups_R = rows % groups
     width = P0 + P1 + P2 + P3
-    _silu_part_forward(X, BIAS, OUT0, rows, groups_R, row_ok, 0, width, P0, BLOCK_P)
+    _silu_part_forward(
+        X, BIAS, OUT0, CODES, SCALES, rows, groups_R, row_ok, 0, width, P0, BLOCK_R, BLOCK_P, SAVE_FP8, FROM_FP8, EXACT
+    )
     if P1 > 0:
-        _silu_part_forward(X, BIAS, OUT1, rows, groups_R, row_ok, P0, width, P1, BLOCK_P)
+        _silu_part_forward(
+            X, BIAS, OUT1, CODES, SCALES, rows, groups_R, row_ok, P0, width, P1, BLOCK_R, BLOCK_P, SAVE_FP8,
+            FROM_FP8, EXACT,
+        )  # fmt: skip
     if P2 > 0:
-        _silu_part_forward(X, BIAS, OUT2, rows, groups_R, row_ok, P0 + P1, width, P2, BLOCK_P)
+        _silu_part_forward(
+            X, BIAS, OUT2, CODES, SCALES, rows, groups_R, row_ok, P0 + P1, width, P2, BLOCK_R, BLOCK_P, SAVE_FP8,
+            FROM_FP8, EXACT,
+        )  # fmt: skip
     if P3 > 0:
-        _silu_part_forward(X, BIAS, OUT3, rows, groups_R, row_ok, P0 + P1 + P2, width, P3, BLOCK_P)
+        _silu_part_forward(
+            X, BIAS, OUT3, CODES, SCALES, rows, groups_R, row_ok, P0 + P1 + P2, width, P3, BLOCK_R, BLOCK_P,
+            SAVE_FP8, FROM_FP8, EXACT,
+        )  # fmt: skip
 
 
 @triton.jit
 def _silu_part_backward(
-    X, BIAS, GRAD, DX, rows, row_ok, group, start, width, P: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_R: tl.constexpr, HAS_GRAD: tl.constexpr,
+    X, CODES, SCALES, BIAS, GRAD, DX, rows, row_ok, group, start, width, P: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_R: tl.constexpr, HAS_GRAD: tl.constexpr, FROM_FP8: tl.constexpr,
 ):  # fmt: skip
     """Writes the part's columns of ``dX`` for ``rows`` and returns them (fp32; zeros at rows past the end)."""
     cols = tl.arange(0, BLOCK_P)
@@ -79,7 +125,7 @@ def _silu_part_backward(
     mask = row_ok[:, None] & col_ok[None, :]
     offsets = rows[:, None] * width + start + cols[None, :]
     if HAS_GRAD:
-        x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+        x = _x_tile(X, CODES, SCALES, rows, row_ok, start, width, P, BLOCK_R, BLOCK_P, FROM_FP8)
         if BIAS is not None:
             x += tl.load(BIAS + group * width + start + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         g = tl.load(GRAD + rows[:, None] * P + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -100,9 +146,11 @@ def _store_bias_part(DB_PART, db, start, P: tl.constexpr, BLOCK_P: tl.constexpr)
 @triton.jit(do_not_specialize=["num_tokens", "num_tiles"])
 def _silu_split_bwd_kernel(
     X, BIAS, G0, G1, G2, G3, DX, DB_PART,  # [R, W]; [G, W] or None; [R, P0] ... [R, P3]; [R, W]; [S, G, W] or None
+    CODES, SCALES,  # FROM_FP8: x's MX copy, read instead of X
     num_tokens, num_tiles,
     P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr, P3: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_R: tl.constexpr, HAS0: tl.constexpr, HAS1: tl.constexpr, HAS2: tl.constexpr, HAS3: tl.constexpr,
+    FROM_FP8: tl.constexpr = False,
 ):  # fmt: skip
     """Program ``(s, g)`` walks the tiles ``s, s + S, ...`` of ``BLOCK_R`` tokens of bias group ``g`` (rows
     ``token * G + g``; ``G`` is 1 without a bias). With a bias it sums its rows of ``dX`` per column in registers and
@@ -120,21 +168,31 @@ def _silu_split_bwd_kernel(
         tokens = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
         row_ok = tokens < num_tokens
         rows = tokens * groups + group
-        dx = _silu_part_backward(X, BIAS, G0, DX, rows, row_ok, group, 0, width, P0, BLOCK_P, BLOCK_R, HAS0)
+        dx = _silu_part_backward(
+            X, CODES, SCALES, BIAS, G0, DX, rows, row_ok, group, 0, width, P0, BLOCK_P, BLOCK_R, HAS0, FROM_FP8
+        )
         if DB_PART is not None:
             db0 += dx
         if P1 > 0:
-            dx = _silu_part_backward(X, BIAS, G1, DX, rows, row_ok, group, P0, width, P1, BLOCK_P, BLOCK_R, HAS1)
+            dx = _silu_part_backward(
+                X, CODES, SCALES, BIAS, G1, DX, rows, row_ok, group, P0, width, P1, BLOCK_P, BLOCK_R, HAS1, FROM_FP8
+            )
             if DB_PART is not None:
                 db1 += dx
         if P2 > 0:
             start = P0 + P1
-            dx = _silu_part_backward(X, BIAS, G2, DX, rows, row_ok, group, start, width, P2, BLOCK_P, BLOCK_R, HAS2)
+            dx = _silu_part_backward(
+                X, CODES, SCALES, BIAS, G2, DX, rows, row_ok, group, start, width, P2, BLOCK_P, BLOCK_R, HAS2,
+                FROM_FP8,
+            )  # fmt: skip
             if DB_PART is not None:
                 db2 += dx
         if P3 > 0:
             start = P0 + P1 + P2
-            dx = _silu_part_backward(X, BIAS, G3, DX, rows, row_ok, group, start, width, P3, BLOCK_P, BLOCK_R, HAS3)
+            dx = _silu_part_backward(
+                X, CODES, SCALES, BIAS, G3, DX, rows, row_ok, group, start, width, P3, BLOCK_P, BLOCK_R, HAS3,
+                FROM_FP8,
+            )  # fmt: skip
             if DB_PART is not None:
                 db3 += dx
     if DB_PART is not None:
@@ -258,46 +316,95 @@ def _bias_groups(x_RW: Tensor, bias: Tensor | None) -> int:
     return 1 if bias is None else bias.numel() // x_RW.shape[-1]
 
 
-def silu_split_forward(x_RW: Tensor, sizes: tuple[int, ...], bias: Tensor | None = None) -> tuple[Tensor, ...]:
+class MXRows(NamedTuple):
+    """A ``[..., W]`` tensor's MX copy along its rows (``W`` a multiple of 32): E4M3 codes ``[..., W]``, one biased
+    E8M0 scale (uint8; ``0xFF`` NaN) per 32 of a row ``[..., W / 32]`` (RCEIL: no value saturates), and the
+    tensor's dtype. The SiLU-split kernels write it beside their parts and read it in place of the tensor."""
+
+    codes: Tensor
+    scales: Tensor
+    dtype: torch.dtype
+
+
+_EXACT = is_interpreted(_silu_split_fwd_kernel)  # the interpreter's E4M3 cast is wrong: round in fp32 first
+
+
+def silu_split_forward(
+    x_RW: Tensor | MXRows, sizes: tuple[int, ...], bias: Tensor | None = None, *, save_fp8: bool = False
+) -> tuple[Tensor, ...]:
     """``SiLU(x + bias)`` of a contiguous ``[..., W]`` tensor (``R`` rows of ``W``) split into ``len(sizes)`` (1 to 4)
     contiguous ``[..., P]`` parts of ``sizes`` columns. ``bias``: None, or a contiguous ``[G, W]`` (or ``[W]``) whose
-    rows repeat down ``x``'s rows (``x`` viewed as ``[R / G, G, W]``)."""
-    num_rows = x_RW.numel() // x_RW.shape[-1]
-    lead = x_RW.shape[:-1]
-    parts = tuple(x_RW.new_empty(*lead, p) for p in sizes)
-    if num_rows == 0:
-        return parts
-    block_p, block_r, padded = _split_launch(sizes)
-    outs = (*parts, x_RW, x_RW, x_RW)[:4]  # a missing part is never written (its size is 0)
-    args = (x_RW, bias, *outs, num_rows, _bias_groups(x_RW, bias), *padded, block_p, block_r)
-    launch(_silu_split_fwd_kernel, (cdiv(num_rows, block_r),), args, {"num_warps": 4})
-    return parts
+    rows repeat down ``x``'s rows (``x`` viewed as ``[R / G, G, W]``). ``x`` may be an :class:`MXRows` copy (read in
+    its place, the parts in its dtype); ``save_fp8``: return ``(*parts, MXRows of x)``, the copy from the same read.
+    Both need every part's size a multiple of 32."""
+    from_fp8 = isinstance(x_RW, MXRows)
+    source = x_RW.codes if from_fp8 else x_RW
+    dtype = x_RW.dtype if from_fp8 else source.dtype
+    if (from_fp8 or save_fp8) and any(p % 32 for p in sizes):
+        raise ValueError(f"an MX copy needs parts of multiples of 32 columns, got {sizes}")
+    num_rows = source.numel() // source.shape[-1]
+    lead = source.shape[:-1]
+    parts = tuple(source.new_empty(*lead, p, dtype=dtype) for p in sizes)
+    copy = None
+    if save_fp8:
+        copy = MXRows(
+            source.new_empty(source.shape, dtype=torch.float8_e4m3fn),
+            source.new_empty(*lead, source.shape[-1] // 32, dtype=torch.uint8),
+            dtype,
+        )
+    if num_rows:
+        block_p, block_r, padded = _split_launch(sizes)
+        outs = (*parts, source, source, source)[:4]  # a missing part is never written (its size is 0)
+        mx = x_RW if from_fp8 else copy
+        codes, scales = (mx.codes.view(torch.uint8), mx.scales) if mx is not None else (source, source)
+        args = (source, bias, *outs, codes, scales, num_rows, _bias_groups(source, bias), *padded, block_p, block_r)
+        meta = {"SAVE_FP8": save_fp8, "FROM_FP8": from_fp8, "EXACT": _EXACT, "num_warps": 4}
+        launch(_silu_split_fwd_kernel, (cdiv(num_rows, block_r),), args, meta)
+    return parts if copy is None else (*parts, copy)
 
 
 def silu_split_backward(
-    x_RW: Tensor, grads: tuple[Tensor | None, ...], sizes: tuple[int, ...], bias: Tensor | None = None
+    x_RW: Tensor | MXRows, grads: tuple[Tensor | None, ...], sizes: tuple[int, ...], bias: Tensor | None = None
 ) -> tuple[Tensor, Tensor | None]:
     """``(dX in x's shape, dbias in bias's shape or None)``: each part's gradient (None: zeros) times ``SiLU'`` of
-    its columns of ``x + bias``; the bias's gradient summed by the same pass (fp32 partial sums per program)."""
-    width = x_RW.shape[-1]
-    num_rows = x_RW.numel() // width
-    groups = _bias_groups(x_RW, bias)
-    dx = torch.empty_like(x_RW)
+    its columns of ``x + bias``; the bias's gradient summed by the same pass (fp32 partial sums per program). ``x``
+    may be an :class:`MXRows` copy, read in its place (``dX`` in its dtype)."""
+    from_fp8 = isinstance(x_RW, MXRows)
+    source = x_RW.codes if from_fp8 else x_RW
+    width = source.shape[-1]
+    num_rows = source.numel() // width
+    groups = _bias_groups(source, bias)
+    dx = torch.empty(source.shape, dtype=x_RW.dtype if from_fp8 else source.dtype, device=source.device)
     if num_rows == 0:
         return dx, None if bias is None else torch.zeros_like(bias)
     block_p, block_r, padded = _split_launch(sizes)
     has = tuple(g is not None for g in grads) + (False,) * (4 - len(grads))
-    gs = tuple(g.contiguous() if g is not None else x_RW for g in (*grads, None, None, None)[:4])
+    gs = tuple(g.contiguous() if g is not None else dx for g in (*grads, None, None, None)[:4])
     if bias is None:  # a program a tile
         num_tiles = programs = cdiv(num_rows, block_r)
     else:  # a quarter of the rows (each part's running sums stay in registers, about 80 a thread) and persistent
         # programs, as many as stay resident: each writes one row of partial sums
         block_r = _tile_rows(block_p, elements=_ELEMENTS // 4)
         num_tiles = cdiv(num_rows // groups, block_r)
-        programs = max(1, min(num_tiles, _resident_programs(x_RW) // groups))
-    db_part = None if bias is None else x_RW.new_empty(programs, groups, width, dtype=torch.float32)
-    args = (x_RW, bias, *gs, dx, db_part, num_rows // groups, num_tiles, *padded, block_p, block_r, *has)
-    launch(_silu_split_bwd_kernel, (programs, groups), args, {"num_warps": 4})
+        programs = max(1, min(num_tiles, _resident_programs(dx) // groups))
+    db_part = None if bias is None else dx.new_empty(programs, groups, width, dtype=torch.float32)
+    codes, scales = (source.view(torch.uint8), x_RW.scales) if from_fp8 else (source, source)
+    args = (
+        source,
+        bias,
+        *gs,
+        dx,
+        db_part,
+        codes,
+        scales,
+        num_rows // groups,
+        num_tiles,
+        *padded,
+        block_p,
+        block_r,
+        *has,
+    )
+    launch(_silu_split_bwd_kernel, (programs, groups), args, {"FROM_FP8": from_fp8, "num_warps": 4})
     return dx, None if bias is None else db_part.sum(0).to(bias.dtype).view(bias.shape)
 
 

@@ -4,12 +4,16 @@ through private ``autograd.Function`` s over the same launchers, as GDPA's Trito
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 from torch.library import triton_op
 
 from lightning_gem.ops._launch import keep_opaque_when_interpreted, plain_eager, records_graph
+from lightning_gem.ops.mx.saved import save_derived, saves_quantized
 from lightning_gem.ops.pointwise.impl.triton.kernels import (
+    MXRows,
     _silu_split_fwd_kernel,
     norm_mul_backward,
     norm_mul_forward,
@@ -103,21 +107,46 @@ keep_opaque_when_interpreted(
 
 
 class _SiluSplitEager(torch.autograd.Function):
-    """The op and its autograd formula without the custom-op dispatch, for plain eager calls."""
+    """The op and its autograd formula without the custom-op dispatch, for plain eager calls.
+
+    Where a :class:`~lightning_gem.ops.mx.saved.QuantizedSavedTensors` context would store ``x`` in MXFP8 (and the
+    parts are whole blocks of 32), the forward writes ``x``'s MX copy itself from the read it makes anyway and saves
+    that: the backward reads the copy in ``x``'s place, and the parts, when an op saves them, are recomputed from it
+    (:func:`~lightning_gem.ops.mx.saved.save_derived`), with no quantizing or dequantizing pass of their own."""
 
     @staticmethod
     def forward(ctx, x, sizes, bias):
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(x, bias)
         ctx.sizes = sizes
-        return silu_split_forward(x, sizes, bias)
+        saver = saves_quantized(x) if not any(p % 32 for p in sizes) else None
+        if saver is None:
+            ctx.save_for_backward(x, bias)
+            ctx.mx_dtype = None
+            parts = silu_split_forward(x, sizes, bias)
+            save_derived(parts, x, functools.partial(silu_split_forward, sizes=sizes, bias=bias))
+            return parts
+        *parts, copy = silu_split_forward(x, sizes, bias, save_fp8=True)
+        saver.count(x, copy.codes, copy.scales)
+        ctx.save_for_backward(copy.codes, copy.scales, bias)  # FP8 codes and uint8 scales: stored as they are
+        ctx.mx_dtype = x.dtype
+        recompute = functools.partial(_silu_split_from_codes, scales=copy.scales, dtype=x.dtype, sizes=sizes, bias=bias)
+        save_derived(parts, copy.codes, recompute)
+        return tuple(parts)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
-        x, bias = ctx.saved_tensors
+        if ctx.mx_dtype is None:
+            x, bias = ctx.saved_tensors
+        else:
+            codes, scales, bias = ctx.saved_tensors
+            x = MXRows(codes, scales, ctx.mx_dtype)
         dx, dbias = silu_split_backward(x, grads, ctx.sizes, bias)
         return dx, None, dbias
+
+
+def _silu_split_from_codes(codes: Tensor, scales: Tensor, dtype: torch.dtype, sizes, bias) -> tuple[Tensor, ...]:
+    return silu_split_forward(MXRows(codes, scales, dtype), sizes, bias)
 
 
 class _NormMulEager(torch.autograd.Function):
@@ -165,7 +194,10 @@ def silu_split_triton(x_RW: Tensor, sizes: tuple[int, ...], bias: Tensor | None 
     """``SiLU(x + bias)`` split into contiguous parts through the Triton kernels (inputs validated by the caller;
     ``bias`` a contiguous ``[G, W]`` or ``[W]``, or None)."""
     if not plain_eager((x_RW, bias)):
-        return tuple(_silu_split_op(x_RW, list(sizes), bias))
+        parts = tuple(_silu_split_op(x_RW, list(sizes), bias))
+        if not torch.compiler.is_compiling():  # the op saved x: quantized saves keep x's copy, not the parts
+            save_derived(parts, x_RW, functools.partial(silu_split_forward, sizes=sizes, bias=bias))
+        return parts
     if records_graph(x_RW) or (bias is not None and records_graph(bias)):
         return _SiluSplitEager.apply(x_RW, sizes, bias)
     return silu_split_forward(x_RW, sizes, bias)
