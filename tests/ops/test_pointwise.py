@@ -110,6 +110,36 @@ def test_silu_split_writes_and_reads_an_mx_copy(device: str, dtype, with_bias: b
         silu_split_forward(MXRows(copy.codes, copy.scales, dtype), (16, width - 16))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    ("rows", "width", "gated", "kind"), [(37, 64, True, "rms"), (5, 96, False, "layer"), (0, 32, True, "rms")]
+)
+def test_norm_mul_writes_and_reads_an_mx_copy(
+    device: str, dtype, rows: int, width: int, gated: bool, kind: str
+) -> None:
+    """The norm's MX copy of x is the MX quantizer's, bit for bit; its backward read from the copy gives what it
+    gives on the copy dequantized."""
+    from lightning_gem.ops.mx import dequantize, quantize
+    from lightning_gem.ops.pointwise.impl.triton.kernels import norm_mul_backward, norm_mul_forward
+
+    torch.manual_seed(0)
+    layer = kind == "layer"
+    x = (torch.randn(rows, width, device=device) * 3).to(dtype)
+    gate = torch.randn(rows, width, device=device).to(dtype) if gated else None
+    weight, bias = torch.randn(width, device=device), torch.randn(width, device=device) if layer else None
+    y, mean, rstd, copy = norm_mul_forward(x, gate, weight, bias, 1e-5, layer, save_fp8=True)
+    y_ref, mean_ref, rstd_ref = norm_mul_forward(x, gate, weight, bias, 1e-5, layer)
+    assert torch.equal(y, y_ref) and torch.equal(mean, mean_ref) and torch.equal(rstd, rstd_ref)
+    q, _ = quantize(x, "mx")
+    assert torch.equal(copy.codes.view(torch.uint8), q.data.view(torch.uint8)) and torch.equal(copy.scales, q.scale)
+    grad = torch.randn_like(y)
+    got = norm_mul_backward(grad, copy, gate, weight, bias, mean, rstd, layer)
+    expected = norm_mul_backward(grad, dequantize(q, dtype), gate, weight, bias, mean, rstd, layer)
+    assert got[0].dtype == dtype
+    for a, b in zip(got, expected, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
 def test_silu_split_bias_fp32_beside_16bit_x(device: str) -> None:
     """A float32 bias (a Linear's parameter) with a 16-bit ``x`` (its autocast output): the parts in ``x``'s dtype,
     the bias's gradient in float32."""

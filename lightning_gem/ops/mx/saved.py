@@ -78,7 +78,7 @@ def saves_quantized(t: Tensor) -> QuantizedSavedTensors | None:
     """The open context that would store ``t`` in MXFP8 (RCEIL blocks of 32 along its last dim) if an op saved it
     now, or None: the innermost saved-tensor hooks are that context's and ``t`` is an activation it quantizes. An op
     that writes ``t``'s MX copy itself, from a read it makes anyway, saves the copy instead (codes and scales are
-    stored as they are) and reports it with :meth:`QuantizedSavedTensors.count`."""
+    stored as they are) and reports it with :meth:`QuantizedSavedTensors.stored_as`."""
     if not _ACTIVE or torch.compiler.is_compiling():
         return None
     context = _ACTIVE[-1]
@@ -246,11 +246,20 @@ class QuantizedSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         self._outer = None
         super().__exit__(*exc)
 
-    def count(self, t: Tensor, codes: Tensor, scales: Tensor) -> None:
-        """Add ``t``, stored by an op as its MX copy ``codes, scales`` (see :func:`saves_quantized`), to the stats."""
+    def stored_as(self, t: Tensor, codes: Tensor, scales: Tensor) -> None:
+        """``t`` is stored by an op as its MX copy ``codes [..., C], scales [..., C / 32]`` (see
+        :func:`saves_quantized`): count it, and let another save of ``t`` in this context take that copy."""
+        width = t.shape[-1]
+        packed = _Quantized(codes.view(-1, width), scales.view(-1, width // 32), t.shape, t.dtype, None)
+        storage = t.untyped_storage()
+        self._seen[self._key(t)] = (StorageWeakRef(storage), packed)
         self.stats.tensors += 1
         self.stats.bytes_in += t.numel() * t.element_size()
         self.stats.bytes_out += codes.numel() * codes.element_size() + scales.numel() * scales.element_size()
+
+    @staticmethod
+    def _key(t: Tensor) -> tuple:
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
 
     def _eligible(self, t: Tensor) -> bool:
         return (
@@ -274,7 +283,7 @@ class QuantizedSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         if not self._eligible(t):
             return t if outer is None else _Outer(outer[0](t), outer[1])
         storage = t.untyped_storage()
-        key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
+        key = self._key(t)
         seen = self._seen.get(key)
         if seen is not None and not seen[0].expired():  # the same tensor again (a freed one's address: expired)
             seen[1].pending += 1

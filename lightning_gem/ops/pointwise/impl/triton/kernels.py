@@ -59,6 +59,21 @@ def _x_tile(X, CODES, SCALES, rows, row_ok, start, width, P: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _store_mx_tile(CODES, SCALES, x, rows, row_ok, start, width, P: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_P: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
+    """Store fp32 tile ``x`` (zeros outside) as its MX copy (RCEIL blocks of 32 along the row), the layout
+    :func:`_x_tile` reads."""
+    cols = tl.arange(0, BLOCK_P)
+    mask = row_ok[:, None] & (cols < P)[None, :]
+    q, exponent, nonfinite = _quantize_rows(x, BLOCK_R, BLOCK_P, 32, True, EXACT)
+    tl.store(CODES + rows[:, None] * width + start + cols[None, :], q.to(tl.uint8, bitcast=True), mask=mask)
+    blocks = tl.arange(0, BLOCK_P // 32)
+    scale_mask = row_ok[:, None] & (blocks < P // 32)[None, :]
+    scales = _scale_value(exponent, nonfinite, True)
+    tl.store(SCALES + rows[:, None] * (width // 32) + start // 32 + blocks[None, :], scales, mask=scale_mask)
+
+
+@triton.jit
 def _silu_part_forward(
     X, BIAS, OUT, CODES, SCALES, rows, groups_R, row_ok, start, width, P: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr, SAVE_FP8: tl.constexpr, FROM_FP8: tl.constexpr, EXACT: tl.constexpr,
@@ -66,13 +81,8 @@ def _silu_part_forward(
     cols = tl.arange(0, BLOCK_P)
     mask = row_ok[:, None] & (cols < P)[None, :]
     x = _x_tile(X, CODES, SCALES, rows, row_ok, start, width, P, BLOCK_R, BLOCK_P, FROM_FP8)
-    if SAVE_FP8:  # x's MX copy (RCEIL blocks of 32 along the row) from the same read
-        q, exponent, nonfinite = _quantize_rows(x, BLOCK_R, BLOCK_P, 32, True, EXACT)
-        tl.store(CODES + rows[:, None] * width + start + cols[None, :], q.to(tl.uint8, bitcast=True), mask=mask)
-        blocks = tl.arange(0, BLOCK_P // 32)
-        scale_mask = row_ok[:, None] & (blocks < P // 32)[None, :]
-        scales = _scale_value(exponent, nonfinite, True)
-        tl.store(SCALES + rows[:, None] * (width // 32) + start // 32 + blocks[None, :], scales, mask=scale_mask)
+    if SAVE_FP8:  # x's MX copy from the same read
+        _store_mx_tile(CODES, SCALES, x, rows, row_ok, start, width, P, BLOCK_R, BLOCK_P, EXACT)
     if BIAS is not None:
         x += tl.load(BIAS + groups_R[:, None] * width + start + cols[None, :], mask=mask).to(tl.float32)
     y = x * tl.sigmoid(x)
@@ -222,15 +232,19 @@ def _normalize(x, row_ok, col_ok, N: tl.constexpr, eps, LAYER: tl.constexpr):
 @triton.jit(do_not_specialize=["num_rows"])
 def _norm_mul_fwd_kernel(
     X, GATE, WEIGHT, BIAS, Y, MEAN, RSTD,  # [R, N], [R, N] or None, [N], [N], [R, N], [R], [R]
+    CODES, SCALES,  # SAVE_FP8: x's MX copy, [R, N] bytes and [R, N / 32] biased exponents
     num_rows, eps,
     N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, LAYER: tl.constexpr,
+    SAVE_FP8: tl.constexpr = False, EXACT: tl.constexpr = False,
 ):  # fmt: skip
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < num_rows, cols < N
     mask = row_ok[:, None] & col_ok[None, :]
     offsets = rows[:, None] * N + cols[None, :]
-    x = tl.load(X + offsets, mask=mask).to(tl.float32)
+    x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+    if SAVE_FP8:
+        _store_mx_tile(CODES, SCALES, x, rows, row_ok, 0, N, N, BLOCK_R, BLOCK_N, EXACT)
     xhat, mean, rstd = _normalize(x, row_ok, col_ok, N, eps, LAYER)
     y = xhat
     if WEIGHT is not None:
@@ -249,8 +263,9 @@ def _norm_mul_fwd_kernel(
 def _norm_mul_bwd_kernel(
     GRAD, X, GATE, WEIGHT, BIAS, MEAN, RSTD, DX, DGATE, DW_PART, DB_PART,  # [R, N] x 3, [N] x 2, [R] x 2, [R, N] x 2,
     DRES,  # [G, N] x 2 (G programs; GATE and DGATE None without a gate); [R, N] or None
+    CODES, SCALES,  # FROM_FP8: x's MX copy, read instead of X
     num_rows, num_tiles,
-    N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, LAYER: tl.constexpr,
+    N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, LAYER: tl.constexpr, FROM_FP8: tl.constexpr = False,
 ):  # fmt: skip
     """Persistent programs over row tiles: each accumulates its share of the weight's (and bias's) gradient in
     registers and writes it once, to row ``program_id`` of ``DW_PART`` (``DB_PART``); the launcher sums them.
@@ -269,7 +284,7 @@ def _norm_mul_bwd_kernel(
         row_ok = rows < num_rows
         mask = row_ok[:, None] & col_ok[None, :]
         offsets = rows[:, None] * N + cols[None, :]
-        x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+        x = _x_tile(X, CODES, SCALES, rows, row_ok, 0, N, N, BLOCK_R, BLOCK_N, FROM_FP8)
         rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
         if LAYER:
             x = x - tl.load(MEAN + rows, mask=row_ok, other=0.0)[:, None]
@@ -421,21 +436,34 @@ def norm_mul_forward(
     eps: float,
     layer: bool,
     out_dtype: torch.dtype | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+    *,
+    save_fp8: bool = False,
+) -> tuple[Tensor, ...]:
     """``(norm(x) * gate, mean [R] fp32 (empty for RMSNorm), rstd [R] fp32)`` of contiguous ``[..., N]`` tensors
-    (``R`` rows of ``N``); ``norm(x)`` alone without a gate, in ``out_dtype`` (None: ``x``'s)."""
+    (``R`` rows of ``N``); ``norm(x)`` alone without a gate, in ``out_dtype`` (None: ``x``'s). ``save_fp8``: an
+    :class:`MXRows` copy of ``x`` from the same read comes fourth (``N`` a multiple of 32)."""
     n = x_RN.shape[-1]
+    if save_fp8 and n % 32:
+        raise ValueError(f"an MX copy needs rows of a multiple of 32 columns, got {n}")
     num_rows = x_RN.numel() // n
     y = torch.empty_like(x_RN, dtype=out_dtype)
     rstd = x_RN.new_empty(num_rows, dtype=torch.float32)
     mean = x_RN.new_empty(num_rows if layer else 0, dtype=torch.float32)
-    if num_rows == 0:
-        return y, mean, rstd
-    block_n = next_power_of_2(n)
-    block_r = _tile_rows(block_n)
-    args = (x_RN, gate_RN, weight, bias, y, mean if layer else rstd, rstd, num_rows, eps, n, block_n, block_r, layer)
-    launch(_norm_mul_fwd_kernel, (cdiv(num_rows, block_r),), args, {"num_warps": tile_warps(block_n * block_r)})
-    return y, mean, rstd
+    copy = None
+    if save_fp8:
+        scales = x_RN.new_empty(*x_RN.shape[:-1], n // 32, dtype=torch.uint8)
+        copy = MXRows(torch.empty_like(x_RN, dtype=torch.float8_e4m3fn), scales, x_RN.dtype)
+    if num_rows:
+        block_n = next_power_of_2(n)
+        block_r = _tile_rows(block_n)
+        codes, scales = (copy.codes.view(torch.uint8), copy.scales) if copy is not None else (x_RN, x_RN)
+        args = (
+            x_RN, gate_RN, weight, bias, y, mean if layer else rstd, rstd, codes, scales, num_rows, eps, n, block_n,
+            block_r, layer,
+        )  # fmt: skip
+        meta = {"SAVE_FP8": save_fp8, "EXACT": _EXACT, "num_warps": tile_warps(block_n * block_r)}
+        launch(_norm_mul_fwd_kernel, (cdiv(num_rows, block_r),), args, meta)
+    return (y, mean, rstd) if copy is None else (y, mean, rstd, copy)
 
 
 @functools.cache
@@ -450,7 +478,7 @@ def _resident_programs(x: Tensor) -> int:
 
 def norm_mul_backward(
     grad_RN: Tensor,
-    x_RN: Tensor,
+    x_RN: Tensor | MXRows,
     gate_RN: Tensor | None,
     weight: Tensor | None,
     bias: Tensor | None,
@@ -461,10 +489,13 @@ def norm_mul_backward(
 ) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
     """``(dx, dgate, dweight, dbias)`` of :func:`norm_mul_forward` (``dx`` in ``x``'s dtype whatever ``grad``'s; the
     last three None without a gate / weight / bias). ``grad_residual`` (``x``'s shape): added into ``dx`` by the same
-    kernel, as a gradient of ``x`` from another branch."""
+    kernel, as a gradient of ``x`` from another branch. ``x`` may be an :class:`MXRows` copy, read in its place."""
+    copy = x_RN if isinstance(x_RN, MXRows) else None
+    if copy is not None:
+        x_RN = copy.codes
     n = x_RN.shape[-1]
     num_rows = x_RN.numel() // n
-    dx = torch.empty_like(x_RN)
+    dx = torch.empty_like(x_RN, dtype=copy.dtype if copy is not None else x_RN.dtype)
     dgate = None if gate_RN is None else torch.empty_like(gate_RN)
     block_n = next_power_of_2(n)
     block_r = _tile_rows(block_n, max_rows=32)
@@ -477,11 +508,13 @@ def norm_mul_backward(
     # Every program writes its whole row of partial sums (zeros where it met no tile).
     dw_part = x_RN.new_empty(programs, n, dtype=torch.float32) if weight is not None else None
     db_part = x_RN.new_empty(programs, n, dtype=torch.float32) if bias is not None else None
+    codes, scales = (x_RN.view(torch.uint8), copy.scales) if copy is not None else (x_RN, x_RN)
     args = (
         grad_RN.contiguous(), x_RN, gate_RN, weight, bias, mean if layer else rstd, rstd, dx, dgate, dw_part, db_part,
-        grad_residual, num_rows, num_tiles, n, block_n, block_r, layer,
+        grad_residual, codes, scales, num_rows, num_tiles, n, block_n, block_r, layer,
     )  # fmt: skip
-    launch(_norm_mul_bwd_kernel, (programs,), args, {"num_warps": tile_warps(block_n * block_r)})
+    meta = {"FROM_FP8": copy is not None, "num_warps": tile_warps(block_n * block_r)}
+    launch(_norm_mul_bwd_kernel, (programs,), args, meta)
     dw = dw_part.sum(0).to(weight.dtype) if weight is not None else None
     db = db_part.sum(0).to(bias.dtype) if bias is not None else None
     return dx, dgate, dw, db

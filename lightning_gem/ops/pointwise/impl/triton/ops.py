@@ -126,7 +126,7 @@ class _SiluSplitEager(torch.autograd.Function):
             save_derived(parts, x, functools.partial(silu_split_forward, sizes=sizes, bias=bias))
             return parts
         *parts, copy = silu_split_forward(x, sizes, bias, save_fp8=True)
-        saver.count(x, copy.codes, copy.scales)
+        saver.stored_as(x, copy.codes, copy.scales)
         ctx.save_for_backward(copy.codes, copy.scales, bias)  # FP8 codes and uint8 scales: stored as they are
         ctx.mx_dtype = x.dtype
         recompute = functools.partial(_silu_split_from_codes, scales=copy.scales, dtype=x.dtype, sizes=sizes, bias=bias)
@@ -149,20 +149,41 @@ def _silu_split_from_codes(codes: Tensor, scales: Tensor, dtype: torch.dtype, si
     return silu_split_forward(MXRows(codes, scales, dtype), sizes, bias)
 
 
+def _norm_forward_saving(ctx, x: Tensor, gate, weight, bias, eps: float, layer: bool, out_dtype) -> tuple:
+    """The norm's forward, saving ``x`` for its backward as its MX copy written by the same kernel where a
+    :class:`~lightning_gem.ops.mx.saved.QuantizedSavedTensors` context would store ``x`` in MXFP8 anyway
+    (:func:`_saved_x` reads it back); ``(y, mean, rstd)``."""
+    saver = saves_quantized(x) if x.shape[-1] % 32 == 0 else None
+    if saver is None:
+        y, mean, rstd = norm_mul_forward(x, gate, weight, bias, eps, layer, out_dtype)
+        ctx.save_for_backward(x, None, gate, weight, bias, mean, rstd)
+        ctx.mx_dtype = None
+        return y, mean, rstd
+    y, mean, rstd, copy = norm_mul_forward(x, gate, weight, bias, eps, layer, out_dtype, save_fp8=True)
+    saver.stored_as(x, copy.codes, copy.scales)
+    ctx.save_for_backward(copy.codes, copy.scales, gate, weight, bias, mean, rstd)
+    ctx.mx_dtype = x.dtype
+    return y, mean, rstd
+
+
+def _saved_x(ctx) -> tuple:
+    """``(x or its MXRows copy, gate, weight, bias, mean, rstd)`` as :func:`_norm_forward_saving` saved them."""
+    x, scales, *rest = ctx.saved_tensors
+    return (x if ctx.mx_dtype is None else MXRows(x, scales, ctx.mx_dtype), *rest)
+
+
 class _NormMulEager(torch.autograd.Function):
     """The op and its autograd formula without the custom-op dispatch, for plain eager calls."""
 
     @staticmethod
     def forward(ctx, x, gate, weight, bias, eps, layer, out_dtype):
-        y, mean, rstd = norm_mul_forward(x, gate, weight, bias, eps, layer, out_dtype)
-        ctx.save_for_backward(x, gate, weight, bias, mean, rstd)
         ctx.layer = layer
-        return y
+        return _norm_forward_saving(ctx, x, gate, weight, bias, eps, layer, out_dtype)[0]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
-        x, gate, weight, bias, mean, rstd = ctx.saved_tensors
+        x, gate, weight, bias, mean, rstd = _saved_x(ctx)
         dx, dgate, dw, db = norm_mul_backward(grad_y, x, gate, weight, bias, mean, rstd, ctx.layer)
         return dx, dgate, dw, db, None, None, None
 
@@ -174,8 +195,7 @@ class _NormResidualEager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps, layer, out_dtype):
-        y, mean, rstd = norm_mul_forward(x, None, weight, bias, eps, layer, out_dtype)
-        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        y, _, _ = _norm_forward_saving(ctx, x, None, weight, bias, eps, layer, out_dtype)
         ctx.layer = layer
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
         return y, x
@@ -183,7 +203,7 @@ class _NormResidualEager(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y, grad_x):
-        x, weight, bias, mean, rstd = ctx.saved_tensors
+        x, _, weight, bias, mean, rstd = _saved_x(ctx)
         if grad_y is None:  # only the residual was used
             return grad_x, None, None, None, None, None
         dx, _, dw, db = norm_mul_backward(grad_y, x, None, weight, bias, mean, rstd, ctx.layer, grad_residual=grad_x)
