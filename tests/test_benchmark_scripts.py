@@ -301,6 +301,9 @@ def test_e2e_preset_runs_the_kit_stack_with_uniform_histories(tmp_path: Path) ->
     assert len(exact) == len(fp8) and exact[0] == fp8[0]  # the same first forward; FP8 changes backwards only
     assert results["kit-2"]["losses"] == exact  # the CPU path is deterministic: run again, the same losses
     assert results["kit-seed"]["losses"][0] != exact[0]  # other initial weights, the same batches
+    stats = results["kit-fp8-saved"]["saved_activations"]  # what the layers stored in FP8 and recomputed, a step
+    assert stats["tensors"] > 0 and 0 < stats["gib_fp8"] < stats["gib_in"] / 1.9 and stats["recomputed"] > 0
+    assert "recomputed" in summary and "saved_activations" not in results["kit"]
 
 
 @pytest.mark.slow

@@ -183,6 +183,7 @@ def run_stack(
         torch.cuda.reset_peak_memory_stats()
     trainer.fit(model, datamodule=data)
     step_s = clock.median_interval(skip=args.warmup)
+    saved_stats = _saved_activation_stats(model, args.warmup + args.steps) if saved else {}
     from lightning_gem.ops.attention.impl.triton._tuning import chosen_tiles
     from lightning_gem.ops.mx.impl.triton._common import chosen_configs
 
@@ -202,6 +203,21 @@ def run_stack(
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
         **({"shares": shares} if shares else {}),
         **({"graph_signatures": graphs} if graphs else {}),
+        **({"saved_activations": saved_stats} if saved_stats else {}),
+    }
+
+
+def _saved_activation_stats(model: torch.nn.Module, steps: int) -> dict[str, float]:
+    """What the quantized saved-activation contexts of ``model``'s layers stored, a step (GiB): the tensors stored
+    in FP8 in their own dtype and as codes and scales, and the tensors recomputed instead of stored."""
+    stats = [m.saved_activation_stats for m in model.modules() if getattr(m, "saved_activation_stats", None)]
+    per_step = 2**30 * max(steps, 1)
+    return {
+        "tensors": sum(s.tensors for s in stats) / max(steps, 1),
+        "gib_in": sum(s.bytes_in for s in stats) / per_step,
+        "gib_fp8": sum(s.bytes_out for s in stats) / per_step,
+        "recomputed": sum(s.recomputed for s in stats) / max(steps, 1),
+        "gib_recomputed": sum(s.bytes_recomputed for s in stats) / per_step,
     }
 
 
@@ -245,7 +261,14 @@ def _saved_activation_summary(results: dict[str, dict]) -> str:
         if stack in results:
             worst, mean = _gaps(exact["losses"], results[stack]["losses"])
             line += f" {stack} {worst:.4g}, {mean:.4g}, {_late_loss(results[stack]['losses']):.4f};"
-    return f"{line} kit's late loss {_late_loss(exact['losses']):.4f}"
+    line += f" kit's late loss {_late_loss(exact['losses']):.4f}"
+    stats = fp8.get("saved_activations")
+    if stats:
+        line += (
+            f"; a step stored {stats['tensors']:.0f} tensors in FP8 ({stats['gib_in']:.2f} GiB as"
+            f" {stats['gib_fp8']:.2f} GiB) and recomputed {stats['recomputed']:.0f} ({stats['gib_recomputed']:.2f} GiB)"
+        )
+    return line
 
 
 def useful_flops_per_step(source: SyntheticRankingSource, args: argparse.Namespace) -> float:
