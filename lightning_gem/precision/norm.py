@@ -90,13 +90,21 @@ class _FusedNormFn(torch.autograd.Function):
         )  # fmt: skip
         mean = out.mean if out.mean is not None else out.rstd.new_empty(0)
         ctx.mark_non_differentiable(out.q.data, out.q.scale, out.rstd, mean)
-        ctx.save_for_backward(x, weight, out.rstd, out.mean)
-        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight, bias, out.rstd, out.mean)
+        ctx.kind = kind
         return out.y, out.q.data, out.q.scale, out.rstd, mean
 
     @staticmethod
     def backward(ctx, grad_y, *_):
-        x, weight, rstd, mean = ctx.saved_tensors
+        x, weight, bias, rstd, mean = ctx.saved_tensors
+        if _norm_kernels_run(x):  # one pass for dx and the weight's and bias's partial sums
+            from lightning_gem.ops.pointwise.impl.triton.kernels import norm_mul_backward
+
+            layer = ctx.kind == "layer"
+            grad_x, _, grad_w, grad_b = norm_mul_backward(
+                grad_y, x.contiguous(), None, weight, bias, mean if layer else rstd.new_empty(0), rstd, layer
+            )
+            return grad_x, grad_w, grad_b, None, None, None, None, None
         xhat = x.float()
         if mean is not None:
             xhat = xhat - mean[:, None]
@@ -108,5 +116,13 @@ class _FusedNormFn(torch.autograd.Function):
             grad_x = grad_x - dxhat.mean(dim=1, keepdim=True)
         grad_x = (grad_x * rstd[:, None]).to(x.dtype)
         grad_w = (dy * xhat).sum(0).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
-        grad_b = dy.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_b = dy.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
         return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+def _norm_kernels_run(x: Tensor) -> bool:
+    """Whether the pointwise Triton kernels run on ``x``'s device (CUDA, or any under Triton's interpreter)."""
+    from lightning_gem.ops._launch import is_interpreted
+    from lightning_gem.ops.pointwise.impl.triton.kernels import _norm_mul_bwd_kernel
+
+    return x.is_cuda or is_interpreted(_norm_mul_bwd_kernel)

@@ -62,6 +62,38 @@ def test_fused_norm_is_the_unfused_computation(backend: str) -> None:
     torch.testing.assert_close(fused[0].weight.grad, unfused[0].weight.grad, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("norm", [nn.RMSNorm(96), nn.LayerNorm(96), nn.LayerNorm(96, bias=False)], ids=repr)
+def test_fused_norm_backward_kernel_is_the_eager_formula(norm: nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused norm's backward in one kernel pass (CUDA, or Triton's interpreter) gives the eager formula's
+    gradients: input, weight and bias, an fp32 residual stream under a bf16 output."""
+    import lightning_gem.precision.norm as mx_norm
+
+    if not mx_norm._norm_kernels_run(torch.empty(0, device=DEVICE)):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        norm.weight.normal_()
+        if getattr(norm, "bias", None) is not None:
+            norm.bias.normal_()
+    reference = nn.Sequential(norm, nn.Linear(96, 64)).to(DEVICE)
+    x, grad = torch.randn(130, 96, device=DEVICE) * 3 + 1, torch.randn(130, 64, device=DEVICE)
+
+    def grads() -> list[torch.Tensor]:
+        model = convert(copy.deepcopy(reference), MXConfig(backend="mx_emulated"))
+        assert isinstance(model[0], (mx_norm.MXRMSNorm, mx_norm.MXLayerNorm))
+        xi = x.clone().requires_grad_()
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            out = model(xi)
+        out.float().backward(grad)
+        return [xi.grad, *(p.grad for p in model[0].parameters())]
+
+    kernel = grads()
+    monkeypatch.setattr(mx_norm, "_norm_kernels_run", lambda x: False)
+    for a, b in zip(kernel, grads(), strict=True):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_fused_norm_output_read_elsewhere_stays_correct() -> None:
     class Branchy(nn.Module):
         def __init__(self) -> None:
