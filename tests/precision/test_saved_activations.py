@@ -218,6 +218,26 @@ def test_hstu_layer_saves_the_mx_copies_its_pointwise_kernels_wrote(monkeypatch:
     assert fused.saved_activation_stats.recomputed == 4
 
 
+def test_a_copy_an_op_stored_serves_the_other_saves_of_its_tensor() -> None:
+    x = torch.randn(32, 64, requires_grad=True)
+    with QuantizedSavedTensors(min_elements=0) as saved:
+        h = x * 1.0
+        q, _ = quantize(h.detach(), "mx")
+        saved.stored_as(h, q.data, q.scale)  # as an op that wrote h's copy and saved it would
+        y = (h * h).sum()  # saves h twice: both take the copy, nothing quantized again
+    y.backward()
+    assert saved.stats.tensors == 1 and saved.stats.bytes_out == 32 * 64 + 32 * 2
+    torch.testing.assert_close(x.grad, 2 * _fp8_roundtrip(x.detach()), rtol=0, atol=0)
+    seen: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
+        with QuantizedSavedTensors(min_elements=0) as saved:
+            h = x * 1.0
+            saved.stored_as(h, q.data, q.scale)
+            (h * h).sum()
+    assert saved.stats.tensors == 2  # under outer hooks the other saves quantize by themselves: those hooks see them
+    assert [t.dtype for t in seen].count(torch.float8_e4m3fn) == 1
+
+
 def test_saves_quantized_only_where_the_context_stores_the_tensor() -> None:
     x = torch.randn(64, 64, requires_grad=True) * 1.0
     assert saves_quantized(x) is None  # no context

@@ -248,11 +248,12 @@ class QuantizedSavedTensors(torch.autograd.graph.saved_tensors_hooks):
 
     def stored_as(self, t: Tensor, codes: Tensor, scales: Tensor) -> None:
         """``t`` is stored by an op as its MX copy ``codes [..., C], scales [..., C / 32]`` (see
-        :func:`saves_quantized`): count it, and let another save of ``t`` in this context take that copy."""
-        width = t.shape[-1]
-        packed = _Quantized(codes.view(-1, width), scales.view(-1, width // 32), t.shape, t.dtype, None)
-        storage = t.untyped_storage()
-        self._seen[self._key(t)] = (StorageWeakRef(storage), packed)
+        :func:`saves_quantized`): count it, and let another save of ``t`` in this context take that copy (where no
+        outer hooks are chained: those see what each save stores)."""
+        if self._outer is None:
+            width = t.shape[-1]
+            packed = _Quantized(codes.view(-1, width), scales.view(-1, width // 32), t.shape, t.dtype, None)
+            self._seen[self._key(t)] = (StorageWeakRef(t.untyped_storage()), packed)
         self.stats.tensors += 1
         self.stats.bytes_in += t.numel() * t.element_size()
         self.stats.bytes_out += codes.numel() * codes.element_size() + scales.numel() * scales.element_size()
