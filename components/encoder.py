@@ -135,10 +135,12 @@ def norm_for_linear(module: nn.Module, x: Tensor, impl: str = "auto") -> Tensor:
 def norm_for_residual(module: nn.Module, x: Tensor, impl: str = "auto") -> tuple[Tensor, Tensor]:
     """``(norm_for_linear(module, x, impl), x)`` for a pre-norm residual block ``x + f(norm(x))``: take the second
     output as the residual. On the fused path the norm is :func:`lightning_gem.ops.pointwise.norm_residual`, whose
-    backward adds the residual's gradient into the norm's in the same kernel."""
+    backward adds the residual's gradient into the norm's in the same kernel; a norm fused with an FP8 Linear's
+    quantization does the same through its ``forward_residual``."""
     fused = _fused_norm(module, x)
     if fused is None:
-        return module(x), x
+        forward_residual = getattr(module, "forward_residual", None)  # an FP8 Linear's fused norm adds it too
+        return forward_residual(x) if forward_residual is not None else (module(x), x)
     kind, bias, dtype = fused
     return norm_residual(x, module.weight, bias, eps=module.eps, kind=kind, out_dtype=dtype, impl=impl)
 

@@ -31,18 +31,32 @@ class _FusedNormMixin:
 
     @torch.compiler.disable  # eager under torch.compile, as MXLinear.forward (whose input it hands over)
     def forward(self, input: Tensor) -> Tensor:
+        out = self._fused(input, residual=False)
+        return super().forward(input) if out is None else out[0]
+
+    @torch.compiler.disable
+    def forward_residual(self, input: Tensor) -> tuple[Tensor, Tensor]:
+        """``(norm(input), input)`` for a pre-norm residual block ``x + f(norm(x))``: take the second output as the
+        residual. Fused, its gradient comes to the norm's backward, which adds it into ``dx`` as it writes it (where
+        autograd would sum the two gradients of ``input`` in a pass of its own)."""
+        out = self._fused(input, residual=True)
+        return (self(input), input) if out is None else out
+
+    def _fused(self, input: Tensor, residual: bool) -> tuple[Tensor, ...] | None:
+        """The fused norm's ``(y,)`` (``(y, input)`` with ``residual``), its quantized ``y`` handed to the consumer;
+        None where the consumer cannot take it."""
         consumer = self._consumer()
         if consumer is None or not torch.is_grad_enabled() or input.shape[-1] != consumer.in_features:
-            return super().forward(input)
+            return None
         plan = resolve_plan(consumer.mx_config, input.device)
         if consumer.mx_hadamard or not consumer._eligible(plan) or input.ndim != 2:
-            return super().forward(input)
+            return None
         device_type = input.device.type
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else input.dtype
         weight = self.weight if self.elementwise_affine else None
         bias = getattr(self, "bias", None)
         with torch.autocast(device_type, enabled=False):
-            y, q_data, q_scale, rstd, mean = _FusedNormFn.apply(
+            y, q_data, q_scale, rstd, mean, *passed = _FusedNormFn.apply(
                 input,
                 weight,
                 bias,
@@ -51,12 +65,13 @@ class _FusedNormMixin:
                 plan.act_layout,
                 consumer.mx_config.rounding,
                 dtype,
+                residual,
             )
         q = QuantizedTensor(q_data, q_scale, plan.act_layout)
         consumer._handoff = NormHandoff(
             y, q, input, rstd, mean if self.norm_kind == "layer" else None, weight, bias, self.norm_kind
         )
-        return y
+        return (y, *passed)
 
     def _eps(self, dtype: torch.dtype) -> float:
         return torch.finfo(dtype).eps if self.eps is None else float(self.eps)  # nn.RMSNorm's default
@@ -83,7 +98,7 @@ def fuse_norm(norm: nn.Module, consumer: MXLinear) -> nn.Module:
 
 class _FusedNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, kind, eps, layout, rounding, out_dtype):
+    def forward(ctx, x, weight, bias, kind, eps, layout, rounding, out_dtype, residual):
         out = norm_quantize(
             x, weight, bias, kind=kind, eps=eps, layout=layout, rounding=rounding, write_output=True,
             out_dtype=out_dtype,
@@ -92,19 +107,26 @@ class _FusedNormFn(torch.autograd.Function):
         ctx.mark_non_differentiable(out.q.data, out.q.scale, out.rstd, mean)
         ctx.save_for_backward(x, weight, bias, out.rstd, out.mean)
         ctx.kind = kind
-        return out.y, out.q.data, out.q.scale, out.rstd, mean
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
+        # residual: x passed through as a last output; its gradient is added into dx by the backward
+        return (out.y, out.q.data, out.q.scale, out.rstd, mean, *((x,) if residual else ()))
 
     @staticmethod
-    def backward(ctx, grad_y, *_):
+    def backward(ctx, grad_y, *grads):
         x, weight, bias, rstd, mean = ctx.saved_tensors
-        if _norm_kernels_run(x):  # one pass for dx and the weight's and bias's partial sums
+        grad_residual = grads[4] if len(grads) > 4 else None
+        nones = (None,) * 6
+        if grad_y is None:  # only the residual (or nothing) was used
+            return grad_residual, None, None, *nones
+        if _norm_kernels_run(x):  # one pass for dx (the residual's gradient added) and the weight's and bias's sums
             from lightning_gem.ops.pointwise.impl.triton.kernels import norm_mul_backward
 
             layer = ctx.kind == "layer"
             grad_x, _, grad_w, grad_b = norm_mul_backward(
-                grad_y, x.contiguous(), None, weight, bias, mean if layer else rstd.new_empty(0), rstd, layer
-            )
-            return grad_x, grad_w, grad_b, None, None, None, None, None
+                grad_y, x.contiguous(), None, weight, bias, mean if layer else rstd.new_empty(0), rstd, layer,
+                grad_residual=grad_residual,
+            )  # fmt: skip
+            return grad_x, grad_w, grad_b, *nones
         xhat = x.float()
         if mean is not None:
             xhat = xhat - mean[:, None]
@@ -117,7 +139,9 @@ class _FusedNormFn(torch.autograd.Function):
         grad_x = (grad_x * rstd[:, None]).to(x.dtype)
         grad_w = (dy * xhat).sum(0).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
         grad_b = dy.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        if grad_residual is not None:
+            grad_x = grad_x + grad_residual
+        return grad_x, grad_w, grad_b, *nones
 
 
 def _norm_kernels_run(x: Tensor) -> bool:

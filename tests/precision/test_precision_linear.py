@@ -94,6 +94,33 @@ def test_fused_norm_backward_kernel_is_the_eager_formula(norm: nn.Module, monkey
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "eager"])
+def test_fused_norm_takes_the_residual_gradient(kernels: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``forward_residual``: ``x + linear(norm(x))`` with the residual taken from the norm's second output has the
+    gradients of the unfused block (the residual's gradient added into the norm's ``dx`` by its backward), and a
+    residual alone (the norm's output unused) passes its gradient through."""
+    import lightning_gem.precision.norm as mx_norm
+
+    if kernels and not mx_norm._norm_kernels_run(torch.empty(0, device=DEVICE)):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    monkeypatch.setattr(mx_norm, "_norm_kernels_run", lambda x: kernels)
+    reference, fused = _pair(MXConfig(backend="mx_emulated"))
+    unfused = convert(copy.deepcopy(reference), MXConfig(backend="mx_emulated", fuse_norm=False))
+    x0 = torch.randn(120, IN, device=DEVICE) * 3
+
+    def grads(model: nn.Module, residual_only: bool = False) -> list[torch.Tensor]:
+        x = x0.clone().requires_grad_()
+        norm, linear = model[0], model[1]
+        h, r = norm.forward_residual(x) if hasattr(norm, "forward_residual") else (norm(x), x)
+        out = r * 2 if residual_only else r + linear(h)[:, :IN]
+        out.pow(2).sum().backward()
+        return [x.grad, *(p.grad for p in model.parameters() if p.grad is not None)]
+
+    for a, b in zip(grads(fused), grads(unfused), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(grads(copy.deepcopy(fused), True)[0], grads(unfused, True)[0])
+
+
 def test_fused_norm_output_read_elsewhere_stays_correct() -> None:
     class Branchy(nn.Module):
         def __init__(self) -> None:
