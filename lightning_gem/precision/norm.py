@@ -40,7 +40,7 @@ class _FusedNormMixin:
         residual. Fused, its gradient comes to the norm's backward, which adds it into ``dx`` as it writes it (where
         autograd would sum the two gradients of ``input`` in a pass of its own)."""
         out = self._fused(input, residual=True)
-        return (self(input), input) if out is None else out
+        return (super().forward(input), input) if out is None else out
 
     def _fused(self, input: Tensor, residual: bool) -> tuple[Tensor, ...] | None:
         """The fused norm's ``(y,)`` (``(y, input)`` with ``residual``), its quantized ``y`` handed to the consumer;
@@ -105,8 +105,7 @@ class _FusedNormFn(torch.autograd.Function):
         )  # fmt: skip
         mean = out.mean if out.mean is not None else out.rstd.new_empty(0)
         ctx.mark_non_differentiable(out.q.data, out.q.scale, out.rstd, mean)
-        ctx.save_for_backward(x, weight, bias, out.rstd, out.mean)
-        ctx.kind = kind
+        ctx.save_for_backward(x, weight, bias, out.rstd, out.mean)  # a mean: LayerNorm
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
         # residual: x passed through as a last output; its gradient is added into dx by the backward
         return (out.y, out.q.data, out.q.scale, out.rstd, mean, *((x,) if residual else ()))
@@ -121,9 +120,9 @@ class _FusedNormFn(torch.autograd.Function):
         if _norm_kernels_run(x):  # one pass for dx (the residual's gradient added) and the weight's and bias's sums
             from lightning_gem.ops.pointwise.impl.triton.kernels import norm_mul_backward
 
-            layer = ctx.kind == "layer"
+            layer = mean is not None
             grad_x, _, grad_w, grad_b = norm_mul_backward(
-                grad_y, x.contiguous(), None, weight, bias, mean if layer else rstd.new_empty(0), rstd, layer,
+                grad_y, x.contiguous(), None, weight, bias, mean if layer else rstd, rstd, layer,
                 grad_residual=grad_residual,
             )  # fmt: skip
             return grad_x, grad_w, grad_b, *nones
@@ -145,8 +144,8 @@ class _FusedNormFn(torch.autograd.Function):
 
 
 def _norm_kernels_run(x: Tensor) -> bool:
-    """Whether the pointwise Triton kernels run on ``x``'s device (CUDA, or any under Triton's interpreter)."""
-    from lightning_gem.ops._launch import is_interpreted
-    from lightning_gem.ops.pointwise.impl.triton.kernels import _norm_mul_bwd_kernel
+    """Whether the pointwise ops' ``impl="auto"`` takes their Triton kernels for ``x`` (CUDA floats)."""
+    from lightning_gem.ops._launch import resolve_triton_impl
+    from lightning_gem.ops.pointwise import IMPLS
 
-    return x.is_cuda or is_interpreted(_norm_mul_bwd_kernel)
+    return resolve_triton_impl("auto", IMPLS, x, lambda: None) == "triton"

@@ -44,14 +44,14 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _EXACT: dict[int, weakref.ref] = {}  # id -> tensor marked by save_exact (not a WeakSet: a tensor's == is elementwise)
 _DERIVED: dict[int, tuple[weakref.ref, int, _Derivation, int]] = {}  # part's storage address -> (part, its version,
 # derivation, index)
-_OPEN = [0]  # contexts open in this process: save_exact and save_derived are free otherwise
-_ACTIVE: list[QuantizedSavedTensors] = []  # the open contexts, innermost last
+_ACTIVE: list[QuantizedSavedTensors] = []  # the open contexts, innermost last: save_exact and save_derived are free
+# while there are none
 
 
 def save_exact(*tensors: Tensor | None) -> None:
     """Keep ``tensors`` exact when they are saved inside a :class:`QuantizedSavedTensors` context (a no-op outside
     one). Ops call this on what their backward cannot take rounded, before they save it."""
-    if _OPEN[0] and not torch.compiler.is_compiling():
+    if _ACTIVE and not torch.compiler.is_compiling():
         for t in tensors:
             if t is not None and not _is_exact(t):
                 key = id(t)
@@ -64,7 +64,7 @@ def save_derived(parts: Sequence[Tensor], source: Tensor, recompute: Callable[[T
     storage) is stored as a reference to ``source``'s saved copy, and the backward's first read of any of them
     recomputes all of them from it (without grad), kept until each saved part was read. ``source`` must not change in
     place before it is saved; a changed one (or part) is saved as it is."""
-    if not _OPEN[0] or torch.compiler.is_compiling():
+    if not _ACTIVE or torch.compiler.is_compiling():
         return
     derivation = _Derivation(source, recompute)
     for index, part in enumerate(parts):
@@ -234,13 +234,11 @@ class QuantizedSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         self._outer = top(False) if top is not None else None
         super().__enter__()
         self._open = True
-        _OPEN[0] += 1
         _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
         _ACTIVE.remove(self)
-        _OPEN[0] -= 1
         self._open = False
         self._seen.clear()
         self._outer = None
@@ -253,14 +251,16 @@ class QuantizedSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         if self._outer is None:
             width = t.shape[-1]
             packed = _Quantized(codes.view(-1, width), scales.view(-1, width // 32), t.shape, t.dtype, None)
-            self._seen[self._key(t)] = (StorageWeakRef(t.untyped_storage()), packed)
+            storage = t.untyped_storage()
+            self._seen[self._key(t, storage)] = (StorageWeakRef(storage), packed)
         self.stats.tensors += 1
         self.stats.bytes_in += t.numel() * t.element_size()
         self.stats.bytes_out += codes.numel() * codes.element_size() + scales.numel() * scales.element_size()
 
     @staticmethod
-    def _key(t: Tensor) -> tuple:
-        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
+    def _key(t: Tensor, storage: torch.UntypedStorage) -> tuple:
+        """What identifies a saved tensor's value in :attr:`_seen` (``storage``: ``t``'s)."""
+        return (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
 
     def _eligible(self, t: Tensor) -> bool:
         return (
@@ -284,7 +284,7 @@ class QuantizedSavedTensors(torch.autograd.graph.saved_tensors_hooks):
         if not self._eligible(t):
             return t if outer is None else _Outer(outer[0](t), outer[1])
         storage = t.untyped_storage()
-        key = self._key(t)
+        key = self._key(t, storage)
         seen = self._seen.get(key)
         if seen is not None and not seen[0].expired():  # the same tensor again (a freed one's address: expired)
             seen[1].pending += 1

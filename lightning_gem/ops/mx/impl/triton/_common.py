@@ -47,6 +47,14 @@ def _pow2(exponent):
 
 
 @triton.jit
+def _decode_mx(codes, biased):
+    """fp32 values of MX blocks: ``codes`` (E4M3 as uint8, blocks of 32 along a last dim of their own) times
+    ``2^(biased - 127)`` (``biased``: their E8M0 scales, ``codes``'s shape without that dim; ``0xFF``: a NaN block)."""
+    scale = tl.where(biased == 255, float("nan"), _pow2(biased.to(tl.int32) - 127))
+    return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tl.expand_dims(scale, -1)
+
+
+@triton.jit
 def _round_e4m3(v):
     """fp32 ``v`` in ``[-448, 448]`` rounded to nearest-even on the E4M3 grid, still in fp32.
 

@@ -14,7 +14,7 @@ import triton.language as tl
 from torch import Tensor
 
 from lightning_gem.ops._launch import cdiv, launch
-from lightning_gem.ops.mx.impl.triton._common import _pow2
+from lightning_gem.ops.mx.impl.triton._common import _decode_mx
 
 __all__ = ["dequantize_mx_triton"]
 
@@ -36,12 +36,12 @@ def _dequantize_mx_kernel(
     blocks = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
     in_range = blocks < num_blocks
     offsets = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]
-    codes = tl.load(CODES + offsets, mask=in_range[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    biased = tl.load(SCALES + blocks, mask=in_range, other=127).to(tl.int32)
-    values = codes * _pow2(biased - 127)[:, None]
-    if FP16_OUT:
+    codes = tl.load(CODES + offsets, mask=in_range[:, None], other=0)
+    biased = tl.load(SCALES + blocks, mask=in_range, other=127)
+    values = _decode_mx(codes, biased)
+    if FP16_OUT:  # the clamp may turn a NaN block finite: NaN again after it
         values = tl.minimum(tl.maximum(values, -65504.0), 65504.0)
-    values = tl.where((biased == 255)[:, None], float("nan"), values)  # after the clamp: NaN stays NaN
+        values = tl.where((biased == 255)[:, None], float("nan"), values)
     tl.store(OUT + offsets, values.to(OUT.dtype.element_ty), mask=in_range[:, None])
 
 

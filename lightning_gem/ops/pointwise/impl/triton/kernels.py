@@ -29,7 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from lightning_gem.ops._launch import cdiv, is_interpreted, launch, next_power_of_2
-from lightning_gem.ops.mx.impl.triton._common import _pow2, _quantize_rows, _scale_value
+from lightning_gem.ops.mx.impl.triton._common import _decode_mx, _quantize_rows, _scale_value
 
 __all__ = ["MXRows", "norm_mul_backward", "norm_mul_forward", "silu_split_backward", "silu_split_forward", "tile_warps"]
 
@@ -49,10 +49,9 @@ def _x_tile(X, CODES, SCALES, rows, row_ok, start, width, P: tl.constexpr, BLOCK
         blocks = tl.arange(0, BLOCK_P // 32)
         scale_mask = row_ok[:, None] & (blocks < P // 32)[None, :]
         biased = tl.load(SCALES + rows[:, None] * (width // 32) + start // 32 + blocks[None, :], mask=scale_mask,
-                         other=127).to(tl.int32)  # fmt: skip
-        scale = tl.where(biased == 255, float("nan"), _pow2(biased - 127))
-        x = tl.reshape(codes.to(tl.float8e4nv, bitcast=True).to(tl.float32), (BLOCK_R, BLOCK_P // 32, 32))
-        x = tl.reshape(x * scale[:, :, None], (BLOCK_R, BLOCK_P))
+                         other=127)  # fmt: skip
+        x = _decode_mx(tl.reshape(codes, (BLOCK_R, BLOCK_P // 32, 32)), biased)
+        x = tl.reshape(x, (BLOCK_R, BLOCK_P))
     else:
         x = tl.load(X + rows[:, None] * width + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     return x
@@ -340,6 +339,17 @@ class MXRows(NamedTuple):
     scales: Tensor
     dtype: torch.dtype
 
+    @classmethod
+    def empty_for(cls, x: Tensor) -> MXRows:
+        """An unwritten copy of ``x``'s shape and dtype."""
+        scales = x.new_empty(*x.shape[:-1], x.shape[-1] // 32, dtype=torch.uint8)
+        return cls(torch.empty_like(x, dtype=torch.float8_e4m3fn), scales, x.dtype)
+
+
+def _mx_args(copy: MXRows | None, placeholder: Tensor) -> tuple[Tensor, Tensor]:
+    """The ``CODES, SCALES`` kernel arguments of ``copy`` (codes as bytes), or ``placeholder`` twice without one."""
+    return (copy.codes.view(torch.uint8), copy.scales) if copy is not None else (placeholder, placeholder)
+
 
 _EXACT = is_interpreted(_silu_split_fwd_kernel)  # the interpreter's E4M3 cast is wrong: round in fp32 first
 
@@ -360,18 +370,11 @@ def silu_split_forward(
     num_rows = source.numel() // source.shape[-1]
     lead = source.shape[:-1]
     parts = tuple(source.new_empty(*lead, p, dtype=dtype) for p in sizes)
-    copy = None
-    if save_fp8:
-        copy = MXRows(
-            source.new_empty(source.shape, dtype=torch.float8_e4m3fn),
-            source.new_empty(*lead, source.shape[-1] // 32, dtype=torch.uint8),
-            dtype,
-        )
+    copy = MXRows.empty_for(source) if save_fp8 else None
     if num_rows:
         block_p, block_r, padded = _split_launch(sizes)
         outs = (*parts, source, source, source)[:4]  # a missing part is never written (its size is 0)
-        mx = x_RW if from_fp8 else copy
-        codes, scales = (mx.codes.view(torch.uint8), mx.scales) if mx is not None else (source, source)
+        codes, scales = _mx_args(x_RW if from_fp8 else copy, source)
         args = (source, bias, *outs, codes, scales, num_rows, _bias_groups(source, bias), *padded, block_p, block_r)
         meta = {"SAVE_FP8": save_fp8, "FROM_FP8": from_fp8, "EXACT": _EXACT, "num_warps": 4}
         launch(_silu_split_fwd_kernel, (cdiv(num_rows, block_r),), args, meta)
@@ -403,22 +406,10 @@ def silu_split_backward(
         num_tiles = cdiv(num_rows // groups, block_r)
         programs = max(1, min(num_tiles, _resident_programs(dx) // groups))
     db_part = None if bias is None else dx.new_empty(programs, groups, width, dtype=torch.float32)
-    codes, scales = (source.view(torch.uint8), x_RW.scales) if from_fp8 else (source, source)
+    codes, scales = _mx_args(x_RW if from_fp8 else None, source)
     args = (
-        source,
-        bias,
-        *gs,
-        dx,
-        db_part,
-        codes,
-        scales,
-        num_rows // groups,
-        num_tiles,
-        *padded,
-        block_p,
-        block_r,
-        *has,
-    )
+        source, bias, *gs, dx, db_part, codes, scales, num_rows // groups, num_tiles, *padded, block_p, block_r, *has,
+    )  # fmt: skip
     launch(_silu_split_bwd_kernel, (programs, groups), args, {"FROM_FP8": from_fp8, "num_warps": 4})
     return dx, None if bias is None else db_part.sum(0).to(bias.dtype).view(bias.shape)
 
@@ -449,14 +440,11 @@ def norm_mul_forward(
     y = torch.empty_like(x_RN, dtype=out_dtype)
     rstd = x_RN.new_empty(num_rows, dtype=torch.float32)
     mean = x_RN.new_empty(num_rows if layer else 0, dtype=torch.float32)
-    copy = None
-    if save_fp8:
-        scales = x_RN.new_empty(*x_RN.shape[:-1], n // 32, dtype=torch.uint8)
-        copy = MXRows(torch.empty_like(x_RN, dtype=torch.float8_e4m3fn), scales, x_RN.dtype)
+    copy = MXRows.empty_for(x_RN) if save_fp8 else None
     if num_rows:
         block_n = next_power_of_2(n)
         block_r = _tile_rows(block_n)
-        codes, scales = (copy.codes.view(torch.uint8), copy.scales) if copy is not None else (x_RN, x_RN)
+        codes, scales = _mx_args(copy, x_RN)
         args = (
             x_RN, gate_RN, weight, bias, y, mean if layer else rstd, rstd, codes, scales, num_rows, eps, n, block_n,
             block_r, layer,
@@ -508,7 +496,7 @@ def norm_mul_backward(
     # Every program writes its whole row of partial sums (zeros where it met no tile).
     dw_part = x_RN.new_empty(programs, n, dtype=torch.float32) if weight is not None else None
     db_part = x_RN.new_empty(programs, n, dtype=torch.float32) if bias is not None else None
-    codes, scales = (x_RN.view(torch.uint8), copy.scales) if copy is not None else (x_RN, x_RN)
+    codes, scales = _mx_args(copy, x_RN)
     args = (
         grad_RN.contiguous(), x_RN, gate_RN, weight, bias, mean if layer else rstd, rstd, dx, dgate, dw_part, db_part,
         grad_residual, codes, scales, num_rows, num_tiles, n, block_n, block_r, layer,

@@ -120,7 +120,7 @@ class _SiluSplitEager(torch.autograd.Function):
         ctx.sizes = sizes
         saver = saves_quantized(x) if not any(p % 32 for p in sizes) else None
         if saver is None:
-            ctx.save_for_backward(x, bias)
+            ctx.save_for_backward(x, None, bias)
             ctx.mx_dtype = None
             parts = silu_split_forward(x, sizes, bias)
             save_derived(parts, x, functools.partial(silu_split_forward, sizes=sizes, bias=bias))
@@ -136,11 +136,7 @@ class _SiluSplitEager(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
-        if ctx.mx_dtype is None:
-            x, bias = ctx.saved_tensors
-        else:
-            codes, scales, bias = ctx.saved_tensors
-            x = MXRows(codes, scales, ctx.mx_dtype)
+        x, bias = _saved_input(ctx)
         dx, dbias = silu_split_backward(x, grads, ctx.sizes, bias)
         return dx, None, dbias
 
@@ -152,7 +148,7 @@ def _silu_split_from_codes(codes: Tensor, scales: Tensor, dtype: torch.dtype, si
 def _norm_forward_saving(ctx, x: Tensor, gate, weight, bias, eps: float, layer: bool, out_dtype) -> tuple:
     """The norm's forward, saving ``x`` for its backward as its MX copy written by the same kernel where a
     :class:`~lightning_gem.ops.mx.saved.QuantizedSavedTensors` context would store ``x`` in MXFP8 anyway
-    (:func:`_saved_x` reads it back); ``(y, mean, rstd)``."""
+    (:func:`_saved_input` reads it back); ``(y, mean, rstd)``."""
     saver = saves_quantized(x) if x.shape[-1] % 32 == 0 else None
     if saver is None:
         y, mean, rstd = norm_mul_forward(x, gate, weight, bias, eps, layer, out_dtype)
@@ -166,8 +162,9 @@ def _norm_forward_saving(ctx, x: Tensor, gate, weight, bias, eps: float, layer: 
     return y, mean, rstd
 
 
-def _saved_x(ctx) -> tuple:
-    """``(x or its MXRows copy, gate, weight, bias, mean, rstd)`` as :func:`_norm_forward_saving` saved them."""
+def _saved_input(ctx) -> tuple:
+    """What a forward saved as ``(x, None, *rest)`` or, with ``ctx.mx_dtype``, ``(codes, scales, *rest)``:
+    ``(x or its MXRows copy, *rest)``."""
     x, scales, *rest = ctx.saved_tensors
     return (x if ctx.mx_dtype is None else MXRows(x, scales, ctx.mx_dtype), *rest)
 
@@ -183,7 +180,7 @@ class _NormMulEager(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
-        x, gate, weight, bias, mean, rstd = _saved_x(ctx)
+        x, gate, weight, bias, mean, rstd = _saved_input(ctx)
         dx, dgate, dw, db = norm_mul_backward(grad_y, x, gate, weight, bias, mean, rstd, ctx.layer)
         return dx, dgate, dw, db, None, None, None
 
@@ -203,7 +200,7 @@ class _NormResidualEager(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y, grad_x):
-        x, _, weight, bias, mean, rstd = _saved_x(ctx)
+        x, _, weight, bias, mean, rstd = _saved_input(ctx)
         if grad_y is None:  # only the residual was used
             return grad_x, None, None, None, None, None
         dx, _, dw, db = norm_mul_backward(grad_y, x, None, weight, bias, mean, rstd, ctx.layer, grad_residual=grad_x)
