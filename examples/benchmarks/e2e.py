@@ -358,6 +358,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--out", type=Path, default=None, help="also write the results as JSON here")
     parser.add_argument("--profile-steps", type=int, default=0, help="profile this many last steps of each stack")
     parser.add_argument("--cprofile-steps", type=int, default=0, help="cProfile this many last steps of each stack")
+    parser.add_argument(
+        "--cprofile-dump", type=Path, default=None, help="with --cprofile-steps, also write each stack's stats here"
+    )
     parser.add_argument("--sync-debug", action="store_true", help="list the device syncs of the first timed step")
     preset = parser.parse_known_args(argv)[0].preset
     if preset is not None:

@@ -334,11 +334,13 @@ class CProfileLastSteps(L.Callback):
     """Python's ``cProfile`` over the last ``num_steps`` training steps; prints the functions with the most own
     time and the most cumulative time (what the host does while a host-bound step's GPU waits)."""
 
-    def __init__(self, num_steps: int, last_step: int, label: str, path: Path | None = None) -> None:
+    def __init__(
+        self, num_steps: int, last_step: int, label: str, path: Path | None = None, dump: Path | None = None
+    ) -> None:
         import cProfile
 
         self.first, self.label, self.profiler, self.on = last_step - num_steps, label, cProfile.Profile(), False
-        self.path = path
+        self.path, self.dump = path, dump
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step == self.first and not self.on:
@@ -350,6 +352,9 @@ class CProfileLastSteps(L.Callback):
             return
         self.profiler.disable()
         _emit(cprofile_table(self.profiler, f"{self.label}: cProfile of the last steps", rows=40), self.path)
+        if self.dump is not None:  # the whole profile, for pstats or snakeviz
+            self.dump.parent.mkdir(parents=True, exist_ok=True)
+            self.profiler.dump_stats(self.dump)
 
 
 def cprofile_table(profiler: Any, title: str, rows: int, keys: tuple[str, ...] = ("tottime", "cumulative")) -> str:
@@ -462,7 +467,9 @@ def profiling_callbacks(args: argparse.Namespace, last_step: int, label: str, st
 
     callbacks: list[Any] = []
     if args.cprofile_steps:
-        callbacks.append(CProfileLastSteps(args.cprofile_steps, last_step, label, path(".cprof.txt")))
+        dump = getattr(args, "cprofile_dump", None)
+        dump = None if dump is None else Path(dump) / f"{label}.pstats"
+        callbacks.append(CProfileLastSteps(args.cprofile_steps, last_step, label, path(".cprof.txt"), dump))
     if args.profile_steps:
         callbacks.append(
             ProfileLastSteps(args.profile_steps, last_step, label, path(".prof.txt"), sync_stacks=args.sync_debug)

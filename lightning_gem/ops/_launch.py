@@ -4,12 +4,13 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
+
+from lightning_gem.ops._device import device_capability
 
 __all__ = [
     "cdiv",
@@ -26,12 +27,6 @@ __all__ = [
 ]
 
 _COMPILE_ONLY: ContextVar[bool] = ContextVar("lightning_gem_compile_only", default=False)
-
-
-@functools.cache
-def device_capability(device: torch.device) -> tuple[int, int]:
-    """``torch.cuda.get_device_capability(device)``, read once per device: launchers ask on every call."""
-    return torch.cuda.get_device_capability(device)
 
 
 def plain_eager(args: Sequence[object]) -> bool:

@@ -16,7 +16,8 @@ import weakref
 import torch
 from torch import Tensor, nn
 
-from lightning_gem.ops.mx import QuantizedTensor, norm_quantize
+from lightning_gem.ops.mx import QuantizedTensor, dequantize, norm_quantize
+from lightning_gem.ops.mx.saved import saves_quantized
 from lightning_gem.precision.config import resolve_plan
 from lightning_gem.precision.linear import MXLinear, NormHandoff
 
@@ -99,33 +100,45 @@ def fuse_norm(norm: nn.Module, consumer: MXLinear) -> nn.Module:
 class _FusedNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, kind, eps, layout, rounding, out_dtype, residual):
+        # Where a saved-activation context would store x in MXFP8, the norm's kernel writes that copy from its own
+        # read of x and the backward reads it (the Linear's save of x takes the same copy: stored_as).
+        saver = saves_quantized(x)
         out = norm_quantize(
             x, weight, bias, kind=kind, eps=eps, layout=layout, rounding=rounding, write_output=True,
-            out_dtype=out_dtype,
+            out_dtype=out_dtype, save_input=saver is not None,
         )  # fmt: skip
         mean = out.mean if out.mean is not None else out.rstd.new_empty(0)
         ctx.mark_non_differentiable(out.q.data, out.q.scale, out.rstd, mean)
-        ctx.save_for_backward(x, weight, bias, out.rstd, out.mean)  # a mean: LayerNorm
+        if saver is None:
+            ctx.save_for_backward(x, None, weight, bias, out.rstd, out.mean)  # a mean: LayerNorm
+            ctx.mx_dtype = None
+        else:
+            saver.stored_as(x, out.x_mx.data, out.x_mx.scale)
+            ctx.save_for_backward(out.x_mx.data, out.x_mx.scale, weight, bias, out.rstd, out.mean)
+            ctx.mx_dtype = x.dtype
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
         # residual: x passed through as a last output; its gradient is added into dx by the backward
         return (out.y, out.q.data, out.q.scale, out.rstd, mean, *((x,) if residual else ()))
 
     @staticmethod
     def backward(ctx, grad_y, *grads):
-        x, weight, bias, rstd, mean = ctx.saved_tensors
+        x, scales, weight, bias, rstd, mean = ctx.saved_tensors
         grad_residual = grads[4] if len(grads) > 4 else None
         nones = (None,) * 6
         if grad_y is None:  # only the residual (or nothing) was used
             return grad_residual, None, None, *nones
-        if _norm_kernels_run(x):  # one pass for dx (the residual's gradient added) and the weight's and bias's sums
-            from lightning_gem.ops.pointwise.impl.triton.kernels import norm_mul_backward
+        dtype = x.dtype if ctx.mx_dtype is None else ctx.mx_dtype
+        if _norm_kernels_run(grad_y):  # one pass: dx (the residual's gradient added), the weight's and bias's sums
+            from lightning_gem.ops.pointwise.impl.triton.kernels import MXRows, norm_mul_backward
 
             layer = mean is not None
+            x = x.contiguous() if ctx.mx_dtype is None else MXRows(x, scales, dtype)  # the copy, read in place
             grad_x, _, grad_w, grad_b = norm_mul_backward(
-                grad_y, x.contiguous(), None, weight, bias, mean if layer else rstd, rstd, layer,
-                grad_residual=grad_residual,
-            )  # fmt: skip
+                grad_y, x, None, weight, bias, mean if layer else rstd, rstd, layer, grad_residual=grad_residual
+            )
             return grad_x, grad_w, grad_b, *nones
+        if ctx.mx_dtype is not None:
+            x = dequantize(QuantizedTensor(x, scales, "mx"), dtype)
         xhat = x.float()
         if mean is not None:
             xhat = xhat - mean[:, None]
@@ -135,7 +148,7 @@ class _FusedNormFn(torch.autograd.Function):
         grad_x = dxhat - xhat * (dxhat * xhat).mean(dim=1, keepdim=True)
         if mean is not None:
             grad_x = grad_x - dxhat.mean(dim=1, keepdim=True)
-        grad_x = (grad_x * rstd[:, None]).to(x.dtype)
+        grad_x = (grad_x * rstd[:, None]).to(dtype)
         grad_w = (dy * xhat).sum(0).to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
         grad_b = dy.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
         if grad_residual is not None:
@@ -144,7 +157,8 @@ class _FusedNormFn(torch.autograd.Function):
 
 
 def _norm_kernels_run(x: Tensor) -> bool:
-    """Whether the pointwise ops' ``impl="auto"`` takes their Triton kernels for ``x`` (CUDA floats)."""
+    """Whether the pointwise ops' ``impl="auto"`` takes their Triton kernels for ``x`` (CUDA floats; the norm's
+    backward asks of its incoming gradient, whose device and dtype are its input's or the autocast dtype)."""
     from lightning_gem.ops._launch import resolve_triton_impl
     from lightning_gem.ops.pointwise import IMPLS
 

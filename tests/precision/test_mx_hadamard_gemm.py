@@ -77,6 +77,33 @@ def test_blockwise_rows_pad_with_zero_rows_in_the_scale_layout_cublas_reads() ->
     assert not dense[301:].any()
 
 
+def test_kit_quantizers_leave_room_for_the_padded_rows_cublas_reads() -> None:
+    """The Triton quantizers' 1x128 rows sit in buffers of whole 128-row blocks: padding them is a view (no copy),
+    whose first rows are the quantized rows; other layouts' buffers are exact."""
+    from lightning_gem.ops.mx import norm_quantize
+    from lightning_gem.ops.mx.gemm import _native_scales, _pad_rows
+
+    x = torch.randn(301, 256)
+    for q in (
+        quantize(x, "1x128", impl="triton")[0],
+        norm_quantize(x, torch.rand(256), layout="1x128", impl="triton").q,
+    ):
+        padded = _pad_rows(q, 128)
+        assert padded.shape == (384, 256) and padded.scale.shape == (384, 2)
+        assert padded.data.data_ptr() == q.data.data_ptr() and padded.scale.data_ptr() == q.scale.data_ptr()
+        assert _native_scales(padded).data_ptr() == padded.scale.data_ptr()
+        torch.testing.assert_close(padded.data[:301].float(), q.data.float(), rtol=0, atol=0)
+        torch.testing.assert_close(padded.scale[:301], q.scale, rtol=0, atol=0)
+    reference = quantize(x, "1x128", impl="reference")[0]
+    torch.testing.assert_close(
+        quantize(x, "1x128", impl="triton")[0].dequantize(), reference.dequantize(), rtol=0, atol=0
+    )
+    mx = quantize(x, "mx", impl="triton")[0]
+    assert mx.data.untyped_storage().nbytes() == 301 * 256 and mx.scale.shape == (301, 8)
+    copied = _pad_rows(reference, 128)  # the reference's exact buffers: copied, zero rows appended
+    assert copied.data.data_ptr() != reference.data.data_ptr() and not copied.dequantize()[301:].any()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA GPU")
 @pytest.mark.parametrize(("layout_a", "layout_b"), [("1x128", "128x128"), ("1x128", "1x128"), ("rowwise", "rowwise")])

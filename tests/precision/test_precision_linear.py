@@ -129,6 +129,70 @@ def test_fused_norm_takes_the_residual_gradient(kernels: bool, monkeypatch: pyte
     torch.testing.assert_close(grads(copy.deepcopy(fused), True)[0], grads(unfused, True)[0])
 
 
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "eager"])
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_fused_norm_writes_its_input_copy_for_quantized_saves(
+    kind: str, kernels: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inside a saved-activation context the fused norm writes its input's MX copy from its own read (the norm's
+    and the Linear's saves of the fp32 residual take it: no quantize pass of their own) and its backward reads the
+    copy: the gradients equal, bit for bit, those of the context quantizing the input itself."""
+    import lightning_gem.ops.mx.api as mx_api
+    import lightning_gem.precision.norm as mx_norm
+    from lightning_gem.ops.mx.saved import QuantizedSavedTensors
+
+    if kernels and not _norm_kernels_can_run():
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    monkeypatch.setattr(mx_norm, "_norm_kernels_run", lambda x: kernels)
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.RMSNorm(96) if kind == "rms" else nn.LayerNorm(96), nn.Linear(96, 64)).to(DEVICE)
+    x0, grad = torch.randn(130, 96, device=DEVICE) * 3 + 1, torch.randn(130, 96, device=DEVICE)
+    quantized = []
+    quantize = mx_api.quantize
+    monkeypatch.setattr(
+        mx_api, "quantize", lambda x, layout, **kw: quantized.append(layout) or quantize(x, layout, **kw)
+    )
+
+    def grads() -> tuple[list[torch.Tensor], int]:
+        model = convert(copy.deepcopy(reference), MXConfig(backend="mx_emulated"))
+        x = x0.clone().requires_grad_()
+        quantized.clear()
+        with QuantizedSavedTensors(min_elements=0) as saved, torch.autocast(DEVICE, dtype=torch.bfloat16):
+            h, residual = model[0].forward_residual(x * 1)  # an activation (a leaf would count as a parameter)
+            out = residual + model[1](h).float().repeat(1, 2)[:, :96]
+        out.backward(grad)
+        assert saved.stats.tensors >= 1
+        return [x.grad, *(p.grad for p in model.parameters())], quantized.count("mx")
+
+    written, mx_passes = grads()
+    monkeypatch.setattr(mx_norm, "saves_quantized", lambda x: None)  # the context quantizes x by itself
+    hooked, hook_passes = grads()
+    assert hook_passes == mx_passes + 1  # x's copy came from the norm's kernel, not from a pass of its own
+    for a, b in zip(written, hooked, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_norm_quantize_writes_the_input_copy_the_mx_quantizer_writes() -> None:
+    from lightning_gem.ops.mx import norm_quantize, quantize
+
+    x = torch.randn(70, 160) * torch.logspace(-3, 3, 70)[:, None]
+    x[3, 40] = float("inf")  # a block with a non-finite value: the copy marks it as the quantizer does
+    expected = quantize(x, "mx", rounding="rceil", impl="reference")[0]
+    for impl in ("triton", "reference"):
+        for layout in ("1x128", "mx"):
+            if layout == "1x128":
+                xi = x[:, :128].contiguous()
+                want = quantize(xi, "mx", rounding="rceil", impl="reference")[0]
+            else:
+                xi, want = x, expected
+            out = norm_quantize(xi, torch.rand(xi.shape[1]), layout=layout, save_input=True, impl=impl)
+            assert torch.equal(out.x_mx.data.view(torch.uint8), want.data.view(torch.uint8)), (impl, layout)
+            assert torch.equal(out.x_mx.scale, want.scale), (impl, layout)
+            assert norm_quantize(xi, layout=layout, impl=impl).x_mx is None
+    with pytest.raises(ValueError, match="save_input"):
+        norm_quantize(torch.randn(4, 48), layout="rowwise", save_input=True)
+
+
 def test_fused_norm_output_read_elsewhere_stays_correct() -> None:
     class Branchy(nn.Module):
         def __init__(self) -> None:
@@ -240,16 +304,19 @@ def test_plans(caplog: pytest.LogCaptureFixture) -> None:
 def test_auto_picks_a_tested_path_for_each_device(
     capability: tuple[int, int], recipe: str, backend: str, gemm: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The device's capability as a CUDA device would report it, on any machine; plans are cached per device, so
-    # the cache is emptied around the faked devices.
+    # The device's capability as a CUDA device would report it, on any machine; plans and capabilities are cached
+    # per device, so the caches are emptied around the faked devices.
     import lightning_gem.precision.config as config_module
+    from lightning_gem.ops._device import device_capability
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     config_module._resolve.cache_clear()
+    device_capability.cache_clear()
     try:
         plan = resolve_plan(MXConfig(recipe=recipe), torch.device("cuda", 0))
     finally:
         config_module._resolve.cache_clear()
+        device_capability.cache_clear()
     assert (plan.backend, plan.gemm) == (backend, gemm)
     sm = f"sm_{capability[0]}{capability[1]}"
     assert plan.description.startswith(f"requested {recipe} on {sm}: running {backend.replace('_', '-')}")

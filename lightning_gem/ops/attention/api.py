@@ -7,13 +7,13 @@ HSTU pointwise attention, target-aware candidate attention and BlockAttention ar
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 from torch import Tensor
 
 from lightning_gem import jagged
+from lightning_gem.ops._device import device_capability
 from lightning_gem.ops.attention.impl.reference import ACTIVATIONS
 from lightning_gem.ops.attention.spec import Spec
 
@@ -228,7 +228,8 @@ def resolve_impl(impl: str, q: Tensor) -> str:
     if impl != "auto":
         return impl
     # Triton kernels need a CUDA device of compute capability 8.0+ and fp16/bf16/fp32 inputs.
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16, torch.float32) and _capability(q.device) >= (8, 0):
+    triton_dtype = q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    if q.is_cuda and triton_dtype and device_capability(q.device) >= (8, 0):
         return "triton"
     return "reference"
 
@@ -270,8 +271,8 @@ def _check_precision(precision: str, resolved: str, q: Tensor, v: Tensor) -> Non
         raise ValueError(f"`precision` must be one of {PRECISIONS}, got {precision!r}")
     if resolved not in ("triton", "reference"):
         raise ValueError(f"`precision='fp8'` needs impl='triton', 'reference' or 'auto', got impl={resolved!r}")
-    if resolved == "triton" and q.is_cuda and _capability(q.device) < (8, 9):
-        major, minor = _capability(q.device)
+    if resolved == "triton" and q.is_cuda and device_capability(q.device) < (8, 9):
+        major, minor = device_capability(q.device)
         raise ValueError(
             f"`precision='fp8'` needs FP8 tensor cores (compute capability 8.9+), got {major}.{minor} on {q.device}"
         )
@@ -298,13 +299,6 @@ def _renormalized(
         lengths = lengths[kv_index.to(torch.int64)]
     factor = lengths[jagged.segment_ids(q_offsets, out.shape[0])] / normalization_length
     return out * factor[:, None, None]
-
-
-@functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    # Not lightning_gem.ops._launch.device_capability: importing that module loads torch._dynamo and Triton, which
-    # `import lightning_gem.ops` must not.
-    return torch.cuda.get_device_capability(device)
 
 
 def jagged_flash_attention(q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, **kwargs) -> Tensor:

@@ -38,12 +38,14 @@ class NormQuantized(NamedTuple):
         rstd: ``[R]`` fp32 reciprocal standard deviations (RMS for RMSNorm).
         mean: ``[R]`` fp32 means (LayerNorm) or None.
         y: the ``[R, D]`` normalised output in ``x``'s dtype if ``write_output``, else None.
+        x_mx: ``x`` itself quantized in the ``mx`` layout (RCEIL) if ``save_input``, else None.
     """
 
     q: QuantizedTensor
     rstd: Tensor
     mean: Tensor | None
     y: Tensor | None
+    x_mx: QuantizedTensor | None = None
 
 
 def resolve_impl(impl: str, x: Tensor) -> str:
@@ -179,6 +181,7 @@ def norm_quantize(
     rounding: str = "rceil",
     write_output: bool = False,
     out_dtype: torch.dtype | None = None,
+    save_input: bool = False,
     impl: str = "auto",
 ) -> NormQuantized:
     """RMSNorm or LayerNorm over the last dim of ``[R, D]`` ``x``, its output quantized along ``D`` in one pass.
@@ -194,6 +197,8 @@ def norm_quantize(
         write_output: also return the normalised output.
         out_dtype: dtype the output is rounded to (and returned in); default ``x``'s (under autocast, the
             autocast dtype: the residual stream may be fp32 while the GEMMs read bf16).
+        save_input: also quantize ``x`` itself in the ``mx`` layout with RCEIL rounding from the same read, as
+            :class:`~lightning_gem.ops.mx.saved.QuantizedSavedTensors` would store it (``D`` a multiple of 32).
         impl: ``"auto"``, ``"reference"`` or ``"triton"``.
 
     Returns:
@@ -214,20 +219,24 @@ def norm_quantize(
     block_cols = block_shape(layout, dim)[1]
     if dim == 0 or dim % block_cols:
         raise ValueError(f"`x` must have a positive multiple of {block_cols} features for {layout!r}, got {dim}")
+    if save_input and dim % 32:
+        raise ValueError(f"`save_input` quantizes `x` in blocks of 32 features, got {dim}")
     for name, param in (("weight", weight), ("bias", bias)):
         if param is not None and tuple(param.shape) != (dim,):
             raise ValueError(f"`{name}` must have shape [{dim}] (x's features), got {tuple(param.shape)}")
     if resolve_impl(impl, x) == "triton":
         from lightning_gem.ops.mx.impl.triton import mx_norm_quantize
 
-        q, s, rstd, mean, y = mx_norm_quantize(
-            x.contiguous(), weight, bias, float(eps), kind, layout, rounding, write_output, out_dtype
+        q, s, rstd, mean, y, x_codes, x_scales = mx_norm_quantize(
+            x.contiguous(), weight, bias, float(eps), kind, layout, rounding, write_output, out_dtype, save_input
         )
+        x_mx = QuantizedTensor(x_codes, x_scales, "mx") if save_input else None
         return NormQuantized(
-            QuantizedTensor(q, s, layout), rstd, mean if kind == "layer" else None, y if write_output else None
+            QuantizedTensor(q, s, layout), rstd, mean if kind == "layer" else None, y if write_output else None, x_mx
         )
     y, rstd, mean = norm_reference(x, weight, bias, eps, kind, out_dtype)
-    return NormQuantized(quantize_reference(y, layout, rounding), rstd, mean, y if write_output else None)
+    x_mx = quantize_reference(x, "mx", "rceil") if save_input else None
+    return NormQuantized(quantize_reference(y, layout, rounding), rstd, mean, y if write_output else None, x_mx)
 
 
 def norm_quantize_transposed(

@@ -24,6 +24,7 @@ import logging
 import torch
 from torch import Tensor
 
+from lightning_gem.ops._device import device_capability
 from lightning_gem.ops.mx.formats import QuantizedTensor
 
 __all__ = ["GEMM_BACKENDS", "scaled_mm", "scaled_mm_supported"]
@@ -40,7 +41,7 @@ def scaled_mm_supported(layout_a: str, layout_b: str, device: torch.device) -> b
     """Whether ``torch._scaled_mm`` runs this layout pair on ``device`` (asked at call time)."""
     if device.type != "cuda" or (layout_a, layout_b) not in _NATIVE_PAIRS:
         return False
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = device_capability(device)
     if layout_a == "mx":
         return major >= 10
     if layout_a == "rowwise":
@@ -113,8 +114,21 @@ def scaled_mm(
 
 
 def _pad_rows(q: QuantizedTensor, multiple: int) -> QuantizedTensor:
-    """A ``1x128``-quantized ``[M, K]`` with zero rows (scale 1) appended up to a multiple of ``multiple``."""
-    rows, padded = q.shape[0], -(-q.shape[0] // multiple) * multiple
+    """A ``1x128``-quantized ``[M, K]`` as ``[M', K]``, ``M'`` the next multiple of ``multiple``: the rows past ``M``
+    only make output rows the caller drops. Where the codes' and scales' storage extends that far (the kit's
+    quantizers allocate so: ``row_buffers``), views of it; otherwise a copy with zero rows (scale 1) appended."""
+    (rows, cols), lines = q.shape, q.scale.shape[1]
+    padded = -(-rows // multiple) * multiple
+    data, scale = q.data, q.scale
+    if (
+        data.stride() == (cols, 1)
+        and scale.stride() == (1, padded)  # outer-dim-major, its lines `padded` apart
+        and data.untyped_storage().nbytes() >= (data.storage_offset() + padded * cols) * data.element_size()
+        and scale.untyped_storage().nbytes() >= (scale.storage_offset() + padded * lines) * scale.element_size()
+    ):
+        return QuantizedTensor(
+            data.as_strided((padded, cols), (cols, 1)), scale.as_strided((padded, lines), (1, padded)), q.layout
+        )
     data = q.data.new_zeros(padded, q.shape[1])
     data[:rows] = q.data
     scale = q.scale.new_ones(q.scale.shape[1], padded).t()  # outer-dim-major, as _native_scales passes it

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from lightning_gem.ops._launch import cdiv, is_interpreted, next_power_of_2
 from lightning_gem.ops.mx.impl.triton._common import _quantize_rows, _scale_value, launch_tuned, size_class
-from lightning_gem.ops.mx.impl.triton.quantize import _TL_DTYPES, scale_buffer
+from lightning_gem.ops.mx.impl.triton.quantize import _TL_DTYPES, row_buffers
 
 __all__ = ["norm_quantize_triton"]
 
@@ -32,11 +32,13 @@ __all__ = ["norm_quantize_triton"]
 @triton.jit(do_not_specialize=["num_rows", "stride_s_c", "size_class"])  # stride_s_r depends on D alone
 def _norm_quantize_kernel(
     X, WEIGHT, BIAS, Y, Q, S, RSTD, MEAN,  # [R, D], [D], [D], [R, D], [R, D] fp8, scales, [R], [R]
+    XQ, XS,  # SAVE_X: x's own MX copy, [R, D] fp8 and [R, D / 32] biased E8M0 exponents (uint8)
     num_rows, dim, eps, stride_s_r, stride_s_c,
     size_class,  # autotuning key only
     BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, LAYER: tl.constexpr, WRITE_Y: tl.constexpr, MX: tl.constexpr,
     RCEIL: tl.constexpr, OUT_DTYPE: tl.constexpr, EXACT: tl.constexpr, TILE_R: tl.constexpr, NUM_TILES: tl.constexpr,
     EVEN_D: tl.constexpr,  # dim == BLOCK_D: no padding columns to zero (rows past the end are never stored)
+    SAVE_X: tl.constexpr = False,
 ):  # fmt: skip
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < dim
@@ -55,6 +57,13 @@ def _norm_quantize_kernel(
         mask = row_mask[:, None] & col_mask[None, :]
         offsets = rows[:, None] * dim + cols[None, :]
         x = x_next.to(tl.float32) if EVEN_D else tl.where(mask, x_next.to(tl.float32), 0.0)
+        if SAVE_X:  # x's MX copy (RCEIL blocks of 32) from the same read, for a saved-activation context
+            xq, x_exponent, x_nonfinite = _quantize_rows(x, TILE_R, BLOCK_D, 32, True, EXACT)
+            tl.store(XQ + offsets, xq, mask=mask)
+            x_blocks = tl.arange(0, BLOCK_D // 32)
+            x_scale_mask = row_mask[:, None] & (x_blocks < dim // 32)[None, :]
+            tl.store(XS + rows[:, None] * (dim // 32) + x_blocks[None, :], _scale_value(x_exponent, x_nonfinite, True),
+                     mask=x_scale_mask)  # fmt: skip
         if NUM_TILES > 1:  # the next tile's load is in flight while this one is computed
             next_rows = rows + TILE_R
             next_mask = ((next_rows < num_rows) & (tile + 1 < NUM_TILES))[:, None] & col_mask[None, :]
@@ -96,19 +105,22 @@ def norm_quantize_triton(
     rounding: str = "rceil",
     write_output: bool = False,
     out_dtype: torch.dtype | None = None,
+    save_input: bool = False,
     config: Sequence[int] | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Normalise ``[R, D]`` ``x`` and quantize the result along ``D``; also the body of the custom op
     ``lightning_gem::mx_norm_quantize`` (:mod:`.ops`), whose schema these arguments are.
 
-    ``config``: ``(TILE_R, NUM_TILES, num_warps)`` to launch instead of the tuner's choice (benchmarks time each
-    candidate of :func:`_valid_configs` so).
+    ``save_input``: also write ``x``'s own MX copy (RCEIL, as a saved-activation context stores ``x``; ``D`` a
+    multiple of 32). ``config``: ``(TILE_R, NUM_TILES, num_warps)`` to launch instead of the tuner's choice
+    (benchmarks time each candidate of :func:`_valid_configs` so).
 
     Returns:
-        ``(q [R, D] fp8, scale, rstd [R] fp32, mean [R] fp32, y [R, D])``; scales as
-        :func:`~lightning_gem.ops.mx.impl.triton.quantize.quantize_triton` lays them out; ``mean`` (RMSNorm) and ``y``
-        (without ``write_output``) empty, as an op returns a fixed tuple of tensors. The output is rounded to
-        ``out_dtype`` (default ``x``'s) before quantization.
+        ``(q [R, D] fp8, scale, rstd [R] fp32, mean [R] fp32, y [R, D], x_codes [R, D] fp8, x_scales [R, D / 32]
+        uint8)``; scales as :func:`~lightning_gem.ops.mx.impl.triton.quantize.quantize_triton` lays them out;
+        ``mean`` (RMSNorm), ``y`` (without ``write_output``) and ``x``'s copy (without ``save_input``) empty, as an op
+        returns a fixed tuple of tensors. The output is rounded to ``out_dtype`` (default ``x``'s) before
+        quantization.
     """
     out_dtype = out_dtype or x.dtype
     num_rows, dim = x.shape
@@ -116,25 +128,29 @@ def norm_quantize_triton(
     block_d = next_power_of_2(dim)
     mx = layout == "mx"
     block = {"mx": 32, "1x128": 128, "rowwise": block_d}[layout]
-    q = torch.empty(num_rows, dim, dtype=torch.float8_e4m3fn, device=device)
-    scale = scale_buffer(layout, num_rows, dim // block, device)
+    q, scale = row_buffers(layout, num_rows, dim, device)
     rstd = torch.empty(num_rows, dtype=torch.float32, device=device)
     mean = torch.empty(num_rows, dtype=torch.float32, device=device) if kind == "layer" else None
     y = torch.empty_like(x, dtype=out_dtype) if write_output else None
+    if save_input and dim % 32:
+        raise ValueError(f"`save_input` writes blocks of 32 features: `x` has {dim}")
+    x_codes = torch.empty(num_rows if save_input else 0, dim, dtype=torch.float8_e4m3fn, device=device)
+    x_scales = torch.empty(num_rows if save_input else 0, dim // 32, dtype=torch.uint8, device=device)
     args = (
-        x, weight, bias, y, q, scale, rstd, mean, num_rows, dim, float(eps), *scale.stride(),
-        size_class(num_rows * dim),
+        x, weight, bias, y, q, scale, rstd, mean, x_codes if save_input else None, x_scales if save_input else None,
+        num_rows, dim, float(eps), *scale.stride(), size_class(num_rows * dim),
     )  # fmt: skip
     meta = dict(
         BLOCK_D=block_d, BLOCK=block, LAYER=kind == "layer", WRITE_Y=write_output, MX=mx,
         RCEIL=rounding == "rceil", OUT_DTYPE=_TL_DTYPES[out_dtype], EXACT=_INTERPRETED, EVEN_D=dim == block_d,
+        SAVE_X=save_input,
     )  # fmt: skip
     outputs = (q, scale, rstd, x.new_empty(0, dtype=torch.float32) if mean is None else mean,
-               x.new_empty(0) if y is None else y)  # fmt: skip
+               x.new_empty(0) if y is None else y, x_codes, x_scales)  # fmt: skip
     if not num_rows:
         return outputs
     configs = _valid_configs(block_d) if config is None else (config,)
-    key = ("norm_quantize", args[-1], x.dtype, block_d, block, meta["LAYER"], write_output, mx, out_dtype)
+    key = ("norm_quantize", args[-1], x.dtype, block_d, block, meta["LAYER"], write_output, mx, out_dtype, save_input)
     grid = lambda tile_r, num_tiles: (cdiv(num_rows, tile_r * num_tiles),)
     launch_tuned(_norm_quantize_kernel, configs, key, grid, args, meta, num_rows * dim, ("TILE_R", "NUM_TILES"))
     return outputs

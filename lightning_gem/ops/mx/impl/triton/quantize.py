@@ -347,6 +347,17 @@ def _check_split_config(config: tuple[int, ...], block: int) -> None:
         )
 
 
+def row_buffers(layout: str, num_rows: int, num_cols: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Codes ``[R, C]`` and scales (:func:`scale_buffer`) of ``R`` rows quantized along ``C`` in ``layout`` (not
+    ``128x128``). ``1x128`` rows are a GEMM's first operand, which cuBLAS takes in whole blocks of 128 rows only:
+    their codes and scales are views of buffers with room for the rows up to a multiple of 128 (contents there
+    unspecified), so :func:`lightning_gem.ops.mx.scaled_mm` passes those blocks without a padded copy."""
+    lines = -(-num_rows // 128) * 128 if layout == "1x128" else num_rows
+    q = torch.empty(lines, num_cols, dtype=torch.float8_e4m3fn, device=device)
+    block = num_cols if layout == "rowwise" else {"mx": 32, "1x128": 128}[layout]
+    return q[:num_rows], scale_buffer(layout, lines, num_cols // block, device)[:num_rows]
+
+
 # Per-batch sizes (jagged token counts): no new compiled variant when their divisibility by 16 changes.
 @triton.jit(do_not_specialize=["num_rows", "size_class"])
 def _rowwise_rows_kernel(
@@ -557,11 +568,11 @@ def quantize_triton(
 
     q = s = qt = st = None
     if rows:
-        q = torch.empty(num_rows, num_cols, dtype=torch.float8_e4m3fn, device=device)
         if square:
+            q = torch.empty(num_rows, num_cols, dtype=torch.float8_e4m3fn, device=device)
             s = torch.empty(-(-num_rows // 128), num_cols // 128, dtype=torch.float32, device=device)
         else:
-            s = scale_buffer(layout, num_rows, num_cols // block, device)
+            q, s = row_buffers(layout, num_rows, num_cols, device)
     if column_sums and norm is not None:
         raise ValueError("`column_sums` are of x itself: no norm")
 
