@@ -17,7 +17,7 @@ from lightning_gem.testing.numerics import assert_within_budget
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
-SHAPES = [(1, 128), (37, 256), (130, 384), (0, 128)]
+SHAPES = [(1, 128), (37, 256), (130, 384), (256, 384), (0, 128)]
 
 
 def _equal(a, b) -> bool:

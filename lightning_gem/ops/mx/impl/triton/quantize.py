@@ -635,8 +635,11 @@ def _square_transposed_apart(
     (3.6, compiled for the GPU) writes wrong codes for some shapes of tiles quantized from fp32; the GPU tests
     hold both paths to the reference."""
     q, s = quantize_triton(x, "128x128", rounding)[0]
-    qt = q.new_zeros(x.shape[1], padded_rows)  # rows past R: zero codes, as the kernel writes them
-    qt[:, : x.shape[0]] = q.t()
+    if padded_rows == x.shape[0]:  # whole blocks of rows (a weight's usual shape): one transposing copy
+        qt = q.t().contiguous()
+    else:
+        qt = q.new_zeros(x.shape[1], padded_rows)  # rows past R: zero codes, as the kernel writes them
+        qt[:, : x.shape[0]] = q.t()
     return ((q, s) if rows else None), (qt, s.t().contiguous())
 
 
