@@ -52,6 +52,7 @@ def test_what_stays_exact() -> None:
             save_exact(marked)
             (x * 1) @ weight  # a parameter
             (x * 1) @ weight.to(torch.float16).float()  # a cast of a parameter
+            (x * 1) @ weight.to(torch.float16).float().t()  # a view of a cast: what F.linear saves under autocast
             (x[:, :8] * 1).sin()  # too few elements
             (x[:, :48] * 1).repeat(2, 1).sin()  # last dim not a multiple of 32
             (x.double() * 1).sin()  # float64
@@ -60,7 +61,7 @@ def test_what_stays_exact() -> None:
     assert any(t is weight for t in float_saved)
     assert any(t.dtype == torch.float64 for t in float_saved)
     assert any(t is marked for t in float_saved)
-    assert [t.shape for t in seen if t.dtype == torch.float8_e4m3fn] == [(64, 64), (64, 64)]  # the two x * 1
+    assert [t.shape for t in seen if t.dtype == torch.float8_e4m3fn] == [(64, 64)] * 3  # the three x * 1
     assert all(t.dtype != torch.float16 for t in seen)  # the weight's cast was saved only as its fp32 recast
 
 

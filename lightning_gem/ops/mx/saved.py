@@ -190,12 +190,16 @@ class _Derived:
         return part.as_strided(self.shape, self.stride, self.offset)
 
 
+_CAST_OR_VIEW = frozenset(("ToCopyBackward0", "TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0"))
+
+
 def _is_parameter_or_cast(t: Tensor) -> bool:
-    """A leaf that requires grad (a parameter), or dtype casts of one (autocast's copy of a weight)."""
+    """A leaf that requires grad (a parameter), or dtype casts and views of one (autocast's copy of a weight, and its
+    transpose, which ``F.linear`` saves)."""
     fn = t.grad_fn
     if fn is None:
         return t.requires_grad
-    while type(fn).__name__ == "ToCopyBackward0" and fn.next_functions:
+    while type(fn).__name__ in _CAST_OR_VIEW and fn.next_functions:
         fn = fn.next_functions[0][0]
         if type(fn).__name__ == "AccumulateGrad":
             return True
