@@ -290,7 +290,7 @@ def test_fp8_kernels_get_products_of_32_on_a_gpu(monkeypatch: pytest.MonkeyPatch
     from lightning_gem.ops.attention import api
     from lightning_gem.ops.attention.impl.triton._tuning import candidate_tiles
 
-    monkeypatch.setattr(api, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(api, "device_capability", lambda device: (9, 0))
     on_gpu = SimpleNamespace(is_cuda=True, device="cuda:0", shape=(10, 2, 16))
     with pytest.raises(ValueError, match="head dims over 16"):
         api._check_precision("fp8", "triton", on_gpu, SimpleNamespace(shape=(10, 2, 64)))
