@@ -43,6 +43,8 @@ class NormHandoff:
         q: ``y`` quantized along its features in the Linear's activation layout.
         norm_input, rstd, mean, weight, bias, kind: what rebuilds ``y``'s transposed quantization for the
             weight gradient without storing ``y``.
+        norm_input_mx: the norm input's MX copy where the norm wrote one for a saved-activation context: the
+            Linear saves it in place of ``norm_input`` and rebuilds that operand from it.
     """
 
     y: Tensor
@@ -53,6 +55,7 @@ class NormHandoff:
     weight: Tensor | None
     bias: Tensor | None
     kind: str
+    norm_input_mx: QuantizedTensor | None = None
 
 
 class MXLinear(nn.Linear):
@@ -189,7 +192,9 @@ class _MXLinearFn(torch.autograd.Function):
         if wq_t is not None:
             tensors += (wq_t.data, wq_t.scale)
         if ctx.x_source == "handoff":
-            tensors += (handoff.norm_input, handoff.rstd, handoff.mean, handoff.weight, handoff.bias)
+            copy = handoff.norm_input_mx
+            tensors += (handoff.norm_input, None) if copy is None else (copy.data, copy.scale)
+            tensors += (handoff.rstd, handoff.mean, handoff.weight, handoff.bias)
         elif ctx.x_source == "fp8":
             tensors += (xq_t.data, xq_t.scale)
         else:
@@ -252,7 +257,9 @@ def _saved_tokens_operand(ctx, rest: list[Tensor], layer: MXLinear, plan: Plan) 
     if ctx.x_source == "handoff":
         from lightning_gem.ops.mx import norm_quantize_transposed
 
-        norm_input, rstd, mean, weight, bias = rest[:5]
+        norm_input, scales, rstd, mean, weight, bias = rest[:6]
+        if scales is not None:  # the norm input's MX copy, read in place of the input
+            norm_input = QuantizedTensor(norm_input, scales, "mx")
         return norm_quantize_transposed(
             norm_input, rstd, mean, weight, bias, kind=ctx.kind, layout=plan.act_layout,
             rounding=layer.mx_config.rounding, out_dtype=ctx.x_dtype,

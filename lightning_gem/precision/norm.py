@@ -57,7 +57,7 @@ class _FusedNormMixin:
         weight = self.weight if self.elementwise_affine else None
         bias = getattr(self, "bias", None)
         with torch.autocast(device_type, enabled=False):
-            y, q_data, q_scale, rstd, mean, *passed = _FusedNormFn.apply(
+            y, q_data, q_scale, rstd, mean, x_codes, x_scales, *passed = _FusedNormFn.apply(
                 input,
                 weight,
                 bias,
@@ -69,8 +69,9 @@ class _FusedNormMixin:
                 residual,
             )
         q = QuantizedTensor(q_data, q_scale, plan.act_layout)
+        x_mx = None if x_codes is None else QuantizedTensor(x_codes, x_scales, "mx")
         consumer._handoff = NormHandoff(
-            y, q, input, rstd, mean if self.norm_kind == "layer" else None, weight, bias, self.norm_kind
+            y, q, input, rstd, mean if self.norm_kind == "layer" else None, weight, bias, self.norm_kind, x_mx
         )
         return (y, *passed)
 
@@ -101,29 +102,34 @@ class _FusedNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, kind, eps, layout, rounding, out_dtype, residual):
         # Where a saved-activation context would store x in MXFP8, the norm's kernel writes that copy from its own
-        # read of x and the backward reads it (the Linear's save of x takes the same copy: stored_as).
+        # read of x; this backward and the Linear it feeds (through the handoff) read the copy, and another save of x
+        # in the context takes it too (stored_as).
         saver = saves_quantized(x)
         out = norm_quantize(
             x, weight, bias, kind=kind, eps=eps, layout=layout, rounding=rounding, write_output=True,
             out_dtype=out_dtype, save_input=saver is not None,
         )  # fmt: skip
         mean = out.mean if out.mean is not None else out.rstd.new_empty(0)
-        ctx.mark_non_differentiable(out.q.data, out.q.scale, out.rstd, mean)
         if saver is None:
             ctx.save_for_backward(x, None, weight, bias, out.rstd, out.mean)  # a mean: LayerNorm
             ctx.mx_dtype = None
+            x_codes = x_scales = None
         else:
-            saver.stored_as(x, out.x_mx.data, out.x_mx.scale)
-            ctx.save_for_backward(out.x_mx.data, out.x_mx.scale, weight, bias, out.rstd, out.mean)
+            x_codes, x_scales = out.x_mx.data, out.x_mx.scale
+            saver.stored_as(x, x_codes, x_scales)
+            ctx.save_for_backward(x_codes, x_scales, weight, bias, out.rstd, out.mean)
             ctx.mx_dtype = x.dtype
+        copy = () if x_codes is None else (x_codes, x_scales)
+        ctx.mark_non_differentiable(out.q.data, out.q.scale, out.rstd, mean, *copy)
         ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not zeros
-        # residual: x passed through as a last output; its gradient is added into dx by the backward
-        return (out.y, out.q.data, out.q.scale, out.rstd, mean, *((x,) if residual else ()))
+        # The copy goes to the Linear too (its weight gradient's operand is rebuilt from it); residual: x passed
+        # through as a last output, its gradient added into dx by the backward.
+        return (out.y, out.q.data, out.q.scale, out.rstd, mean, x_codes, x_scales, *((x,) if residual else ()))
 
     @staticmethod
     def backward(ctx, grad_y, *grads):
         x, scales, weight, bias, rstd, mean = ctx.saved_tensors
-        grad_residual = grads[4] if len(grads) > 4 else None
+        grad_residual = grads[6] if len(grads) > 6 else None
         nones = (None,) * 6
         if grad_y is None:  # only the residual (or nothing) was used
             return grad_residual, None, None, *nones

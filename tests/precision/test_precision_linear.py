@@ -134,10 +134,11 @@ def test_fused_norm_takes_the_residual_gradient(kernels: bool, monkeypatch: pyte
 def test_fused_norm_writes_its_input_copy_for_quantized_saves(
     kind: str, kernels: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Inside a saved-activation context the fused norm writes its input's MX copy from its own read (the norm's
-    and the Linear's saves of the fp32 residual take it: no quantize pass of their own) and its backward reads the
-    copy: the gradients equal, bit for bit, those of the context quantizing the input itself."""
+    """Inside a saved-activation context the fused norm writes its input's MX copy from its own read (no quantize
+    pass of its own), and its backward and the Linear's weight gradient read the copy (no dequantize pass): the
+    gradients equal, bit for bit, those of the context quantizing and dequantizing the input itself."""
     import lightning_gem.ops.mx.api as mx_api
+    import lightning_gem.ops.mx.saved as saved_module
     import lightning_gem.precision.norm as mx_norm
     from lightning_gem.ops.mx.saved import QuantizedSavedTensors
 
@@ -147,29 +148,58 @@ def test_fused_norm_writes_its_input_copy_for_quantized_saves(
     torch.manual_seed(0)
     reference = nn.Sequential(nn.RMSNorm(96) if kind == "rms" else nn.LayerNorm(96), nn.Linear(96, 64)).to(DEVICE)
     x0, grad = torch.randn(130, 96, device=DEVICE) * 3 + 1, torch.randn(130, 96, device=DEVICE)
-    quantized = []
+    quantized, restored = [], []
     quantize = mx_api.quantize
     monkeypatch.setattr(
         mx_api, "quantize", lambda x, layout, **kw: quantized.append(layout) or quantize(x, layout, **kw)
     )
+    restore = saved_module._Quantized.restore
+    monkeypatch.setattr(saved_module._Quantized, "restore", lambda self: restored.append(self.shape) or restore(self))
 
-    def grads() -> tuple[list[torch.Tensor], int]:
+    def grads() -> tuple[list[torch.Tensor], int, int]:
         model = convert(copy.deepcopy(reference), MXConfig(backend="mx_emulated"))
         x = x0.clone().requires_grad_()
         quantized.clear()
+        restored.clear()
         with QuantizedSavedTensors(min_elements=0) as saved, torch.autocast(DEVICE, dtype=torch.bfloat16):
             h, residual = model[0].forward_residual(x * 1)  # an activation (a leaf would count as a parameter)
             out = residual + model[1](h).float().repeat(1, 2)[:, :96]
         out.backward(grad)
         assert saved.stats.tensors >= 1
-        return [x.grad, *(p.grad for p in model.parameters())], quantized.count("mx")
+        return [x.grad, *(p.grad for p in model.parameters())], quantized.count("mx"), len(restored)
 
-    written, mx_passes = grads()
+    written, mx_passes, written_reads = grads()
     monkeypatch.setattr(mx_norm, "saves_quantized", lambda x: None)  # the context quantizes x by itself
-    hooked, hook_passes = grads()
+    hooked, hook_passes, hooked_reads = grads()
     assert hook_passes == mx_passes + 1  # x's copy came from the norm's kernel, not from a pass of its own
+    # the norm's and the Linear's saves of x read back from the context (one dequantize pass), or neither: both
+    # read the copy they saved
+    assert (written_reads, hooked_reads) == (0, 2)
     for a, b in zip(written, hooked, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_norm_quantize_transposed_reads_an_input_copy_as_its_values(kind: str) -> None:
+    """The weight gradient's operand rebuilt from the norm input's MX copy equals, bit for bit, the one rebuilt from
+    the copy's values (the Triton kernel decoding the copy under the interpreter; the reference dequantizing it)."""
+    from lightning_gem.ops.mx import dequantize, norm_quantize, norm_quantize_transposed
+
+    x = torch.randn(150, 256) * 3 + 0.5
+    weight, bias = torch.rand(256) + 0.5, torch.randn(256) if kind == "layer" else None
+    out = norm_quantize(x, weight, bias, kind=kind, layout="1x128", save_input=True)
+    values = dequantize(out.x_mx, torch.float32, impl="reference")
+    for layout in ("1x128", "mx"):
+        for impl in ("triton", "reference"):
+            args = (out.rstd, out.mean, weight, bias)
+            kwargs = dict(kind=kind, layout=layout, out_dtype=torch.bfloat16, impl=impl)
+            got = norm_quantize_transposed(out.x_mx, *args, **kwargs)
+            want = norm_quantize_transposed(values, *args, **kwargs)
+            assert got.shape == want.shape == (256, 256 if layout == "1x128" else 160)
+            assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)), (layout, impl)
+            assert torch.equal(got.scale, want.scale), (layout, impl)
+    with pytest.raises(ValueError, match="out_dtype"):
+        norm_quantize_transposed(out.x_mx, out.rstd, out.mean, weight, bias, kind=kind, layout="1x128")
 
 
 def test_norm_quantize_writes_the_input_copy_the_mx_quantizer_writes() -> None:

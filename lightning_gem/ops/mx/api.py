@@ -240,7 +240,7 @@ def norm_quantize(
 
 
 def norm_quantize_transposed(
-    x: Tensor,
+    x: Tensor | QuantizedTensor,
     rstd: Tensor,
     mean: Tensor | None,
     weight: Tensor | None,
@@ -258,18 +258,35 @@ def norm_quantize_transposed(
     gradient of the GEMM after a fused norm reads it, and the norm's backward keeps ``x`` anyway.
 
     Args:
-        x: ``[R, D]`` the norm's input. rstd, mean: ``[R]`` fp32 from :func:`norm_quantize` (``mean`` for
-            LayerNorm only). weight, bias: the norm's ``[D]`` parameters or None.
+        x: ``[R, D]`` the norm's input, or its ``mx``-layout copy (:func:`norm_quantize`'s ``x_mx``: the values
+            are read from the copy, a quarter of an fp32 input's bytes; ``out_dtype`` then required, ``layout``
+            ``"mx"`` or ``"1x128"``). rstd, mean: ``[R]`` fp32 from :func:`norm_quantize` (``mean`` for LayerNorm
+            only). weight, bias: the norm's ``[D]`` parameters or None.
         kind, layout, rounding, out_dtype, impl: as in :func:`norm_quantize`.
 
     Returns:
         ``[D, Rp]`` :class:`~lightning_gem.ops.mx.formats.QuantizedTensor` (``Rp`` as in :func:`quantize`).
     """
-    _check_matrix(x, "x", layout)
+    copy = x if isinstance(x, QuantizedTensor) else None
+    if copy is not None:
+        if copy.layout != "mx" or out_dtype is None or layout not in ("mx", "1x128"):
+            raise ValueError("an MX copy `x` needs the 'mx' layout, an `out_dtype`, and `layout` 'mx' or '1x128'")
+        x = copy.data
+        if resolve_impl(impl, copy.scale.new_empty(0, dtype=out_dtype)) != "triton":
+            x = copy.dequantize(torch.float32)  # the reference path normalises in fp32 whatever x's dtype
+            copy = None
+    else:
+        _check_matrix(x, "x", layout)
     if kind not in ("rms", "layer") or (kind == "layer") != (mean is not None):
         raise ValueError(f"`kind` must be 'rms' (no `mean`) or 'layer' (with `mean`), got {kind!r}")
     if tuple(rstd.shape) != (x.shape[0],):
         raise ValueError(f"`rstd` must have shape [{x.shape[0]}] (x's rows), got {tuple(rstd.shape)}")
+    if copy is not None:
+        from lightning_gem.ops.mx.impl.triton import mx_quantize
+
+        args = (x.contiguous(), layout, rounding, False, True, kind, rstd, mean, weight, bias, out_dtype, False)
+        outputs = mx_quantize(*args, copy.scale.contiguous())
+        return QuantizedTensor(outputs[2], outputs[3], layout)
     if resolve_impl(impl, x) == "triton":
         from lightning_gem.ops.mx.impl.triton import mx_quantize
 

@@ -35,16 +35,20 @@ def mx_quantize_op(
     bias: Tensor | None = None,
     norm_dtype: torch.dtype | None = None,
     column_sums: bool = False,
+    x_scales: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(q, scale, qt, scale_t, sums)`` of :func:`quantize_triton` (empty where not requested)."""
-    return _quantize(x, layout, rounding, rows, cols, norm_kind, rstd, mean, weight, bias, norm_dtype, column_sums)
+    return _quantize(
+        x, layout, rounding, rows, cols, norm_kind, rstd, mean, weight, bias, norm_dtype, column_sums, x_scales
+    )
 
 
-def _quantize(x, layout, rounding, rows, cols, norm_kind, rstd, mean, weight, bias, norm_dtype, column_sums):
+def _quantize(x, layout, rounding, rows, cols, norm_kind, rstd, mean, weight, bias, norm_dtype, column_sums, x_scales):
     norm = (norm_kind, rstd, mean, weight, bias) if norm_kind is not None else None
     out = quantize_triton(
-        x, layout, rounding, rows=rows, cols=cols, norm=norm, norm_dtype=norm_dtype, column_sums=bool(column_sums)
-    )
+        x, layout, rounding, rows=rows, cols=cols, norm=norm, norm_dtype=norm_dtype, column_sums=bool(column_sums),
+        x_scales=x_scales,
+    )  # fmt: skip
     row_out, col_out = out[:2]
     if row_out is None or col_out is None:  # the op's fixed outputs: empty where not asked for
         empty = (x.new_empty(0, dtype=torch.float8_e4m3fn), x.new_empty(0, dtype=torch.float32))
@@ -68,7 +72,7 @@ def mx_quantize(*args: object) -> tuple[Tensor, ...]:
     """
     if torch.compiler.is_compiling():
         return mx_quantize_op(*args)
-    return _quantize(*args, *(None,) * (12 - len(args)))
+    return _quantize(*args, *(None,) * (13 - len(args)))
 
 
 def mx_norm_quantize(*args: object) -> tuple[Tensor, ...]:

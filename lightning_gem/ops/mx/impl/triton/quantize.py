@@ -40,6 +40,7 @@ from lightning_gem.ops.mx.impl.triton._common import (
     _CHOSEN,
     NONFINITE_BITS,
     TUNE_ABOVE,
+    _decode_mx,
     _magnitude_bits,
     _magnitude_bits_of,
     _quantize_blocks,
@@ -54,7 +55,7 @@ from lightning_gem.ops.mx.impl.triton._common import (
 __all__ = ["quantize_triton"]
 
 _NORM_CODES = {None: 0, "rms": 1, "layer": 2}
-_KEY_FLAGS = ["BLOCK", "ROWS", "COLS", "SQUARE", "GIVEN_AMAX", "MX", "NORM"]
+_KEY_FLAGS = ["BLOCK", "ROWS", "COLS", "SQUARE", "GIVEN_AMAX", "MX", "NORM", "X_MX"]
 
 
 @triton.jit
@@ -85,19 +86,27 @@ def _quantize_kernel(
     X, Q, S, QT, ST,  # [R, C] input, [R, C] fp8 + scales, [C, Rp] fp8 + scales
     ROW_AMAX, COL_AMAX,  # [R] / [C] int32 magnitude bits of the line maxima, given in advance (rowwise)
     RSTD, MEAN, WEIGHT, BIAS,  # norm prologue: [R], [R], [C], [C]
+    X_SCALES,  # X_MX: X is an MX copy (E4M3 codes as bytes [R, C]), these its biased E8M0 scales [R, C / 32]
     num_rows, num_cols, num_padded_blocks,  # Rp = num_padded_blocks * BLOCK
     stride_s_r, stride_s_c, stride_st_c, stride_st_r,
     size_class,  # autotuning key only: log2 of the element count, coarsened
     BLOCK: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, SQUARE: tl.constexpr, GIVEN_AMAX: tl.constexpr,
     MX: tl.constexpr, RCEIL: tl.constexpr, NORM: tl.constexpr, OUT_DTYPE: tl.constexpr, EXACT: tl.constexpr,
-    TILE_R: tl.constexpr, TILE_C: tl.constexpr,
+    TILE_R: tl.constexpr, TILE_C: tl.constexpr, X_MX: tl.constexpr = False,
 ):  # fmt: skip
     pid_r = tl.program_id(0).to(tl.int64)
     pid_c = tl.program_id(1).to(tl.int64)
     rows = pid_r * TILE_R + tl.arange(0, TILE_R)
     cols = pid_c * TILE_C + tl.arange(0, TILE_C)
     in_bounds = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
-    x = tl.load(X + rows[:, None] * num_cols + cols[None, :], mask=in_bounds, other=0.0).to(tl.float32)
+    if X_MX:  # decoded from the MX copy (TILE_C a multiple of 32): a quarter of an fp32 x's bytes read
+        codes = tl.load(X + rows[:, None] * num_cols + cols[None, :], mask=in_bounds, other=0)
+        blocks = pid_c * (TILE_C // 32) + tl.arange(0, TILE_C // 32)
+        scale_mask = (rows < num_rows)[:, None] & (blocks < num_cols // 32)[None, :]
+        biased = tl.load(X_SCALES + rows[:, None] * (num_cols // 32) + blocks[None, :], mask=scale_mask, other=127)
+        x = tl.reshape(_decode_mx(tl.reshape(codes, (TILE_R, TILE_C // 32, 32)), biased), (TILE_R, TILE_C))
+    else:
+        x = tl.load(X + rows[:, None] * num_cols + cols[None, :], mask=in_bounds, other=0.0).to(tl.float32)
     if NORM != 0:
         x = _normalize(x, rows, cols, RSTD, MEAN, WEIGHT, BIAS, num_rows, num_cols, NORM, OUT_DTYPE)
 
@@ -529,6 +538,7 @@ def quantize_triton(
     split_config: tuple[int, ...] | None = None,
     maxima: tuple[Tensor | None, Tensor | None] | None = None,
     column_sums: bool = False,
+    x_scales: Tensor | None = None,
 ) -> tuple[tuple[Tensor, Tensor] | None, tuple[Tensor, Tensor] | None] | tuple[object, object, Tensor]:
     """Quantize ``[R, C]`` ``x`` (contiguous) along ``C`` (``rows``) and/or along ``R`` transposed (``cols``).
 
@@ -551,6 +561,9 @@ def quantize_triton(
         column_sums: also return the fp32 sums of ``x``'s columns ``[C]`` (a bias gradient), from the same read of
             ``x`` where columns are quantized by the split kernel or ``rowwise``'s line maxima; otherwise by a
             separate reduction. No norm.
+        x_scales: ``x`` is an MX copy (E4M3 codes ``[R, C]``) and these its biased E8M0 scales ``[R, C / 32]``
+            (uint8): its values are read from the copy. With a norm (``norm_dtype`` given), columns alone, ``mx``
+            or ``1x128``: a fused norm's weight-gradient operand rebuilt from the input's saved copy.
 
     Returns:
         ``((q, scale) or None, (qt, scale_t) or None)``, and the column sums third when asked. Scales: uint8
@@ -559,6 +572,12 @@ def quantize_triton(
         ``R`` and ``C`` swapped.
     """
     num_rows, num_cols = x.shape
+    if x_scales is not None:
+        if norm is None or norm_dtype is None or rows or not cols or layout not in ("mx", "1x128"):
+            raise ValueError(
+                "`x_scales` (an MX copy's input) takes a norm with its `norm_dtype`, columns alone, mx or 1x128"
+            )
+        x = x.view(torch.uint8)  # the codes as bytes, as the kernel decodes them
     norm_dtype = norm_dtype or x.dtype
     mx, square, rowwise = layout == "mx", layout == "128x128", layout == "rowwise"
     block = {"mx": 32, "1x128": 128, "128x128": 128, "rowwise": 1}[layout]
@@ -596,7 +615,7 @@ def quantize_triton(
     norm_args, norm_code, out_dtype = (rstd, mean, weight, bias), _NORM_CODES[kind], _TL_DTYPES[norm_dtype]
     meta = dict(
         BLOCK=block if not rowwise else 128, ROWS=rows, COLS=cols, SQUARE=square, GIVEN_AMAX=rowwise, MX=mx,
-        RCEIL=rounding == "rceil", NORM=norm_code, OUT_DTYPE=out_dtype, EXACT=_INTERPRETED,
+        RCEIL=rounding == "rceil", NORM=norm_code, OUT_DTYPE=out_dtype, EXACT=_INTERPRETED, X_MX=x_scales is not None,
     )  # fmt: skip
     if rowwise and rows and not cols and one_pass and num_cols <= ONE_PASS_MAX_COLS:
         if num_rows > 0:
@@ -621,7 +640,9 @@ def quantize_triton(
         return done(((q, s) if rows else None), (qt, st), partial)
     if maxima is not None and not rowwise:
         raise ValueError("`maxima` are given to rowwise quantization only")
-    partial = _launch_general(x, q, s, qt, st, meta, norm_args, num_rows, padded_rows, maxima, column_sums)
+    partial = _launch_general(
+        x, q, s, qt, st, meta, norm_args, num_rows, padded_rows, maxima, column_sums, x_scales
+    )  # fmt: skip
     if square and cols:
         qt = qt.view(torch.float8_e4m3fn)
     return done(((q, s) if rows else None), ((qt, st) if cols else None), partial)
@@ -646,12 +667,13 @@ def _square_transposed_apart(
 def _launch_general(
     x: Tensor, q: Tensor | None, s: Tensor | None, qt: Tensor | None, st: Tensor | None, meta: dict,
     norm_args: tuple, num_rows: int, padded_rows: int, maxima: tuple[Tensor | None, Tensor | None] | None = None,
-    sums: bool = False,
+    sums: bool = False, x_scales: Tensor | None = None,
 ) -> Tensor | None:  # fmt: skip
     """``_quantize_kernel`` (after the line maxima, for ``rowwise``) over the rows and/or columns ``meta`` asks.
     ``maxima``: ``rowwise``'s ``(row_amax, col_amax)`` from :func:`_line_maxima` already, so only the quantizing
     pass runs (benchmarks time the two passes apart so). ``sums``: return the line-maxima pass's partial column
-    sums (``rowwise`` with its maxima computed here; None otherwise)."""
+    sums (``rowwise`` with its maxima computed here; None otherwise). ``x_scales``: ``x`` is an MX copy's codes
+    (``meta["X_MX"]``)."""
     rows, cols, rowwise = meta["ROWS"], meta["COLS"], meta["GIVEN_AMAX"]
     num_cols, pad_block = x.shape[1], meta["BLOCK"]
     row_amax, col_amax = maxima or (None, None)
@@ -661,7 +683,7 @@ def _launch_general(
         partial = rest[0] if sums else None
     grid_rows = padded_rows if cols else num_rows
     args = (
-        x, q, s, qt, st, row_amax, col_amax, *norm_args,  # None where absent: the kernel never reads them
+        x, q, s, qt, st, row_amax, col_amax, *norm_args, x_scales,  # None where absent: the kernel never reads them
         num_rows, num_cols, padded_rows // pad_block,
         *(s.stride() if rows else (0, 0)), *(st.stride() if cols else (0, 0)),
         size_class(grid_rows * num_cols),
