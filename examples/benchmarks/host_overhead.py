@@ -8,8 +8,10 @@ with 28 arguments (the launcher's own cost); then ``lightning_gem.ops.mx.quantiz
 Linear uses, each one Triton launch plus the kit's Python (validation, allocation, tuning lookup); then GDPA's
 forward, and its forward and backward, on a tiny jagged batch (an HSTU layer makes one such call), beside
 SDPA's on a padded batch of the same size, and with Q, K and V as strided views of one projection (pointer loads
-instead of tensor descriptors); an HSTU layer's pointwise work around its attention, fused and unfused; last, bf16
-GEMMs (``torch.mm``, ``F.linear`` with a bias, and ``torch._scaled_mm`` in FP8) whose row count is the same on
+instead of tensor descriptors); an HSTU layer's pointwise work around its attention, fused and unfused; a whole
+HSTU layer's forward + backward (width 2048, 16 heads, 512 tokens) in bf16, with FP8 linears
+(``convert(layer, MXConfig())``) and with FP8 saved activations besides, timed over a twentieth of the calls; last,
+bf16 GEMMs (``torch.mm``, ``F.linear`` with a bias, and ``torch._scaled_mm`` in FP8) whose row count is the same on
 every call against a new row count on every call, the host cost of a jagged batch whose token count changes each
 step.
 
@@ -29,10 +31,12 @@ import torch
 import triton
 import triton.language as tl
 from gem_example import cprofile_table
+from lightning_gem.components.encoder import HSTULayer
 
 from lightning_gem.ops import gdpa
-from lightning_gem.ops.mx import quantize
+from lightning_gem.ops.mx import dequantize, norm_quantize, quantize
 from lightning_gem.ops.pointwise import norm_mul, silu_split
+from lightning_gem.precision import MXConfig, convert
 
 
 @triton.jit
@@ -158,6 +162,30 @@ def _pointwise_cases(tokens: int = 512, heads: int = 4, dim: int = 128) -> list[
     ]
 
 
+def _layer_cases(dim: int = 2048, heads: int = 16) -> list[tuple[str, Callable[[], object]]]:
+    """One HSTU layer's forward + backward under bf16 autocast on 4 sequences (512 tokens): bf16 linears, FP8 linears
+    (the fused norm handing its quantized output to ``uvqk``), and FP8 linears with FP8 saved activations."""
+    lengths = [100, 200, 150, 62]
+    offsets = torch.tensor([0, *itertools.accumulate(lengths)], device="cuda")
+    x = torch.randn(sum(lengths), dim, device="cuda", requires_grad=True)
+    cases = []
+    configs = {
+        "bf16": None, "FP8 linears": MXConfig(), "FP8 linears, FP8 saved activations": MXConfig(saved_activations="fp8")
+    }  # fmt: skip
+    for name, config in configs.items():
+        layer = HSTULayer(dim, heads).to("cuda")
+        if config is not None:
+            convert(layer, config)
+
+        def step(layer: HSTULayer = layer) -> None:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = layer(x, offsets, max_seq_len=max(lengths), check_offsets=False)
+            out.float().sum().backward()
+
+        cases.append((f"HSTU layer forward + backward, {name}", step))
+    return cases
+
+
 def _gemm_cases(rows: int = 256, width: int = 256, shapes: int = 10_000) -> list[tuple[str, Callable[[], object]]]:
     """GEMMs ``[M, width] x [width, width]``, ``M`` fixed at ``rows`` or new on every call (``rows + 8 i``, ``i``
     cycling through ``shapes`` values); small enough that the device keeps up with the host."""
@@ -201,6 +229,7 @@ def main() -> None:
     y = torch.empty_like(x)
     extra = [torch.empty(16, device="cuda") for _ in range(6)]
     a = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    a_mx, norm_weight = quantize(a, "mx")[0], torch.ones(512, device="cuda")
     cases: list[tuple[str, Callable[[], object]]] = [
         ("torch.empty", lambda: torch.empty(256, 512, device="cuda")),
         ("torch add", lambda: x.add(1)),
@@ -213,8 +242,12 @@ def main() -> None:
         ("quantize 1x128 rows+cols", lambda: quantize(a, "1x128", cols=True)),
         ("quantize rowwise rows", lambda: quantize(a, "rowwise")),
         ("quantize 128x128 (weight)", lambda: quantize(a, "128x128")),
+        ("quantize mx rows", lambda: quantize(a, "mx")),
+        ("dequantize mx", lambda: dequantize(a_mx, torch.bfloat16)),
+        ("norm_quantize 1x128 (fused norm)", lambda: norm_quantize(a, norm_weight, layout="1x128", write_output=True)),
         *_attention_cases(),
         *_pointwise_cases(),
+        *_layer_cases(),
         *_gemm_cases(),
     ]
     if args.only:
@@ -222,7 +255,8 @@ def main() -> None:
     print(f"host time per call on {torch.cuda.get_device_name()}, median of {args.calls}")
     print("| call | host us | device syncs |\n| --- | --- | --- |")
     for name, fn in cases:
-        print(f"| {name} | {host_us(fn, args.calls):.1f} | {device_syncs(fn)} |")
+        calls = max(args.calls // 20, 20) if name.startswith("HSTU layer") else args.calls  # milliseconds a call
+        print(f"| {name} | {host_us(fn, calls):.1f} | {device_syncs(fn)} |")
     for name, fn in cases:
         if any(name.startswith(prefix) for prefix in args.cprofile):
             host_profile(name, fn, args.calls)
