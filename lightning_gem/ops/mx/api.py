@@ -267,30 +267,25 @@ def norm_quantize_transposed(
     Returns:
         ``[D, Rp]`` :class:`~lightning_gem.ops.mx.formats.QuantizedTensor` (``Rp`` as in :func:`quantize`).
     """
-    copy = x if isinstance(x, QuantizedTensor) else None
-    if copy is not None:
-        if copy.layout != "mx" or out_dtype is None or layout not in ("mx", "1x128"):
+    x_scales = None  # with an MX copy on the Triton path: its scales, the kernel decoding x from the codes
+    if isinstance(x, QuantizedTensor):
+        if x.layout != "mx" or out_dtype is None or layout not in ("mx", "1x128"):
             raise ValueError("an MX copy `x` needs the 'mx' layout, an `out_dtype`, and `layout` 'mx' or '1x128'")
-        x = copy.data
-        if resolve_impl(impl, copy.scale.new_empty(0, dtype=out_dtype)) != "triton":
-            x = copy.dequantize(torch.float32)  # the reference path normalises in fp32 whatever x's dtype
-            copy = None
+        if resolve_impl(impl, rstd) == "triton":  # rstd: fp32 on the copy's device, as x's values are
+            x, x_scales = x.data, x.scale.contiguous()
+        else:
+            x = x.dequantize(torch.float32)  # the reference path normalises in fp32 whatever x's dtype
     else:
         _check_matrix(x, "x", layout)
     if kind not in ("rms", "layer") or (kind == "layer") != (mean is not None):
         raise ValueError(f"`kind` must be 'rms' (no `mean`) or 'layer' (with `mean`), got {kind!r}")
     if tuple(rstd.shape) != (x.shape[0],):
         raise ValueError(f"`rstd` must have shape [{x.shape[0]}] (x's rows), got {tuple(rstd.shape)}")
-    if copy is not None:
+    if x_scales is not None or resolve_impl(impl, x) == "triton":
         from lightning_gem.ops.mx.impl.triton import mx_quantize
 
         args = (x.contiguous(), layout, rounding, False, True, kind, rstd, mean, weight, bias, out_dtype, False)
-        outputs = mx_quantize(*args, copy.scale.contiguous())
-        return QuantizedTensor(outputs[2], outputs[3], layout)
-    if resolve_impl(impl, x) == "triton":
-        from lightning_gem.ops.mx.impl.triton import mx_quantize
-
-        outputs = mx_quantize(x.contiguous(), layout, rounding, False, True, kind, rstd, mean, weight, bias, out_dtype)
+        outputs = mx_quantize(*args, x_scales)
         return QuantizedTensor(outputs[2], outputs[3], layout)
     y = normalize_with_stats(x, rstd, mean, weight, bias, out_dtype or x.dtype)
     return quantize(y, layout, rounding=rounding, rows=False, cols=True, impl="reference")[1]

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from lightning_gem.ops._launch import cdiv, is_interpreted, next_power_of_2
 from lightning_gem.ops._tuning import pick_fastest
+from lightning_gem.ops.mx.formats import block_shape
 from lightning_gem.ops.mx.impl.triton._common import (
     _CHOSEN,
     NONFINITE_BITS,
@@ -363,8 +364,7 @@ def row_buffers(layout: str, num_rows: int, num_cols: int, device: torch.device)
     unspecified), so :func:`lightning_gem.ops.mx.scaled_mm` passes those blocks without a padded copy."""
     lines = -(-num_rows // 128) * 128 if layout == "1x128" else num_rows
     q = torch.empty(lines, num_cols, dtype=torch.float8_e4m3fn, device=device)
-    block = num_cols if layout == "rowwise" else {"mx": 32, "1x128": 128}[layout]
-    return q[:num_rows], scale_buffer(layout, lines, num_cols // block, device)[:num_rows]
+    return q[:num_rows], scale_buffer(layout, lines, num_cols // block_shape(layout, num_cols)[1], device)[:num_rows]
 
 
 # Per-batch sizes (jagged token counts): no new compiled variant when their divisibility by 16 changes.
