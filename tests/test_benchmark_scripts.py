@@ -372,3 +372,15 @@ def test_token_interaction_times_both_paths(tmp_path: Path) -> None:
     assert [row["op"] for row in rows] == ["token_attention", "pairwise_dots"]
     assert all(row[part]["torch_ms"] > 0 and row[part]["fused_ms"] > 0 for row in rows for part in ("fwd", "fwd+bwd"))
     assert all(row["difference"] < 1e-5 for row in rows)
+
+
+def test_pointwise_tiles_checks_and_times_each_override(tmp_path: Path) -> None:
+    """A smoke run under the interpreter: every kernel's default and overridden launches agree and are timed."""
+    out = tmp_path / "pointwise.json"
+    _run("pointwise_tiles.py", "--device", "cpu", "--quick", "--shapes", "24x2x32", "--out", str(out))
+    results = json.loads(out.read_text())["results"]
+    assert [r["kernel"].rsplit(" ", 1)[0] for r in results] == [
+        "silu_split fwd", "silu_split bwd", "norm_mul fwd", "norm_mul bwd", "input norm fwd",
+        "input norm + residual bwd",
+    ]  # fmt: skip
+    assert all(len(r["variants"]) == 2 and r["default_ms"] > 0 for r in results)

@@ -331,17 +331,21 @@ def split_candidates(
     elif head_dim <= 128:
         shapes = [Tiles(64, 128, 8, 2)]
     else:
-        # The dK program's K, dK and dQ tiles in two column halves first (fewer registers live at once: 40% fewer
-        # spills), with dQ added element by element (what a traced call runs), the same with the dV programs in a
-        # launch of their own at two stages (their K tile and two stages of Q and dO fit in shared memory), dQ through
-        # bulk reductions, then whole.
-        tiles = Tiles(64, 128, 8, 1)
-        halves = BackwardTiles(tiles, split=True, halves=True)
+        # The dK program's K, dK and dQ tiles in two column halves (fewer registers live at once), with dQ added
+        # element by element (what a traced call runs): first on query tiles of 32 rows at two stages (its dQ tiles
+        # computed transposed, :func:`.backward_programs._add_dq_part`, which is what fits them in shared memory: the
+        # loads of the next query tile overlap this one's products), then of 64 rows at one stage; each also with the
+        # dV programs in a launch of their own at two stages (their K tile and two stages of Q and dO fit in shared
+        # memory); then dQ through bulk reductions, halves and whole. Timed on an H100 (docs/benchmarks.md, "Head dim
+        # 256 backward"): the 32-row plans lead on softmax, the 64-row ones with their own dV launch on SiLU.
+        pipelined, single = Tiles(32, 128, 8, 2), Tiles(64, 128, 8, 1)
         plans = [
-            halves,
-            halves._replace(dv_stages=2),
-            halves._replace(tma=tma),
-            BackwardTiles(tiles, tma=tma, split=True),
+            BackwardTiles(pipelined, split=True, halves=True),
+            BackwardTiles(pipelined, split=True, halves=True, dv_stages=2),
+            BackwardTiles(single, split=True, halves=True),
+            BackwardTiles(single, split=True, halves=True, dv_stages=2),
+            BackwardTiles(single, tma=tma, split=True, halves=True),
+            BackwardTiles(single, tma=tma, split=True),
         ]
         return list(dict.fromkeys(plans))
     return [BackwardTiles(t, tma=tma, split=True) for t in shapes]

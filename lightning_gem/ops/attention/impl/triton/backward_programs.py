@@ -132,23 +132,49 @@ def _dkdv_query_blocks(
             ds_NM = ds_NM.to(q_MD.dtype)
             dk_ND = tl.dot(ds_NM, q_MD, dk_ND, input_precision=DOT_PRECISION)
             dk2_ND = tl.dot(ds_NM, q2_MD, dk2_ND, input_precision=DOT_PRECISION)
-            ds_MN = tl.trans(ds_NM)
-            dq_ptrs = dq_base + offs_m[:, None] * stride_dqt + offs_h[None, :]
-            dq_MD = tl.dot(ds_MN, k_ND, input_precision=DOT_PRECISION) * scale
-            _add_dq_tile(dq_MD, dq_desc, dq_row + m_start, dq_col, dq_ptrs, row_ok, offs_h < HALF, DQ_TMA, MASKED,
-                         False)  # fmt: skip
-            dq2_MD = tl.dot(ds_MN, k2_ND, input_precision=DOT_PRECISION) * scale
-            _add_dq_tile(dq2_MD, dq_desc, dq_row + m_start, dq_col + HALF, dq_ptrs + HALF, row_ok,
-                         offs_h < HEAD_DIM - HALF, DQ_TMA, MASKED, HEAD_DIM != BLOCK_D)  # fmt: skip
+            _add_dq_part(ds_NM, k_ND, scale, dq_desc, dq_row + m_start, dq_col, dq_base, offs_m, offs_h, stride_dqt,
+                         row_ok, offs_h < HALF, DQ_TMA, MASKED, False, DOT_PRECISION, BLOCK_D > 64)  # fmt: skip
+            _add_dq_part(ds_NM, k2_ND, scale, dq_desc, dq_row + m_start, dq_col + HALF, dq_base + HALF, offs_m, offs_h,
+                         stride_dqt, row_ok, offs_h < HEAD_DIM - HALF, DQ_TMA, MASKED, HEAD_DIM != BLOCK_D,
+                         DOT_PRECISION, BLOCK_D > 64)  # fmt: skip
         elif PART != DV_ONLY:
             ds_NM = ds_NM.to(q_MD.dtype)
             dk_ND = tl.dot(ds_NM, q_MD, dk_ND, input_precision=DOT_PRECISION)
         if FUSED_DQ and PART != DV_ONLY and not HALVES:
-            dq_MD = tl.dot(tl.trans(ds_NM), k_ND, input_precision=DOT_PRECISION) * scale
-            dq_ptrs = dq_base + offs_m[:, None] * stride_dqt + offs_d[None, :]
-            _add_dq_tile(dq_MD, dq_desc, dq_row + m_start, dq_col, dq_ptrs, row_ok, offs_d < HEAD_DIM, DQ_TMA, MASKED,
-                         HEAD_DIM != BLOCK_D)  # fmt: skip
+            _add_dq_part(ds_NM, k_ND, scale, dq_desc, dq_row + m_start, dq_col, dq_base, offs_m, offs_d, stride_dqt,
+                         row_ok, offs_d < HEAD_DIM, DQ_TMA, MASKED, HEAD_DIM != BLOCK_D, DOT_PRECISION,
+                         BLOCK_D > 64)  # fmt: skip
     return dk_ND, dk2_ND, dv_NDV
+
+
+@triton.jit
+def _add_dq_part(ds_NM, k_NC, scale, dq_desc, desc_row, desc_col, dq_base, offs_m, offs_c, stride_dqt, row_ok, cols_ok,
+                 DQ_TMA: tl.constexpr, MASKED: tl.constexpr, CHECK_COLS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 TRANSPOSED: tl.constexpr):  # fmt: skip
+    """Add this key tile's part of dQ, ``scale dS K``, over the columns ``offs_c`` that ``k_NC`` holds, into the fp32
+    rows at ``dq_base`` (:func:`_add_dq_tile`: ``desc_row`` / ``desc_col`` for ``DQ_TMA``, masks as there).
+    ``TRANSPOSED`` (element-by-element additions only) computes the tile as ``(scale dS K)^T = scale K^T dS^T``
+    instead: ``K^T`` is the key tile's shared-memory copy read transposed and ``dS^T`` is what the program holds, so
+    neither K in a second layout nor ``dS^T`` turned around through shared memory is needed, and a tile of 16-64
+    query rows becomes the products' N, not their M (a warp group's tensor-core product takes 64 rows at least).
+    At head dims over 64 that took 16-56 KB of shared memory and most register spills off the dK programs on sm_90
+    (``examples/benchmarks/kernel_resources.py``): it is what lets the 32-row, two-stage dK programs of head dim 256
+    fit."""
+    if TRANSPOSED and not DQ_TMA:
+        dq_CM = tl.dot(tl.trans(k_NC), ds_NM, input_precision=DOT_PRECISION) * scale
+        dq_ptrs = dq_base + offs_m[None, :] * stride_dqt + offs_c[:, None]
+        if MASKED and CHECK_COLS:
+            tl.atomic_add(dq_ptrs, dq_CM, mask=cols_ok[:, None] & row_ok[None, :], sem="relaxed")
+        elif MASKED:
+            tl.atomic_add(dq_ptrs, dq_CM, mask=row_ok[None, :], sem="relaxed")
+        elif CHECK_COLS:
+            tl.atomic_add(dq_ptrs, dq_CM, mask=cols_ok[:, None], sem="relaxed")
+        else:
+            tl.atomic_add(dq_ptrs, dq_CM, sem="relaxed")
+    else:
+        dq_MC = tl.dot(tl.trans(ds_NM), k_NC, input_precision=DOT_PRECISION) * scale
+        dq_ptrs = dq_base + offs_m[:, None] * stride_dqt + offs_c[None, :]
+        _add_dq_tile(dq_MC, dq_desc, desc_row, desc_col, dq_ptrs, row_ok, cols_ok, DQ_TMA, MASKED, CHECK_COLS)
 
 
 @triton.jit
