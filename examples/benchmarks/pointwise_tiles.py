@@ -5,8 +5,9 @@ bias, and its norms over ``heads x head dim`` columns) and each kernel, forward 
 
 - ``silu_split`` (:func:`lightning_gem.ops.pointwise.silu_split`'s kernels): rows a tile, warps, persistent programs
   an SM (the backward's, with a bias);
-- ``norm_mul`` (the attention output's norm times the gate U) and the input norm (fp32 residual in, bf16 out) with
-  its residual gradient added in the backward: rows a tile, warps, persistent programs an SM (backward).
+- ``norm_mul`` (the attention output's RMSNorm per head times the gate U) and the input RMSNorm (fp32 residual in,
+  bf16 out) with its residual gradient added in the backward: rows a tile, warps, persistent programs an SM
+  (backward).
 
 Each variant is the launcher's own rule with one or more of its choices overridden (the ``tile_rows``,
 ``tile_warps`` and resident-program rules of :mod:`lightning_gem.ops.pointwise.impl.triton.kernels`), checked
@@ -132,33 +133,38 @@ def run_shape(tokens: int, heads: int, head_dim: int, device: str, quick: bool =
         sweep(f"silu_split bwd {tag}", 3 * x.numel() * 2, lambda: kernels.silu_split_backward(x, grads, sizes, bias),
               persistent, 5e-2),
     ]  # fmt: skip
-    attn, gate, grad = randn(tokens, 1, width), randn(tokens, 1, width), randn(tokens, 1, width)
-    weight, nbias = 1 + 0.1 * randn(width, dtype=torch.float32), 0.1 * randn(width, dtype=torch.float32)
-    _, mean, rstd = kernels.norm_mul_forward(attn, gate, weight, nbias, 1e-5, True)
+    # The HSTU layer's norms (RMSNorm, its default): the attention output's per head (``per_head_norm``, the default:
+    # rows of one head's columns) times the gate U, and the input norm over the fp32 residual's rows (bf16 out).
+    attn, gate, grad = randn(tokens, heads, head_dim), randn(tokens, heads, head_dim), randn(tokens, heads, head_dim)
+    weight = 1 + 0.1 * randn(head_dim, dtype=torch.float32)
+    _, mean, rstd = kernels.norm_mul_forward(attn, gate, weight, None, 1e-5, False)
     results.append(
         sweep(
             f"norm_mul fwd {tag}",
             3 * attn.numel() * 2,
-            lambda: kernels.norm_mul_forward(attn, gate, weight, nbias, 1e-5, True)[:1],
+            lambda: kernels.norm_mul_forward(attn, gate, weight, None, 1e-5, False)[:1],
             rows_warps,
             1e-2,
         )
     )
     results.append(sweep(f"norm_mul bwd {tag}", 5 * attn.numel() * 2,
-                         lambda: kernels.norm_mul_backward(grad, attn, gate, weight, nbias, mean, rstd, True)[:2],
+                         lambda: kernels.norm_mul_backward(grad, attn, gate, weight, None, mean, rstd, False)[:2],
                          persistent, 5e-2))  # fmt: skip
     residual, grad_residual = randn(tokens, width, dtype=torch.float32), randn(tokens, width, dtype=torch.float32)
-    grad_y = randn(tokens, width)
+    grad_y, width_weight = randn(tokens, width), 1 + 0.1 * randn(width, dtype=torch.float32)
 
     def input_norm() -> tuple:
-        return kernels.norm_mul_forward(residual, None, weight, nbias, 1e-5, True, torch.bfloat16)
+        return kernels.norm_mul_forward(residual, None, width_weight, None, 1e-5, False, torch.bfloat16)
 
     _, mean, rstd = input_norm()
     results.append(sweep(f"input norm fwd {tag}", residual.numel() * 6, lambda: input_norm()[:1], rows_warps, 1e-2))
-    results.append(sweep(f"input norm + residual bwd {tag}", residual.numel() * 14,
-                         lambda: kernels.norm_mul_backward(grad_y, residual, None, weight, nbias, mean, rstd, True,
-                                                           grad_residual=grad_residual)[:1],
-                         persistent, 5e-2))  # fmt: skip
+
+    def input_norm_backward() -> tuple:
+        return kernels.norm_mul_backward(grad_y, residual, None, width_weight, None, mean, rstd, False,
+                                         grad_residual=grad_residual)[:1]  # fmt: skip
+
+    results.append(sweep(f"input norm + residual bwd {tag}", residual.numel() * 14, input_norm_backward, persistent,
+                         5e-2))  # fmt: skip
     return results
 
 

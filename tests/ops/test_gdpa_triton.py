@@ -353,8 +353,9 @@ def test_small_pair_groups(device: str, layout: str, one_launch: bool, group: in
 @pytest.mark.parametrize("dim", [64, 128, 256])
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
 def test_split_dkdv_programs_bf16_gpu(activation: str, dim: int) -> None:
-    """The split dK/dV programs in bf16 on every shape ``split_candidates`` lists (tall tiles, bulk-reduced dQ
-    where the GPU has it), targets included, within the bf16 budget of the float64 reference."""
+    """The split dK/dV programs in bf16 on every plan ``split_candidates`` lists, as the tuner runs them (bulk-reduced
+    dQ where the plan says so and the GPU has it), targets included, within the bf16 budget of the float64
+    reference."""
     if not torch.cuda.is_available() or _triton_device() != "cuda":
         pytest.skip("needs a CUDA GPU with compiled (not interpreted) Triton kernels")
     from lightning_gem.ops.attention.impl.triton._tuning import split_candidates
@@ -365,7 +366,7 @@ def test_split_dkdv_programs_bf16_gpu(activation: str, dim: int) -> None:
                      dim=dim, dim_v=dim)  # fmt: skip
     options = {**_options(activation, True, None, None), "scale": 1 / math.sqrt(dim)}
     jagged = (inputs.q_offsets, inputs.q_offsets, None, inputs.num_targets)
-    plans = split_candidates(torch.bfloat16, inputs.q.device, dim, max_len_q=520)
+    plans = split_candidates(torch.bfloat16, inputs.q.device, dim, max_len_q=520, tma=bulk_reduction_ok(inputs.q))
     assert plans
     for plan in plans:
 
@@ -374,7 +375,7 @@ def test_split_dkdv_programs_bf16_gpu(activation: str, dim: int) -> None:
             out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, spec)
             grads = gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, spec, dkdv_tiles=plan.dkdv,
                                   split_dkdv=True, column_halves=plan.halves, dv_stages=plan.dv_stages,
-                                  bulk_dq=bulk_reduction_ok(inputs.q))  # fmt: skip
+                                  bulk_dq=plan.tma)  # fmt: skip
             return out, grads
 
         _check_against_reference(inputs, options, f"{activation} D={dim} split {plan}", run=run)

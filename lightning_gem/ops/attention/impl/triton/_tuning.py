@@ -317,11 +317,11 @@ def split_candidates(
     fp32 accumulator a program, each computing ``Q K^T`` itself. Over head dim 128 these are the fastest backward
     measured (docs/benchmarks.md): two accumulators of a 64-row key tile do not fit the registers of 8 warps, and
     a 64-row tile over 8 warps computes ``Q K^T`` in both of its warp groups, where one accumulator of a 128-row
-    tile does neither; one stage, so its K, V, Q and dO tiles fit in shared memory. At head dims up to 128 they
-    ran slower than the unsplit launch on every shape timed, so :func:`backward_candidates` takes them only over
-    128, where the dK program also comes with its K, dK and dQ tiles in column halves (``halves``: each half's
-    product and reduction hold half the registers). None where a BlockAttention block or short query segments fix the
-    tiles."""
+    tile does neither; one stage at 64 query rows (two at 32), so its K, V, Q and dO tiles fit in shared memory. At
+    head dims up to 128 they ran slower than the unsplit launch on every shape timed, so :func:`backward_candidates`
+    takes them only over 128, where the dK program also comes with its K, dK and dQ tiles in column halves
+    (``halves``: each half's product and reduction hold half the registers). None where a BlockAttention block or
+    short query segments fix the tiles."""
     if device.type != "cuda":
         return [BackwardTiles(Tiles(16, 16, 1, 1), split=True)]
     if dtype == torch.float32 or _block_tiles(block_size) is not None or length_bucket(max_len_q) <= 64:
@@ -332,17 +332,18 @@ def split_candidates(
         shapes = [Tiles(64, 128, 8, 2)]
     else:
         # The dK program's K, dK and dQ tiles in two column halves (fewer registers live at once), with dQ added
-        # element by element (what a traced call runs): first on query tiles of 32 rows at two stages (its dQ tiles
-        # computed transposed, :func:`.backward_programs._add_dq_part`, which is what fits them in shared memory: the
-        # loads of the next query tile overlap this one's products), then of 64 rows at one stage; each also with the
-        # dV programs in a launch of their own at two stages (their K tile and two stages of Q and dO fit in shared
-        # memory); then dQ through bulk reductions, halves and whole. Timed on an H100 (docs/benchmarks.md, "Head dim
-        # 256 backward"): the 32-row plans lead on softmax, the 64-row ones with their own dV launch on SiLU.
-        pipelined, single = Tiles(32, 128, 8, 2), Tiles(64, 128, 8, 1)
+        # element by element (what a traced call runs): first on query tiles of 64 rows at one stage (the plan of
+        # untimed calls, run on the GPU in every mode), then of 32 rows at two stages (their dQ tiles computed
+        # transposed, :func:`.backward_programs._add_dq_part`, is what fits them in shared memory: the loads of the
+        # next query tile overlap this one's products), each also with the dV programs in a launch of their own at
+        # two stages (their K tile and two stages of Q and dO fit in shared memory); then dQ through bulk reductions,
+        # halves and whole. Timed on an H100 (docs/benchmarks.md, "Head dim 256 backward"): the 32-row plans lead on
+        # softmax, the 64-row one with its own dV launch on SiLU.
+        single, pipelined = Tiles(64, 128, 8, 1), Tiles(32, 128, 8, 2)
         plans = [
+            BackwardTiles(single, split=True, halves=True),
             BackwardTiles(pipelined, split=True, halves=True),
             BackwardTiles(pipelined, split=True, halves=True, dv_stages=2),
-            BackwardTiles(single, split=True, halves=True),
             BackwardTiles(single, split=True, halves=True, dv_stages=2),
             BackwardTiles(single, tma=tma, split=True, halves=True),
             BackwardTiles(single, tma=tma, split=True),

@@ -491,8 +491,10 @@ def norm_mul_backward(
     block_n = next_power_of_2(n)
     block_r = _tile_rows(block_n, max_rows=32)
     num_tiles = cdiv(num_rows, block_r)
-    # Two persistent programs an SM, not four: half the rows of partial sums to write and add up, and 0-29% faster
-    # on an H100 at the HSTU layer's shapes (33-37K rows of 512 to 2,048; examples/benchmarks/pointwise_tiles.py).
+    # Two persistent programs an SM, not four: half the rows of partial sums to write and add up. Timed on an H100
+    # (examples/benchmarks/pointwise_tiles.py, docs/benchmarks.md "Pointwise kernels"): as fast or faster (to 1.29x) on
+    # 33-37K rows of 512 to 2,048 columns, gated and with the residual's gradient; rows of one head (128-256
+    # columns, the per-head attention norm) were not in that sweep.
     programs = max(1, min(num_tiles, _resident_programs(x_RN, per_sm=2)))
     if num_rows == 0:
         return dx, dgate, None if weight is None else weight.new_zeros(n), None if bias is None else bias.new_zeros(n)
