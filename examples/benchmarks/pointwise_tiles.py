@@ -28,12 +28,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
-import time
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from precision import bench
 
 import lightning_gem.ops.pointwise.impl.triton.kernels as kernels
 
@@ -70,17 +73,8 @@ def overridden(rows: int | None = None, warps: int | None = None, per_sm: int | 
 
 
 def _bench(fn: Callable[[], object]) -> float:
-    """Median ms of ``fn``: ``triton.testing.do_bench`` on CUDA; off CUDA (the interpreter) the wall clock of 3."""
-    if not torch.cuda.is_available():
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=20, rep=100, return_mode="median")
+    """Median ms of ``fn`` (``precision.bench``: ``triton.testing.do_bench`` on CUDA, the wall clock elsewhere)."""
+    return bench(fn, "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def sweep(name: str, nbytes: int, run: Callable[[], tuple], variants: list[dict], atol: float) -> dict:
