@@ -246,17 +246,18 @@ def _launched_case(
     split: bool = False,
     halves: bool = False,
     dv_stages: int = 0,
+    dim: int = 16,
 ) -> tuple[GDPAInputs, dict, Callable]:
     """Inputs of ``layout``, the options of ``activation`` under a causal window, and a ``run(grad_out)`` for
     :func:`_check_against_reference` that calls the launchers directly with fixed tiles: the forward, then the dK/dV
     kernel with atomic dQ or (``one_launch``) the one-launch kernel, dK and dV in programs of their own with
     ``split`` (the dK one in column halves with ``halves``, the dV ones in a launch of their own with
-    ``dv_stages``)."""
+    ``dv_stages``); ``dim`` the head dim of q, k and v."""
     from lightning_gem.ops.attention.impl.triton._tuning import Tiles
     from lightning_gem.ops.attention.impl.triton.backward import gdpa_backward
     from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
 
-    inputs = _inputs(layout, seed, torch.float32, device)
+    inputs = _inputs(layout, seed, torch.float32, device, dim=dim, dim_v=dim)
     options = _options(activation, True, 9, None)
     kv_offsets = inputs.q_offsets if inputs.kv_offsets is None else inputs.kv_offsets
     tiles = Tiles(16, 16, 1, 1) if device == "cpu" else Tiles(32, 32, 4, 2)
@@ -288,6 +289,19 @@ def test_split_dkdv_programs(
                                           halves=halves, dv_stages=dv_stages)  # fmt: skip
     label = f"{layout}/{activation}/split/{one_launch}/{halves}/{dv_stages}"
     _check_against_reference(inputs, options, label, run=run)
+
+
+@pytest.mark.parametrize("split, halves", [(False, False), (True, True)])
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize("dim", [96, 128])
+@pytest.mark.parametrize("layout", ["self_targets", "cross"])
+def test_transposed_dq_tiles(device: str, layout: str, dim: int, activation: str, split: bool, halves: bool) -> None:
+    """Over head dim 64 the dK/dV programs add dQ as transposed tiles (``K^T dS^T``, ``_add_dq_part``): the kernel
+    with atomic dQ, whole and split with column halves, at head dims 128 and 96 (the upper columns of its 128-wide
+    tiles masked), targets and cross segments, both activation families, against the float64 reference."""
+    inputs, options, run = _launched_case(layout, 47, activation, device, one_launch=False, split=split,
+                                          halves=halves, dim=dim)  # fmt: skip
+    _check_against_reference(inputs, options, f"{layout}/{activation}/D={dim}/split {split}/halves {halves}", run=run)
 
 
 @pytest.mark.parametrize("by_length", [False, True])
