@@ -157,9 +157,9 @@ def _add_dq_part(ds_NM, k_NC, scale, dq_desc, desc_row, desc_col, dq_base, offs_
     instead: ``K^T`` is the key tile's shared-memory copy read transposed and ``dS^T`` is what the program holds, so
     neither K in a second layout nor ``dS^T`` turned around through shared memory is needed, and a tile of 16-64
     query rows becomes the products' N, not their M (a warp group's tensor-core product takes 64 rows at least).
-    At head dims over 64 that took 16-56 KB of shared memory and most register spills off the dK programs on sm_90
-    (``examples/benchmarks/kernel_resources.py``): it is what lets the 32-row, two-stage dK programs of head dim 256
-    fit."""
+    At head dims over 64 that took 16-49 KB of shared memory off the dK/dV programs on sm_90 and, on their taller tiles,
+    half or more of their register spills (``examples/benchmarks/kernel_resources.py``): it is what lets the 32-row,
+    two-stage dK programs of head dim 256 fit."""
     if TRANSPOSED and not DQ_TMA:
         dq_CM = tl.dot(tl.trans(k_NC), ds_NM, input_precision=DOT_PRECISION) * scale
         dq_ptrs = dq_base + offs_m[None, :] * stride_dqt + offs_c[:, None]
