@@ -152,7 +152,9 @@ def _add_dq_part(ds_NM, k_NC, scale, dq_desc, desc_row, desc_col, dq_base, offs_
                  DQ_TMA: tl.constexpr, MASKED: tl.constexpr, CHECK_COLS: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  TRANSPOSED: tl.constexpr):  # fmt: skip
     """Add this key tile's part of dQ, ``scale dS K``, over the columns ``offs_c`` that ``k_NC`` holds, into the fp32
-    rows at ``dq_base`` (:func:`_add_dq_tile`: ``desc_row`` / ``desc_col`` for ``DQ_TMA``, masks as there).
+    rows at ``dq_base``: with ``DQ_TMA`` as one bulk reduction through ``dq_desc`` at ``[desc_row, desc_col]``, else
+    element by element, only query rows in ``row_ok`` (``MASKED``) and columns in ``cols_ok`` (``CHECK_COLS``).
+
     ``TRANSPOSED`` (element-by-element additions only) computes the tile as ``(scale dS K)^T = scale K^T dS^T``
     instead: ``K^T`` is the key tile's shared-memory copy read transposed and ``dS^T`` is what the program holds, so
     neither K in a second layout nor ``dS^T`` turned around through shared memory is needed, and a tile of 16-64
@@ -160,39 +162,24 @@ def _add_dq_part(ds_NM, k_NC, scale, dq_desc, desc_row, desc_col, dq_base, offs_
     At head dims over 64 that took 16-49 KB of shared memory off the dK/dV programs on sm_90 and, on their taller tiles,
     half or more of their register spills (``examples/benchmarks/kernel_resources.py``): it is what lets the 32-row,
     two-stage dK programs of head dim 256 fit."""
-    if TRANSPOSED and not DQ_TMA:
-        dq_CM = tl.dot(tl.trans(k_NC), ds_NM, input_precision=DOT_PRECISION) * scale
+    if TRANSPOSED and not DQ_TMA:  # [C, M]: the query rows across
+        dq = tl.dot(tl.trans(k_NC), ds_NM, input_precision=DOT_PRECISION) * scale
         dq_ptrs = dq_base + offs_m[None, :] * stride_dqt + offs_c[:, None]
-        if MASKED and CHECK_COLS:
-            tl.atomic_add(dq_ptrs, dq_CM, mask=cols_ok[:, None] & row_ok[None, :], sem="relaxed")
-        elif MASKED:
-            tl.atomic_add(dq_ptrs, dq_CM, mask=row_ok[None, :], sem="relaxed")
-        elif CHECK_COLS:
-            tl.atomic_add(dq_ptrs, dq_CM, mask=cols_ok[:, None], sem="relaxed")
-        else:
-            tl.atomic_add(dq_ptrs, dq_CM, sem="relaxed")
-    else:
-        dq_MC = tl.dot(tl.trans(ds_NM), k_NC, input_precision=DOT_PRECISION) * scale
+        row_mask, col_mask = row_ok[None, :], cols_ok[:, None]
+    else:  # [M, C]
+        dq = tl.dot(tl.trans(ds_NM), k_NC, input_precision=DOT_PRECISION) * scale
         dq_ptrs = dq_base + offs_m[:, None] * stride_dqt + offs_c[None, :]
-        _add_dq_tile(dq_MC, dq_desc, desc_row, desc_col, dq_ptrs, row_ok, cols_ok, DQ_TMA, MASKED, CHECK_COLS)
-
-
-@triton.jit
-def _add_dq_tile(dq_MC, dq_desc, desc_row, desc_col, dq_ptrs, row_ok, cols_ok, DQ_TMA: tl.constexpr,
-                 MASKED: tl.constexpr, CHECK_COLS: tl.constexpr):  # fmt: skip
-    """Add the fp32 tile ``dq_MC`` into dQ: with ``DQ_TMA`` as one bulk reduction through ``dq_desc`` at ``[desc_row,
-    desc_col]``, else element by element at ``dq_ptrs``, only rows in ``row_ok`` (``MASKED``) and columns in
-    ``cols_ok`` (``CHECK_COLS``)."""
+        row_mask, col_mask = row_ok[:, None], cols_ok[None, :]
     if DQ_TMA:
-        dq_desc.atomic_add([desc_row, desc_col], dq_MC)
+        dq_desc.atomic_add([desc_row, desc_col], dq)
     elif MASKED and CHECK_COLS:
-        tl.atomic_add(dq_ptrs, dq_MC, mask=row_ok[:, None] & cols_ok[None, :], sem="relaxed")
+        tl.atomic_add(dq_ptrs, dq, mask=row_mask & col_mask, sem="relaxed")
     elif MASKED:
-        tl.atomic_add(dq_ptrs, dq_MC, mask=row_ok[:, None], sem="relaxed")
+        tl.atomic_add(dq_ptrs, dq, mask=row_mask, sem="relaxed")
     elif CHECK_COLS:
-        tl.atomic_add(dq_ptrs, dq_MC, mask=cols_ok[None, :], sem="relaxed")
+        tl.atomic_add(dq_ptrs, dq, mask=col_mask, sem="relaxed")
     else:
-        tl.atomic_add(dq_ptrs, dq_MC, sem="relaxed")
+        tl.atomic_add(dq_ptrs, dq, sem="relaxed")
 
 
 @triton.jit
