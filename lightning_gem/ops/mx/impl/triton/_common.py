@@ -145,6 +145,35 @@ def _quantize_rows(
     return tl.reshape(q, (TILE_R, TILE_C)), exponent, nonfinite
 
 
+@triton.jit
+def _load_mx_tile(CODES, SCALES, rows, row_ok, col0, width, num_cols, TILE_R: tl.constexpr, TILE_C: tl.constexpr):
+    """An fp32 ``[TILE_R, TILE_C]`` tile decoded from an MX copy along rows (E4M3 codes ``[R, width]`` as bytes, biased
+    E8M0 scales ``[R, width / 32]``): rows ``rows`` where ``row_ok``, columns from ``col0`` (a multiple of 32), the
+    first ``num_cols`` of them; zeros elsewhere."""
+    cols = tl.arange(0, TILE_C)
+    mask = row_ok[:, None] & (cols < num_cols)[None, :]
+    codes = tl.load(CODES + rows[:, None] * width + col0 + cols[None, :], mask=mask, other=0)
+    blocks = tl.arange(0, TILE_C // 32)
+    scale_mask = row_ok[:, None] & (blocks < num_cols // 32)[None, :]
+    biased = tl.load(SCALES + rows[:, None] * (width // 32) + col0 // 32 + blocks[None, :], mask=scale_mask, other=127)
+    return tl.reshape(_decode_mx(tl.reshape(codes, (TILE_R, TILE_C // 32, 32)), biased), (TILE_R, TILE_C))
+
+
+@triton.jit
+def _store_mx_tile(CODES, SCALES, x, rows, row_ok, col0, width, num_cols, TILE_R: tl.constexpr, TILE_C: tl.constexpr,
+                   EXACT: tl.constexpr):  # fmt: skip
+    """Store the fp32 tile ``x`` as its MX copy (RCEIL blocks of 32 along the row) where :func:`_load_mx_tile` reads
+    it (codes as bytes)."""
+    cols = tl.arange(0, TILE_C)
+    mask = row_ok[:, None] & (cols < num_cols)[None, :]
+    q, exponent, nonfinite = _quantize_rows(x, TILE_R, TILE_C, 32, True, EXACT)
+    tl.store(CODES + rows[:, None] * width + col0 + cols[None, :], q.to(tl.uint8, bitcast=True), mask=mask)
+    blocks = tl.arange(0, TILE_C // 32)
+    scale_mask = row_ok[:, None] & (blocks < num_cols // 32)[None, :]
+    scales = _scale_value(exponent, nonfinite, True)
+    tl.store(SCALES + rows[:, None] * (width // 32) + col0 // 32 + blocks[None, :], scales, mask=scale_mask)
+
+
 _CHOSEN: dict[tuple, tuple[int, ...] | str] = {}  # a str: which plan of several launches (quantize's rows+cols)
 _UNTUNED: dict[tuple, tuple[tuple[int, ...], str]] = {}
 

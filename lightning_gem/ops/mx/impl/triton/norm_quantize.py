@@ -22,7 +22,13 @@ import triton.language as tl
 from torch import Tensor
 
 from lightning_gem.ops._launch import cdiv, is_interpreted, next_power_of_2
-from lightning_gem.ops.mx.impl.triton._common import _quantize_rows, _scale_value, launch_tuned, size_class
+from lightning_gem.ops.mx.impl.triton._common import (
+    _quantize_rows,
+    _scale_value,
+    _store_mx_tile,
+    launch_tuned,
+    size_class,
+)
 from lightning_gem.ops.mx.impl.triton.quantize import _TL_DTYPES, row_buffers
 
 __all__ = ["norm_quantize_triton"]
@@ -32,7 +38,7 @@ __all__ = ["norm_quantize_triton"]
 @triton.jit(do_not_specialize=["num_rows", "stride_s_c", "size_class"])  # stride_s_r depends on D alone
 def _norm_quantize_kernel(
     X, WEIGHT, BIAS, Y, Q, S, RSTD, MEAN,  # [R, D], [D], [D], [R, D], [R, D] fp8, scales, [R], [R]
-    XQ, XS,  # SAVE_X: x's own MX copy, [R, D] fp8 and [R, D / 32] biased E8M0 exponents (uint8)
+    XQ, XS,  # SAVE_X: x's own MX copy, [R, D] E4M3 codes as bytes and [R, D / 32] biased E8M0 exponents (uint8)
     num_rows, dim, eps, stride_s_r, stride_s_c,
     size_class,  # autotuning key only
     BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, LAYER: tl.constexpr, WRITE_Y: tl.constexpr, MX: tl.constexpr,
@@ -58,12 +64,7 @@ def _norm_quantize_kernel(
         offsets = rows[:, None] * dim + cols[None, :]
         x = x_next.to(tl.float32) if EVEN_D else tl.where(mask, x_next.to(tl.float32), 0.0)
         if SAVE_X:  # x's MX copy (RCEIL blocks of 32) from the same read, for a saved-activation context
-            xq, x_exponent, x_nonfinite = _quantize_rows(x, TILE_R, BLOCK_D, 32, True, EXACT)
-            tl.store(XQ + offsets, xq, mask=mask)
-            x_blocks = tl.arange(0, BLOCK_D // 32)
-            x_scale_mask = row_mask[:, None] & (x_blocks < dim // 32)[None, :]
-            tl.store(XS + rows[:, None] * (dim // 32) + x_blocks[None, :], _scale_value(x_exponent, x_nonfinite, True),
-                     mask=x_scale_mask)  # fmt: skip
+            _store_mx_tile(XQ, XS, x, rows, row_mask, 0, dim, dim, TILE_R, BLOCK_D, EXACT)
         if NUM_TILES > 1:  # the next tile's load is in flight while this one is computed
             next_rows = rows + TILE_R
             next_mask = ((next_rows < num_rows) & (tile + 1 < NUM_TILES))[:, None] & col_mask[None, :]
@@ -135,7 +136,8 @@ def norm_quantize_triton(
     x_codes = torch.empty(num_rows if save_input else 0, dim, dtype=torch.float8_e4m3fn, device=device)
     x_scales = torch.empty(num_rows if save_input else 0, dim // 32, dtype=torch.uint8, device=device)
     args = (
-        x, weight, bias, y, q, scale, rstd, mean, x_codes if save_input else None, x_scales if save_input else None,
+        x, weight, bias, y, q, scale, rstd, mean, x_codes.view(torch.uint8) if save_input else None,
+        x_scales if save_input else None,
         num_rows, dim, float(eps), *scale.stride(), size_class(num_rows * dim),
     )  # fmt: skip
     meta = dict(

@@ -41,7 +41,7 @@ from lightning_gem.ops.mx.impl.triton._common import (
     _CHOSEN,
     NONFINITE_BITS,
     TUNE_ABOVE,
-    _decode_mx,
+    _load_mx_tile,
     _magnitude_bits,
     _magnitude_bits_of,
     _quantize_blocks,
@@ -101,11 +101,8 @@ def _quantize_kernel(
     cols = pid_c * TILE_C + tl.arange(0, TILE_C)
     in_bounds = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
     if X_MX:  # decoded from the MX copy (TILE_C a multiple of 32): a quarter of an fp32 x's bytes read
-        codes = tl.load(X + rows[:, None] * num_cols + cols[None, :], mask=in_bounds, other=0)
-        blocks = pid_c * (TILE_C // 32) + tl.arange(0, TILE_C // 32)
-        scale_mask = (rows < num_rows)[:, None] & (blocks < num_cols // 32)[None, :]
-        biased = tl.load(X_SCALES + rows[:, None] * (num_cols // 32) + blocks[None, :], mask=scale_mask, other=127)
-        x = tl.reshape(_decode_mx(tl.reshape(codes, (TILE_R, TILE_C // 32, 32)), biased), (TILE_R, TILE_C))
+        col0 = pid_c * TILE_C
+        x = _load_mx_tile(X, X_SCALES, rows, rows < num_rows, col0, num_cols, num_cols - col0, TILE_R, TILE_C)
     else:
         x = tl.load(X + rows[:, None] * num_cols + cols[None, :], mask=in_bounds, other=0.0).to(tl.float32)
     if NORM != 0:

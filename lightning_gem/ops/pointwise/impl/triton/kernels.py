@@ -29,7 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from lightning_gem.ops._launch import cdiv, is_interpreted, launch, next_power_of_2
-from lightning_gem.ops.mx.impl.triton._common import _decode_mx, _quantize_rows, _scale_value
+from lightning_gem.ops.mx.impl.triton._common import _load_mx_tile, _store_mx_tile
 
 __all__ = ["MXRows", "norm_mul_backward", "norm_mul_forward", "silu_split_backward", "silu_split_forward", "tile_warps"]
 
@@ -42,34 +42,13 @@ def _x_tile(X, CODES, SCALES, rows, row_ok, start, width, P: tl.constexpr, BLOCK
             BLOCK_P: tl.constexpr, FROM_FP8: tl.constexpr):  # fmt: skip
     """A part's ``[BLOCK_R, BLOCK_P]`` tile of ``x`` in fp32 (zeros outside): loaded, or ``FROM_FP8`` decoded from its
     MX copy (codes ``[R, W]`` as bytes, biased E8M0 scales ``[R, W / 32]``; the part's columns whole blocks)."""
-    cols = tl.arange(0, BLOCK_P)
-    mask = row_ok[:, None] & (cols < P)[None, :]
     if FROM_FP8:
-        codes = tl.load(CODES + rows[:, None] * width + start + cols[None, :], mask=mask, other=0)
-        blocks = tl.arange(0, BLOCK_P // 32)
-        scale_mask = row_ok[:, None] & (blocks < P // 32)[None, :]
-        biased = tl.load(SCALES + rows[:, None] * (width // 32) + start // 32 + blocks[None, :], mask=scale_mask,
-                         other=127)  # fmt: skip
-        x = _decode_mx(tl.reshape(codes, (BLOCK_R, BLOCK_P // 32, 32)), biased)
-        x = tl.reshape(x, (BLOCK_R, BLOCK_P))
+        x = _load_mx_tile(CODES, SCALES, rows, row_ok, start, width, P, BLOCK_R, BLOCK_P)
     else:
+        cols = tl.arange(0, BLOCK_P)
+        mask = row_ok[:, None] & (cols < P)[None, :]
         x = tl.load(X + rows[:, None] * width + start + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     return x
-
-
-@triton.jit
-def _store_mx_tile(CODES, SCALES, x, rows, row_ok, start, width, P: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_P: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
-    """Store fp32 tile ``x`` (zeros outside) as its MX copy (RCEIL blocks of 32 along the row), the layout
-    :func:`_x_tile` reads."""
-    cols = tl.arange(0, BLOCK_P)
-    mask = row_ok[:, None] & (cols < P)[None, :]
-    q, exponent, nonfinite = _quantize_rows(x, BLOCK_R, BLOCK_P, 32, True, EXACT)
-    tl.store(CODES + rows[:, None] * width + start + cols[None, :], q.to(tl.uint8, bitcast=True), mask=mask)
-    blocks = tl.arange(0, BLOCK_P // 32)
-    scale_mask = row_ok[:, None] & (blocks < P // 32)[None, :]
-    scales = _scale_value(exponent, nonfinite, True)
-    tl.store(SCALES + rows[:, None] * (width // 32) + start // 32 + blocks[None, :], scales, mask=scale_mask)
 
 
 @triton.jit
