@@ -10,7 +10,7 @@ bias, and its norms over ``heads x head dim`` columns) and each kernel, forward 
   (backward).
 
 Each variant is the launcher's own rule with one or more of its choices overridden (the ``tile_rows``,
-``tile_warps`` and resident-program rules of :mod:`lightning_gem.ops.pointwise.impl.triton.kernels`), checked
+warps and resident-program rules of :mod:`lightning_gem.ops.pointwise.impl.triton.kernels`), checked
 against the default variant's outputs, and timed alone (median of ``triton.testing.do_bench``). Printed per kernel
 and shape: the default's time and GB/s of the bytes the kernel must move (each input read once, each output written
 once), the fastest variant and its speed-up, beside a same-run copy's GB/s. The default rules are chosen on these
@@ -49,27 +49,23 @@ DEFAULT_SHAPES = ("36864x4x256", "36864x16x128", "32768x4x128")
 def overridden(rows: int | None = None, warps: int | None = None, per_sm: int | None = None) -> Iterator[None]:
     """Inside, the pointwise launchers take ``rows`` rows a tile, ``warps`` warps and ``per_sm`` persistent programs
     an SM where given (None: their own rule)."""
-    saved = (kernels._tile_rows, kernels.tile_warps, kernels._resident_programs, kernels.launch)
-    tile_rows, tile_warps, resident, launch = saved
+    saved = (kernels._tile_rows, kernels._resident_programs, kernels.launch)
+    tile_rows, resident, launch = saved
 
     def rows_rule(block_cols: int, max_rows: int = 64, elements: int = kernels._ELEMENTS) -> int:
         return rows if rows is not None else tile_rows(block_cols, max_rows, elements)
 
-    def warps_rule(tile_elements: int) -> int:
-        return warps if warps is not None else tile_warps(tile_elements)
-
     def resident_rule(x: torch.Tensor, per_sm: int = 4, override: int | None = per_sm) -> int:
         return resident(x, override if override is not None else per_sm)
 
-    def launch_with(kernel, grid, args, meta) -> None:
+    def launch_with(kernel, grid, args, meta) -> None:  # every launcher's warps, whatever its rule
         return launch(kernel, grid, args, {**meta, "num_warps": warps} if warps is not None else meta)
 
-    kernels._tile_rows, kernels.tile_warps, kernels._resident_programs = rows_rule, warps_rule, resident_rule
-    kernels.launch = launch_with
+    kernels._tile_rows, kernels._resident_programs, kernels.launch = rows_rule, resident_rule, launch_with
     try:
         yield
     finally:
-        kernels._tile_rows, kernels.tile_warps, kernels._resident_programs, kernels.launch = saved
+        kernels._tile_rows, kernels._resident_programs, kernels.launch = saved
 
 
 def _bench(fn: Callable[[], object]) -> float:
