@@ -16,15 +16,26 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_gem.ops._launch import cdiv, dot_precision, is_interpreted, launch, next_power_of_2
+from lightning_gem.ops._launch import (
+    cdiv,
+    device_capability,
+    dot_precision,
+    is_interpreted,
+    launch,
+    next_power_of_2,
+    plain_eager,
+)
 
 __all__ = [
     "E4M3_GRID_FIRST",
     "LOG2E",
     "cdiv",
     "dense_rows",
+    "descriptors_ok",
     "dot_precision",
     "fast_math",
+    "head_rows_ok",
+    "head_tiles",
     "is_interpreted",
     "kernel_options",
     "launch",
@@ -551,3 +562,31 @@ def dense_rows(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
         return t, strides
     t = t.contiguous()
     return t, t.stride()
+
+
+def head_rows_ok(t: torch.Tensor) -> bool:
+    """Whether a tensor descriptor can read ``t [T, H, D]`` as ``[T, H * D]`` in tiles of one head's whole row: a
+    power-of-two head dim, each head's row one dense run, rows 16-byte aligned."""
+    head_dim = t.shape[2]
+    if head_dim != max(16, next_power_of_2(head_dim)) or t.stride(2) != 1 or t.stride(1) != head_dim:
+        return False
+    return (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def head_tiles(t: torch.Tensor, rows: int, columns: int | None = None) -> object:
+    """A tensor descriptor over ``t [T, H, D]`` seen as ``[T, H * D]`` (:func:`head_rows_ok`), in tiles of one head's
+    ``[rows, D]`` (``[rows, columns]``: part of a head's row); reads past ``T`` give zeros."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [rows, columns or t.shape[2]])
+
+
+def descriptors_ok(operands: tuple[torch.Tensor, ...], tiled: tuple[torch.Tensor, ...], kernel: object) -> bool:
+    """Whether ``kernel`` may read ``tiled`` (some of a call's ``operands``) through tensor descriptors (the copy
+    engine's bulk tensor loads): a plain eager call on an sm_90+ GPU (or in Triton's interpreter, which emulates
+    them), each of ``tiled`` non-empty and readable in head tiles (:func:`head_rows_ok`)."""
+    if any(t.shape[0] == 0 for t in tiled) or not plain_eager(operands) or not all(map(head_rows_ok, tiled)):
+        return False
+    if not tiled[0].is_cuda:
+        return is_interpreted(kernel)
+    return device_capability(tiled[0].device)[0] >= 9

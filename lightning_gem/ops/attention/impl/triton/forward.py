@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_gem.ops._launch import device_capability, plain_eager
+from lightning_gem.ops._launch import plain_eager
 from lightning_gem.ops.attention.fp8 import BOUND_SLACK as _BOUND_SLACK
 from lightning_gem.ops.attention.fp8 import P_SCALE
 from lightning_gem.ops.attention.impl.derived import segments_by_length
@@ -53,12 +53,13 @@ from lightning_gem.ops.attention.impl.triton._common import (
     _stage_range,
     cdiv,
     dense_rows,
+    descriptors_ok,
     fast_math,
-    is_interpreted,
+    head_rows_ok,
+    head_tiles,
     kernel_options,
     launch,
     mode_flags,
-    next_power_of_2,
     pair_group,
 )
 from lightning_gem.ops.attention.impl.triton._tuning import (
@@ -432,7 +433,7 @@ def gdpa_forward(
             return
         grid = (num_segments, heads, max(1, cdiv(max_seq_len_q, tiles.block_m)))
         descriptors = _kv_descriptors(k, v, tiles.block_n) if meta["TMA"] else (k, v)
-        q_descriptor = _head_tiles(q, tiles.block_m) if meta["WS"] else q
+        q_descriptor = head_tiles(q, tiles.block_m) if meta["WS"] else q
         launch(_gdpa_fwd_kernel, grid, (*args[:5], *descriptors, q_descriptor, *args[5:]), meta)
 
     pointwise_targets = not softmax and num_targets is not None
@@ -493,11 +494,7 @@ def kv_descriptors_ok(q: Tensor, k: Tensor, v: Tensor) -> bool:
     loads): a plain eager call on an sm_90+ GPU (or in Triton's interpreter, which emulates them), power-of-two head
     dims (a tile spans a head's whole row) and each head's row of ``k`` and ``v`` one dense run of a ``[T, H * D]``
     matrix whose rows are 16-byte aligned."""
-    if k.shape[0] == 0 or not plain_eager((q, k, v)) or not (_head_rows_ok(k) and _head_rows_ok(v)):
-        return False
-    if not k.is_cuda:
-        return is_interpreted(_gdpa_fwd_kernel)
-    return device_capability(k.device)[0] >= 9
+    return descriptors_ok((q, k, v), (k, v), _gdpa_fwd_kernel)
 
 
 def warp_specialize_fault(q: Tensor, tiles: Tiles | str | None, tma: bool, fp8: bool, targets: bool) -> str | None:
@@ -519,28 +516,11 @@ def warp_specialize_fault(q: Tensor, tiles: Tiles | str | None, tma: bool, fp8: 
         return "needs `tma=True` on bf16 or fp16 operands that tensor descriptors can read (kv_descriptors_ok)"
     if targets:
         return "not with `num_targets`"
-    if not _head_rows_ok(q):
+    if not head_rows_ok(q):
         return "needs q's heads as one dense, 16-byte aligned row of [Tq, H * D]"
     return None
 
 
-def _head_rows_ok(t: Tensor) -> bool:
-    """Whether a tensor descriptor can read ``t [T, H, D]`` as ``[T, H * D]`` in tiles of one head's whole row: a
-    power-of-two head dim, each head's row one dense run, rows 16-byte aligned."""
-    head_dim = t.shape[2]
-    if head_dim != max(16, next_power_of_2(head_dim)) or t.stride(2) != 1 or t.stride(1) != head_dim:
-        return False
-    return (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-
-
-def _head_tiles(t: Tensor, rows: int) -> object:
-    """A tensor descriptor over ``t [T, H, D]`` seen as ``[T, H * D]`` (:func:`_head_rows_ok`), in tiles of one head's
-    ``[rows, D]``; reads past ``T`` give zeros."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [rows, t.shape[2]])
-
-
 def _kv_descriptors(k: Tensor, v: Tensor, block_n: int) -> tuple[object, object]:
     """Tensor descriptors over ``k [Tk, H, D]`` and ``v [Tk, H, DV]`` in tiles of one head's ``[block_n, D]``."""
-    return _head_tiles(k, block_n), _head_tiles(v, block_n)
+    return head_tiles(k, block_n), head_tiles(v, block_n)
