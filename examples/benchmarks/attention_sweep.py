@@ -92,9 +92,8 @@ def parse_plan(text: str) -> BackwardTiles:
     """``"32,64,8,2"`` (block_m, block_n, warps, stages of the dK/dV kernel with atomic dQ), with ``,tma`` (dQ
     through bulk tensor reductions), ``,split`` (dK and dV in programs of their own), ``,halves`` (with ``split``:
     the dK program's K, dK and dQ tiles in two column halves), ``,dv2`` (with ``split``: the dV programs in a launch of
-    their own at 2 stages), ``,desc`` (with atomic dQ: query and output-gradient tiles through tensor descriptors) and
-    ``,dq128x64`` (dQ programs of 128 query rows x 64 key rows in the same launch instead of atomic dQ) after it as
-    wanted."""
+    their own at 2 stages) and ``,dq128x64`` (dQ programs of 128 query rows x 64 key rows in the same launch instead of
+    atomic dQ) after it as wanted."""
     numbers, flags, dq, dv_stages = [], set(), None, 0
     for item in text.split(","):
         if item.isdigit():
@@ -107,13 +106,12 @@ def parse_plan(text: str) -> BackwardTiles:
         else:
             flags.add(item)
     alone = "halves" in flags or dv_stages  # options of the split dK/dV programs with atomic dQ
-    bad = flags - {"tma", "split", "halves", "desc"} or (alone and ("split" not in flags or dq is not None))
-    bad = bad or ("desc" in flags and dq is not None)
+    bad = flags - {"tma", "split", "halves"} or (alone and ("split" not in flags or dq is not None))
     if bad or len(numbers) != 4 or (dq is not None and "tma" in flags):
         raise ValueError(
-            f"not a backward plan: {text!r} (block_m,block_n,warps,stages[,tma][,split[,halves][,dvN]][,desc][,dqMxN])"
+            f"not a backward plan: {text!r} (block_m,block_n,warps,stages[,tma][,split[,halves][,dvN]][,dqMxN])"
         )
-    tiles = Tiles(*numbers, tma="desc" in flags)
+    tiles = Tiles(*numbers)
     dq_tiles = None if dq is None else Tiles(*dq, tiles.num_warps, tiles.num_stages)
     return BackwardTiles(tiles, dq_tiles, tma="tma" in flags, split="split" in flags, halves="halves" in flags,
                          dv_stages=dv_stages)  # fmt: skip
@@ -217,7 +215,6 @@ def sweep_case(
         label += " split" if plan.split else ""
         label += " halves" if plan.halves else ""
         label += f" dv{plan.dv_stages}" if plan.dv_stages else ""
-        label += " desc" if plan.dkdv.tma else ""
         try:
             ms = _bench(lambda p=plan: backward(p))
             grads = backward(plan)

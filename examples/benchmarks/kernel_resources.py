@@ -113,8 +113,7 @@ def _label(plan) -> str:
     if plan.dq is not None:
         return f"one-launch {plan.dkdv.label} dq {plan.dq.label}" + (" split" if plan.split else "")
     label = f"dkdv {plan.dkdv.label}" + (" bulk dQ" if plan.tma else " atomic dQ") + (" split" if plan.split else "")
-    label += (" halves" if plan.halves else "") + (f" dv{plan.dv_stages}" if plan.dv_stages else "")
-    return label + (" desc" if plan.dkdv.tma else "")
+    return label + (" halves" if plan.halves else "") + (f" dv{plan.dv_stages}" if plan.dv_stages else "")
 
 
 if __name__ == "__main__":

@@ -53,8 +53,7 @@ def compile_kernel(kernel, meta: dict, offsets: str = "*i32"):
     are bf16 tensors but ``LSE``, ``DELTA`` and ``DQ`` (fp32) and the offsets (``offsets``, ``"*i32"`` or
     ``"*i64"``); ``DQ_DESC`` a tensor descriptor of ``[BLOCK_M, HEAD_DIM]`` fp32 tiles when ``DQ_TMA``, ``K_DESC`` /
     ``V_DESC`` ones of ``[BLOCK_N, HEAD_DIM(_V)]`` bf16 tiles when ``TMA``, ``Q_DESC`` one of ``[BLOCK_M, HEAD_DIM]``
-    when ``WS`` (the dK/dV kernel's, and its ``DO_DESC`` of ``[BLOCK_M, HEAD_DIM_V]``: when ``TMA``, half a row wide
-    for ``HALVES``); ``Q``, ``K``, ``V`` E4M3 and their scales fp32 when ``FP8``, the FP8 quantizer's ``CODES`` /
+    when ``WS``; ``Q``, ``K``, ``V`` E4M3 and their scales fp32 when ``FP8``, the FP8 quantizer's ``CODES`` /
     ``V_T`` E4M3 and its scales and maxima fp32; lower-case ones ``i32`` but ``scale`` (fp32); pointers and strides
     divisible by 16. Returns Triton's compiled kernel."""
     import triton
@@ -77,15 +76,9 @@ def compile_kernel(kernel, meta: dict, offsets: str = "*i32"):
         elif name in ("K_DESC", "V_DESC"):
             tile = (constexprs["BLOCK_N"], constexprs["HEAD_DIM" if name == "K_DESC" else "HEAD_DIM_V"])
             signature[name] = f"tensordesc<bf16[{tile[0]},{tile[1]}]>" if constexprs["TMA"] else "*bf16"
-        elif name == "Q_DESC" and "LAUNCH" in constexprs:  # the dK/dV kernel's, half a row wide for HALVES
-            tile = (constexprs["BLOCK_M"], constexprs["HEAD_DIM"] // (2 if constexprs["HALVES"] else 1))
-            signature[name] = f"tensordesc<bf16[{tile[0]},{tile[1]}]>" if constexprs["TMA"] else "*bf16"
         elif name == "Q_DESC":
             tile = (constexprs["BLOCK_M"], constexprs["HEAD_DIM"])
             signature[name] = f"tensordesc<bf16[{tile[0]},{tile[1]}]>" if constexprs.get("WS") else "*bf16"
-        elif name == "DO_DESC":
-            tile = (constexprs["BLOCK_M"], constexprs["HEAD_DIM_V"])
-            signature[name] = f"tensordesc<bf16[{tile[0]},{tile[1]}]>" if constexprs["TMA"] else "*bf16"
         elif name in _OFFSETS:
             signature[name] = offsets
         elif name in _FP8 or (name in ("Q", "K", "V") and constexprs.get("FP8")):

@@ -247,14 +247,12 @@ def _launched_case(
     halves: bool = False,
     dv_stages: int = 0,
     dim: int = 16,
-    descriptors: bool = False,
 ) -> tuple[GDPAInputs, dict, Callable]:
     """Inputs of ``layout``, the options of ``activation`` under a causal window, and a ``run(grad_out)`` for
     :func:`_check_against_reference` that calls the launchers directly with fixed tiles: the forward, then the dK/dV
     kernel with atomic dQ or (``one_launch``) the one-launch kernel, dK and dV in programs of their own with
     ``split`` (the dK one in column halves with ``halves``, the dV ones in a launch of their own with
-    ``dv_stages``); ``dim`` the head dim of q, k and v; ``descriptors``: the dK/dV programs read query and
-    output-gradient tiles through tensor descriptors."""
+    ``dv_stages``); ``dim`` the head dim of q, k and v."""
     from lightning_gem.ops.attention.impl.triton._tuning import Tiles
     from lightning_gem.ops.attention.impl.triton.backward import gdpa_backward
     from lightning_gem.ops.attention.impl.triton.forward import gdpa_forward
@@ -268,9 +266,9 @@ def _launched_case(
 
     def run(grad_out: torch.Tensor) -> tuple:
         out, lse = gdpa_forward(inputs.q, inputs.k, inputs.v, spec, tiles=tiles)
-        return out, gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, spec,
-                                  dkdv_tiles=tiles._replace(tma=descriptors), dq_tiles=tiles if one_launch else None,
-                                  split_dkdv=split, column_halves=halves, dv_stages=dv_stages)  # fmt: skip
+        return out, gdpa_backward(grad_out, inputs.q, inputs.k, inputs.v, out, lse, spec, dkdv_tiles=tiles,
+                                  dq_tiles=tiles if one_launch else None, split_dkdv=split,
+                                  column_halves=halves, dv_stages=dv_stages)  # fmt: skip
 
     return inputs, options, run
 
@@ -304,35 +302,6 @@ def test_transposed_dq_tiles(device: str, layout: str, dim: int, activation: str
     inputs, options, run = _launched_case(layout, 47, activation, device, one_launch=False, split=split,
                                           halves=halves, dim=dim)  # fmt: skip
     _check_against_reference(inputs, options, f"{layout}/{activation}/D={dim}/split {split}/halves {halves}", run=run)
-
-
-@pytest.mark.parametrize(
-    "split, halves, dv_stages",
-    [(False, False, 0), (True, False, 0), (True, True, 0), (True, True, 2), (True, False, 2)],
-)
-@pytest.mark.parametrize("activation", ["softmax", "silu"])
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_backward_descriptor_loads(
-    device: str, layout: str, activation: str, split: bool, halves: bool, dv_stages: int, monkeypatch
-) -> None:
-    """The dK/dV programs reading query and output-gradient tiles through tensor descriptors: whole tiles, so an
-    edge tile reads the next segment's rows (or zeros past the last), which the mask must drop. The kernel with
-    atomic dQ, whole, split (one launch, or the dV programs in a launch of their own) and with the dK program in column
-    halves (its descriptor half a row wide, the dV programs' whole), every layout, both activation families, under a
-    causal window, against the float64 reference; the descriptors are built, once per launch."""
-    from lightning_gem.ops.attention.impl.triton import backward
-
-    if device == "cuda" and not torch.cuda.get_device_capability()[0] >= 9:
-        pytest.skip("descriptor loads need an sm_90+ GPU")
-    made, head_tiles = [], backward.head_tiles
-    monkeypatch.setattr(backward, "head_tiles", lambda t, *shape: made.append(shape) or head_tiles(t, *shape))
-    inputs, options, run = _launched_case(layout, 53, activation, device, one_launch=False, split=split,
-                                          halves=halves, dv_stages=dv_stages, descriptors=True)  # fmt: skip
-    _check_against_reference(inputs, options, f"{layout}/{activation}/split {split}/halves {halves}/{dv_stages}",
-                             run=run)  # fmt: skip
-    rows = 16 if device == "cpu" else 32
-    launch = [(rows, 8 if halves else 16), (rows,)] + ([(rows,)] if halves and dv_stages else [])
-    assert made and set(made) <= set(launch), made
 
 
 @pytest.mark.parametrize("by_length", [False, True])

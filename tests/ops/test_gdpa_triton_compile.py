@@ -52,7 +52,7 @@ for flags, offsets, (bm, bn, warps, stages), fused in modes:
     sizes[f"short {name}"] = compile_one(backward_short._gdpa_bwd_short_kernel, dict(short, BLOCK_M=32), offsets, 4,
                                          stages)
     # The fused-dQ mode adds its tiles through bulk tensor reductions (its head dim is a power of two).
-    dkdv = dict(common, FUSED_DQ=fused, DQ_TMA=fused, FP8=False, HALVES=False, LAUNCH=0, TMA=False)
+    dkdv = dict(common, FUSED_DQ=fused, DQ_TMA=fused, FP8=False, HALVES=False, LAUNCH=0)
     sizes[f"dkdv {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(dkdv, SPLIT=False), offsets, warps,
                                         stages)
     sizes[f"dkdv split {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(dkdv, SPLIT=True), offsets, warps,
@@ -68,12 +68,6 @@ for flags, offsets, (bm, bn, warps, stages), fused in modes:
     dv_launch = backward.dv_launch_meta(dv_plan, dk_launch)
     sizes[f"dv launch {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dv_launch, offsets, warps,
                                              dv_plan.dv_stages)  # fmt: skip
-    if fused:  # query and output-gradient tiles through tensor descriptors: the split launch and the two of dv_stages
-        for label, meta in (("split halves", dict(dkdv, SPLIT=True, HALVES=True)), ("dk launch", dk_launch)):
-            sizes[f"dkdv tma {label} {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(meta, TMA=True),
-                                                            offsets, warps, stages)  # fmt: skip
-        sizes[f"dv launch tma {name}"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(dv_launch, TMA=True), offsets,
-                                                     warps, dv_plan.dv_stages)  # fmt: skip
     for split in (False, True):
         one_launch = dict(common, DQ_BLOCK_M=bn, DQ_BLOCK_N=bm, SPLIT=split, FP8=False)
         sizes[f"bwd {name} split {split}"] = compile_one(backward._gdpa_bwd_kernel, one_launch, offsets, warps, stages)
@@ -86,7 +80,7 @@ fp8 = dict(modes[0][0], BLOCK_M=128, BLOCK_N=64, DOT_PRECISION="tf32", FAST=True
 sizes["fwd fp8"] = compile_one(forward._gdpa_fwd_kernel, fp8, "*i32", 8, 3)
 bwd_fp8 = dict(modes[1][0], BLOCK_M=64, BLOCK_N=64, DOT_PRECISION="tf32", FAST=True, FP8=True)
 sizes["dkdv split fp8"] = compile_one(backward._gdpa_bwd_dkdv_kernel, dict(bwd_fp8, FUSED_DQ=True, DQ_TMA=False,
-                                      SPLIT=True, HALVES=False, LAUNCH=0, TMA=False), "*i64", 8, 2)  # fmt: skip
+                                      SPLIT=True, HALVES=False, LAUNCH=0), "*i64", 8, 2)  # fmt: skip
 sizes["bwd fp8"] = compile_one(backward._gdpa_bwd_kernel, dict(bwd_fp8, DQ_BLOCK_M=64, DQ_BLOCK_N=64, SPLIT=False),
                                "*i64", 8, 2)  # fmt: skip
 sizes["quantize rows"] = compile_one(quantize._rows_kernel, dict(HEAD_DIM=96, BLOCK_D=128, BLOCK_T=64, WITH_NORM=True),
@@ -105,7 +99,7 @@ def test_kernels_compile_for_sm90() -> None:
     importlib.import_module("triton.backends.nvidia.compiler")  # the CUDA backend is installed
 
     sizes = run_uninterpreted(_COMPILE)
-    assert len(sizes) == 31
+    assert len(sizes) == 28
     assert all(size > 0 for size in sizes.values()), sizes
 
 

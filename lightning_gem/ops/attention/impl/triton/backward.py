@@ -38,7 +38,6 @@ from lightning_gem.ops.attention.impl.triton._common import (
     _program_ids,
     cdiv,
     dense_rows,
-    descriptors_ok,
     fast_math,
     head_tiles,
     kernel_options,
@@ -102,7 +101,6 @@ def _bwd_delta_kernel(
 def _gdpa_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, DQ,  # [Tq, H, D], [Tk, H, D], [Tk, H, DV], [Tq, H, DV], [H, Tq] x2, like k v q
     DQ_DESC,  # DQ as [Tq, H * D] in tiles of [BLOCK_M, D] (DQ_TMA), else unused
-    Q_DESC, DO_DESC,  # with TMA: Q and DO as [Tq, H * D] / [Tq, H * DV] in tiles of [BLOCK_M, D] / [BLOCK_M, DV]
     Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,  # [B + 1], [Bkv + 1], [B], [Bkv + 1], [B]
     BY_LENGTH,  # [Bkv] without a kv index: the segments longest first (int32); else never read
     Q8, K8, V8, DO8, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE,  # with FP8: row codes like q k v dO (dense), [H, T] fp32
@@ -113,7 +111,7 @@ def _gdpa_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
     HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
-    SPLIT: tl.constexpr, FP8: tl.constexpr, HALVES: tl.constexpr, LAUNCH: tl.constexpr, TMA: tl.constexpr,
+    SPLIT: tl.constexpr, FP8: tl.constexpr, HALVES: tl.constexpr, LAUNCH: tl.constexpr,
 ):  # fmt: skip
     """One program per (kv segment, head, key tile): dK/dV, plus dQ through fp32 atomics with ``FUSED_DQ`` (bulk
     tensor reductions with ``DQ_TMA``). ``SPLIT``: two programs per key tile along axis 2, one for dK (and dQ), then
@@ -121,23 +119,20 @@ def _gdpa_bwd_dkdv_kernel(
     computing ``Q K^T`` twice; ``HALVES``: the dK program in two column halves (:mod:`.backward_programs`).
     ``LAUNCH`` (``DK_ONLY`` / ``DV_ONLY``, else ``BOTH``): a launch of one part's programs only, one a key tile (a
     plan's ``dv_stages``: the dK launch, then the dV one at its own stages). ``FP8``: ``S`` and ``dP`` from the row
-    codes (:func:`gdpa_backward`); else those arguments are not read. ``TMA``: query and output-gradient tiles
-    through ``Q_DESC`` and ``DO_DESC`` (tiles of half a head's row for the dK programs of ``HALVES``), except the dV
-    programs of a ``HALVES`` launch that holds both parts, which read them through pointers."""
+    codes (:func:`gdpa_backward`); else those arguments are not read."""
     scale = tl.cast(scale, tl.float32)  # Inductor passes Python floats as fp64 scalars
     fp8 = (Q8, K8, V8, DO8, Q_SCALE, K_SCALE, V_SCALE, DO_SCALE, stride_qs_h, stride_ks_h)
     kv_seg, head, index = _program_ids(group)
     if not HAS_KV_INDEX:  # longest segments first
         kv_seg = tl.load(BY_LENGTH + kv_seg)
     _dkdv_programs(
-        Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_DESC, Q_DESC, DO_DESC, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS,
-        SEG_OFFSETS, SEG_ORDER,
+        Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_DESC, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
         stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
         scale, window, block_size, kv_seg, head, index, fp8,
         HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, FUSED_DQ, DQ_TMA,
         ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, SPLIT, FP8, HALVES,
-        LAUNCH, TMA,
+        LAUNCH,
     )  # fmt: skip
 
 
@@ -183,13 +178,13 @@ def _gdpa_bwd_kernel(
             )  # fmt: skip
     elif seg < num_kv_segments:
         _dkdv_programs(
-            Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ, Q, DO, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
+            Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
             stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
             scale, window, block_size, seg, head, index, fp8,
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, False,
             ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, SPLIT, FP8,
-            False, BOTH, False,
+            False, BOTH,
         )  # fmt: skip
 
 
@@ -263,7 +258,6 @@ def plan_meta(plan: BackwardTiles, options: dict[str, object]) -> dict[str, obje
             SPLIT=plan.split,
             HALVES=plan.halves and not meta["FP8"],
             LAUNCH=(DK_ONLY if plan.dv_stages else BOTH).value,
-            TMA=plan.dkdv.tma and not meta["FP8"],
         )
     else:
         meta.update(DQ_BLOCK_M=plan.dq.block_m, DQ_BLOCK_N=plan.dq.block_n, SPLIT=plan.split)
@@ -273,7 +267,7 @@ def plan_meta(plan: BackwardTiles, options: dict[str, object]) -> dict[str, obje
 
 def dv_launch_meta(plan: BackwardTiles, meta: dict[str, object]) -> dict[str, object]:
     """The launch options of ``plan``'s dV launch (``dv_stages``) from its dK launch's ``meta``: the dV programs
-    alone, adding no dQ (no dQ descriptor), at their own stages."""
+    alone, adding no dQ (they take no descriptor), at their own stages."""
     return {**meta, "LAUNCH": DV_ONLY.value, "FUSED_DQ": False, "DQ_TMA": False, "HALVES": False,
             "num_stages": plan.dv_stages}  # fmt: skip
 
@@ -418,20 +412,13 @@ def gdpa_backward(
                 bulk = plan.tma and plain_eager((q, k, v, grad_out))
                 columns = head_dim // 2 if meta.get("HALVES") else head_dim
                 dq_desc = _row_tiles(dq32, tiles.block_m, columns) if bulk else q_offsets  # a placeholder, never read
-                # Query and output-gradient tiles through descriptors where the call allows them, else pointers.
-                loads = meta["TMA"] and descriptors_ok((q, k, v, grad_out), (q, grad_out), _gdpa_bwd_dkdv_kernel)
-                rows = (head_tiles(q, tiles.block_m, columns), head_tiles(grad_out, tiles.block_m)) if loads else (q, q)
-                args = (q, k, v, grad_out, base2_lse(), delta, dk, dv, dq32, dq_desc, *rows, q_offsets, kv_offsets,
-                        targets, seg_offsets, seg_order, by_length, *codes, *strides, *dq32.stride()[:2],
-                        *code_strides, scale, window or 0, block_size or 1,
-                        pair_group(q.device, q_bytes + dq32_bytes))  # fmt: skip
-                if (plan.tma and not bulk) or loads != meta["TMA"]:
-                    meta = {**meta, "DQ_TMA": bulk, "TMA": loads}
+                args = (q, k, v, grad_out, base2_lse(), delta, dk, dv, dq32, dq_desc, q_offsets, kv_offsets, targets,
+                        seg_offsets, seg_order, by_length, *codes, *strides, *dq32.stride()[:2], *code_strides, scale,
+                        window or 0, block_size or 1, pair_group(q.device, q_bytes + dq32_bytes))  # fmt: skip
+                meta = meta if bulk or not plan.tma else {**meta, "DQ_TMA": False}
                 if plan.dv_stages:  # the dK programs, then the dV ones in a launch of their own at their own stages
                     launch(_gdpa_bwd_dkdv_kernel, (num_kv_segments, heads, num_key_tiles), args, meta)
-                    # The dV programs add no dQ (no descriptor) and read whole rows of Q.
-                    rows = (head_tiles(q, tiles.block_m), rows[1]) if loads and columns != head_dim else rows
-                    dv_args = (*args[:9], q_offsets, *rows, *args[12:])
+                    dv_args = (*args[:9], q_offsets, *args[10:])  # the dV programs add no dQ: no descriptor
                     launch(_gdpa_bwd_dkdv_kernel, (num_kv_segments, heads, num_key_tiles), dv_args,
                            dv_launch_meta(plan, meta))  # fmt: skip
                 else:

@@ -42,13 +42,12 @@ DK_ONLY = tl.constexpr(2)
 @triton.jit
 def _dkdv_query_blocks(
     dk_ND, dk2_ND, dv_NDV, k_ND, k2_ND, v_NDV, offs_n, q_base, do_base, lse_base, delta_base, dq_base, dq_desc,
-    q_desc, do_desc, dq_row, dq_col, dv_col, stride_qt, stride_dot, stride_dqt, m_lo, m_hi, row_end, shift,
-    num_history, window, block_size, qk_scale, scale, inv_len_k, fp8_rows, fp8_keys,
+    dq_row, dq_col, stride_qt, stride_dot, stride_dqt, m_lo, m_hi, row_end, shift, num_history, window, block_size,
+    qk_scale, scale, inv_len_k, fp8_rows, fp8_keys,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FAST: tl.constexpr, PART: tl.constexpr, FP8: tl.constexpr, HALVES: tl.constexpr,
-    TMA: tl.constexpr,
 ):  # fmt: skip
     """Query blocks ``[m_lo, m_hi)`` against one key tile; ``MASKED`` applies ``allowed``; ``PART`` (:data:`BOTH`,
     :data:`DV_ONLY`, :data:`DK_ONLY`) says which of dK and dV the tile accumulates (the other is returned as given);
@@ -66,13 +65,7 @@ def _dkdv_query_blocks(
     ``HALVES`` (the dK part with ``FUSED_DQ``, never with ``FP8``): the key tile, the query rows, dK and each dQ tile
     in two halves of ``BLOCK_D`` columns, ``k_ND`` / ``k2_ND`` and ``dk_ND`` / ``dk2_ND`` (the upper half masked past
     ``HEAD_DIM``), ``dq_desc`` in tiles of half a head's row; without it ``k2_ND`` is not read and ``dk2_ND`` is
-    returned as given.
-
-    ``TMA`` (never with ``FP8``): the query and output-gradient tiles through the tensor descriptors ``q_desc`` (in
-    tiles of ``[BLOCK_M, BLOCK_D]``, of half that width with ``HALVES``) and ``do_desc`` (``[BLOCK_M, BLOCK_DV]``),
-    at rows ``dq_row + m`` and the head's columns (``dq_col``, ``dv_col``): whole tiles through the copy engine, whose
-    rows past ``row_end`` (the next segment's, or zeros past the tensor's end) get nothing allowed, like the
-    forward's key tiles."""
+    returned as given."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     HALF: tl.constexpr = BLOCK_D // 2
@@ -93,24 +86,15 @@ def _dkdv_query_blocks(
             if PART != DK_ONLY:
                 do_MDV = _load_tile(do_base, offs_m, stride_dot, offs_dv, row_ok, HEAD_DIM_V, BLOCK_DV, MASKED)
         elif HALVES:
-            if TMA:
-                q_MD = q_desc.load([dq_row + m_start, dq_col])
-                q2_MD = q_desc.load([dq_row + m_start, dq_col + HALF])
-                do_MDV = do_desc.load([dq_row + m_start, dv_col])
-            else:
-                q_MD = _load_tile(q_base, offs_m, stride_qt, offs_h, row_ok, HALF, HALF, MASKED)
-                q2_MD = _load_tile(q_base + HALF, offs_m, stride_qt, offs_h, row_ok, HEAD_DIM - HALF, HALF, MASKED)
-                do_MDV = _load_tile(do_base, offs_m, stride_dot, offs_dv, row_ok, HEAD_DIM_V, BLOCK_DV, MASKED)
+            q_MD = _load_tile(q_base, offs_m, stride_qt, offs_h, row_ok, HALF, HALF, MASKED)
+            q2_MD = _load_tile(q_base + HALF, offs_m, stride_qt, offs_h, row_ok, HEAD_DIM - HALF, HALF, MASKED)
+            do_MDV = _load_tile(do_base, offs_m, stride_dot, offs_dv, row_ok, HEAD_DIM_V, BLOCK_DV, MASKED)
             qk_NM = tl.dot(k_ND, tl.trans(q_MD), input_precision=DOT_PRECISION)
             qk_NM = tl.dot(k2_ND, tl.trans(q2_MD), qk_NM, input_precision=DOT_PRECISION)
             dp_NM = tl.dot(v_NDV, tl.trans(do_MDV), input_precision=DOT_PRECISION)
         else:
-            if TMA:
-                q_MD = q_desc.load([dq_row + m_start, dq_col])
-                do_MDV = do_desc.load([dq_row + m_start, dv_col])
-            else:
-                q_MD = _load_tile(q_base, offs_m, stride_qt, offs_d, row_ok, HEAD_DIM, BLOCK_D, MASKED)
-                do_MDV = _load_tile(do_base, offs_m, stride_dot, offs_dv, row_ok, HEAD_DIM_V, BLOCK_DV, MASKED)
+            q_MD = _load_tile(q_base, offs_m, stride_qt, offs_d, row_ok, HEAD_DIM, BLOCK_D, MASKED)
+            do_MDV = _load_tile(do_base, offs_m, stride_dot, offs_dv, row_ok, HEAD_DIM_V, BLOCK_DV, MASKED)
             qk_NM = tl.dot(k_ND, tl.trans(q_MD), input_precision=DOT_PRECISION)
             if PART != DV_ONLY:
                 dp_NM = tl.dot(v_NDV, tl.trans(do_MDV), input_precision=DOT_PRECISION)
@@ -200,7 +184,7 @@ def _add_dq_part(ds_NM, k_NC, scale, dq_desc, desc_row, desc_col, dq_base, offs_
 
 @triton.jit
 def _dkdv_program(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_DESC, Q_DESC, DO_DESC,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_DESC,
     Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
@@ -209,13 +193,12 @@ def _dkdv_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
     HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
-    PART: tl.constexpr, FP8: tl.constexpr, HALVES: tl.constexpr, TMA: tl.constexpr,
+    PART: tl.constexpr, FP8: tl.constexpr, HALVES: tl.constexpr,
 ):  # fmt: skip
     """dK and dV of the key tile at ``n_start`` of kv segment ``kv_seg``, head ``head`` (and, with ``FUSED_DQ``,
     its part of dQ through atomics), or only one of them (``PART``); nothing when the tile lies past the segment's
     end. ``FP8``: ``S`` and ``dP`` from the row codes of the tuple ``fp8`` (module docstring). ``HALVES`` (dK with
-    ``FUSED_DQ``): K, dK and dQ in two column halves; ``TMA``: query and output-gradient tiles through ``Q_DESC``
-    and ``DO_DESC`` (:func:`_dkdv_query_blocks`)."""
+    ``FUSED_DQ``): K, dK and dQ in two column halves (:func:`_dkdv_query_blocks`)."""
     qk_scale = scale * LOG2E
     k_start = tl.load(KV_OFFSETS + kv_seg).to(tl.int64)
     len_k = (tl.load(KV_OFFSETS + kv_seg + 1) - k_start).to(tl.int32)
@@ -304,11 +287,11 @@ def _dkdv_program(
                 m_lo, m_hi = _stage_range(stage, i_lo, a, b, i_hi)
                 dk_ND, dk2_ND, dv_NDV = _dkdv_query_blocks(
                     dk_ND, dk2_ND, dv_NDV, k_ND, k2_ND, v_NDV, offs_n, q_base, do_base, lse_base, delta_base, dq_base,
-                    DQ_DESC, Q_DESC, DO_DESC, q_start.to(tl.int32), (head * HEAD_DIM).to(tl.int32),
-                    (head * HEAD_DIM_V).to(tl.int32), stride_qt, stride_dot, stride_dqt, m_lo, m_hi, i_hi, shift,
-                    num_history, window, block_size, qk_scale, scale, inv_len_k, fp8_rows, fp8_keys, HEAD_DIM,
-                    HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, stage != 1, FUSED_DQ, DQ_TMA, ACTIVATION, CAUSAL,
-                    HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST, PART, FP8, HALVES, TMA,
+                    DQ_DESC, q_start.to(tl.int32), (head * HEAD_DIM).to(tl.int32),
+                    stride_qt, stride_dot, stride_dqt, m_lo, m_hi, i_hi, shift, num_history, window, block_size,
+                    qk_scale, scale, inv_len_k, fp8_rows, fp8_keys, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+                    stage != 1, FUSED_DQ, DQ_TMA, ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, DOT_PRECISION, FAST, PART,
+                    FP8, HALVES,
                 )  # fmt: skip
 
             # A target key t is seen by one query only: the target itself, row t of the segment. A run-time branch:
@@ -388,7 +371,7 @@ def _dkdv_program(
 
 @triton.jit
 def _dkdv_programs(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_DESC, Q_DESC, DO_DESC,
+    Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_DESC,
     Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
@@ -397,7 +380,7 @@ def _dkdv_programs(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
     ACTIVATION: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_BLOCK: tl.constexpr,
     HAS_KV_INDEX: tl.constexpr, HAS_TARGETS: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST: tl.constexpr,
-    SPLIT: tl.constexpr, FP8: tl.constexpr, HALVES: tl.constexpr, LAUNCH: tl.constexpr, TMA: tl.constexpr,
+    SPLIT: tl.constexpr, FP8: tl.constexpr, HALVES: tl.constexpr, LAUNCH: tl.constexpr,
 ):  # fmt: skip
     """dK/dV program ``index`` of a kv segment and head: key tile ``index`` (dK and dV), or with ``SPLIT`` key tile
     ``index // 2``'s dK (even ``index``; it adds dQ with ``FUSED_DQ``) or dV (odd); or in a launch of one part's
@@ -411,33 +394,32 @@ def _dkdv_programs(
     if SPLIT or LAUNCH != BOTH:
         if dk_part:
             _dkdv_program(
-                Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_DESC, Q_DESC, DO_DESC, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS,
-                SEG_OFFSETS, SEG_ORDER, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
-                stride_doh, stride_lse_h, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
+                Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_DESC, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS,
+                SEG_ORDER, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                stride_lse_h, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
                 scale, window, block_size, kv_seg, head, n_start, fp8,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, FUSED_DQ, DQ_TMA,
                 ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, DK_ONLY,
-                FP8, HALVES, TMA,
+                FP8, HALVES,
             )  # fmt: skip
         else:
             _dkdv_program(
-                Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_DESC, Q_DESC, DO_DESC, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS,
-                SEG_OFFSETS, SEG_ORDER, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
-                stride_doh, stride_lse_h, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
+                Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_DESC, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS,
+                SEG_ORDER, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                stride_lse_h, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
                 scale, window, block_size, kv_seg, head, n_start, fp8,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, False, False,
                 ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, DV_ONLY,
-                FP8, False, TMA and not HALVES,  # Q_DESC's tiles are half a row wide for the dK programs
+                FP8, False,
             )  # fmt: skip
     else:
         _dkdv_program(
-            Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_DESC, Q_DESC, DO_DESC, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS,
-            SEG_OFFSETS, SEG_ORDER, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
-            stride_doh, stride_lse_h, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
+            Q, K, V, DO, LSE, DELTA, DK, DV, DQ, DQ_DESC, Q_OFFSETS, KV_OFFSETS, NUM_TARGETS, SEG_OFFSETS, SEG_ORDER,
+            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_lse_h,
+            stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
             scale, window, block_size, kv_seg, head, index * BLOCK_N, fp8,
             HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, FUSED_DQ, DQ_TMA,
             ACTIVATION, CAUSAL, HAS_WINDOW, HAS_BLOCK, HAS_KV_INDEX, HAS_TARGETS, DOT_PRECISION, FAST, BOTH, FP8, False,
-            TMA,
         )  # fmt: skip
 
 
