@@ -336,14 +336,14 @@ def split_candidates(
         # untimed calls, run on the GPU in every mode), then of 32 rows at two stages (their dQ tiles computed
         # transposed, :func:`.backward_programs._add_dq_part`, is what fits them in shared memory: the loads of the
         # next query tile overlap this one's products), each also with the dV programs in a launch of their own at
-        # two stages (their K tile and two stages of Q and dO fit in shared memory); then dQ through bulk reductions,
-        # halves and whole. Timed on an H100 (docs/benchmarks.md, "Head dim 256 backward"): the 32-row plans lead on
-        # softmax, the 64-row one with its own dV launch on SiLU.
+        # the most stages their K tile and their Q and dO tiles fit in shared memory (three of 32 rows, two of 64);
+        # then dQ through bulk reductions, halves and whole. Timed on an H100 (docs/benchmarks.md, "Head dim 256
+        # backward"): the 32-row plans lead on softmax, the 64-row one with its own dV launch on SiLU.
         single, pipelined = Tiles(64, 128, 8, 1), Tiles(32, 128, 8, 2)
         plans = [
             BackwardTiles(single, split=True, halves=True),
             BackwardTiles(pipelined, split=True, halves=True),
-            BackwardTiles(pipelined, split=True, halves=True, dv_stages=2),
+            BackwardTiles(pipelined, split=True, halves=True, dv_stages=3),
             BackwardTiles(single, split=True, halves=True, dv_stages=2),
             BackwardTiles(single, tma=tma, split=True, halves=True),
             BackwardTiles(single, tma=tma, split=True),
