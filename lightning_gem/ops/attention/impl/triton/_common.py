@@ -16,22 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
-from lightning_gem.ops._launch import (
-    cdiv,
-    device_capability,
-    dot_precision,
-    is_interpreted,
-    launch,
-    next_power_of_2,
-    plain_eager,
-)
+from lightning_gem.ops._launch import cdiv, dot_precision, is_interpreted, launch, next_power_of_2
 
 __all__ = [
     "E4M3_GRID_FIRST",
     "LOG2E",
     "cdiv",
     "dense_rows",
-    "descriptors_ok",
     "dot_precision",
     "fast_math",
     "head_rows_ok",
@@ -579,14 +570,3 @@ def head_tiles(t: torch.Tensor, rows: int, columns: int | None = None) -> object
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [rows, columns or t.shape[2]])
-
-
-def descriptors_ok(operands: tuple[torch.Tensor, ...], tiled: tuple[torch.Tensor, ...], kernel: object) -> bool:
-    """Whether ``kernel`` may read ``tiled`` (some of a call's ``operands``) through tensor descriptors (the copy
-    engine's bulk tensor loads): a plain eager call on an sm_90+ GPU (or in Triton's interpreter, which emulates
-    them), each of ``tiled`` non-empty and readable in head tiles (:func:`head_rows_ok`)."""
-    if any(t.shape[0] == 0 for t in tiled) or not plain_eager(operands) or not all(map(head_rows_ok, tiled)):
-        return False
-    if not tiled[0].is_cuda:
-        return is_interpreted(kernel)
-    return device_capability(tiled[0].device)[0] >= 9

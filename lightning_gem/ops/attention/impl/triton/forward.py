@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from lightning_gem.ops._launch import plain_eager
+from lightning_gem.ops._launch import device_capability, plain_eager
 from lightning_gem.ops.attention.fp8 import BOUND_SLACK as _BOUND_SLACK
 from lightning_gem.ops.attention.fp8 import P_SCALE
 from lightning_gem.ops.attention.impl.derived import segments_by_length
@@ -53,10 +53,10 @@ from lightning_gem.ops.attention.impl.triton._common import (
     _stage_range,
     cdiv,
     dense_rows,
-    descriptors_ok,
     fast_math,
     head_rows_ok,
     head_tiles,
+    is_interpreted,
     kernel_options,
     launch,
     mode_flags,
@@ -494,7 +494,11 @@ def kv_descriptors_ok(q: Tensor, k: Tensor, v: Tensor) -> bool:
     loads): a plain eager call on an sm_90+ GPU (or in Triton's interpreter, which emulates them), power-of-two head
     dims (a tile spans a head's whole row) and each head's row of ``k`` and ``v`` one dense run of a ``[T, H * D]``
     matrix whose rows are 16-byte aligned."""
-    return descriptors_ok((q, k, v), (k, v), _gdpa_fwd_kernel)
+    if k.shape[0] == 0 or not plain_eager((q, k, v)) or not (head_rows_ok(k) and head_rows_ok(v)):
+        return False
+    if not k.is_cuda:
+        return is_interpreted(_gdpa_fwd_kernel)
+    return device_capability(k.device)[0] >= 9
 
 
 def warp_specialize_fault(q: Tensor, tiles: Tiles | str | None, tma: bool, fp8: bool, targets: bool) -> str | None:
