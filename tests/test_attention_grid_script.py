@@ -99,10 +99,11 @@ def test_flex_builder_reads_the_module_torch() -> None:
 
 
 def test_candidate_labels() -> None:
-    from lightning_gem.ops.attention.impl.triton._tuning import FLASH, BackwardTiles, Tiles
+    from lightning_gem.ops.attention.impl.triton._tuning import FLASH, VARLEN, BackwardTiles, Tiles
 
     label = _script_module()._label
     assert label(FLASH) == "fa4"
+    assert label(VARLEN) == "varlen"
     assert label(Tiles(128, 64, 8, 3)) == "(128, 64, 8, 3)"
     assert label(BackwardTiles(Tiles(64, 128, 8, 1), tma=True, split=True)) == "(64, 128, 8, 1) split bulk dQ"
     assert label(BackwardTiles(Tiles(64, 128, 8, 3))) == "(64, 128, 8, 3) atomic dQ"

@@ -12,8 +12,9 @@ forward+backward, bf16, against, in the same process on the same inputs:
 - ``padded``: eager PyTorch on padded ``[B, H, Lmax, D]`` tensors with a dense mask (pointwise modes; cells whose
   padded scores would not fit are skipped);
 
-and ``gdpa(impl="auto")``, whose tuner times its own candidates (Triton tile shapes, and FlashAttention-4 where it
-computes the mode exactly) on the first call of the cell (its measurements are kept in ``grid.json``, ``tuned``).
+and ``gdpa(impl="auto")``, whose tuner times its own candidates (Triton tile shapes, and the library kernels, FA4 and
+PyTorch's FA2, where they compute the mode exactly) on the first call of the cell (its measurements are kept in
+``grid.json``, ``tuned``).
 With ``--candidates`` every Triton candidate of the cell's forward and backward is also timed alone (``triton
 best``: the fastest forward plus the fastest backward); ``--candidates reused`` does so only in cells that ran on a
 choice the tuner made on another cell's inputs (its key's buckets held an earlier cell), the cells where a choice
@@ -545,11 +546,14 @@ def _auto_choices(before: dict, after: dict) -> dict[str, str]:
 
 
 def _label(choice: object) -> str:
-    """A tuner candidate as a short string: ``fa4``, a forward's tiles, or a backward plan."""
-    from lightning_gem.ops.attention.impl.triton._tuning import FLASH
+    """A tuner candidate as a short string: ``fa4``, ``varlen`` (PyTorch's FlashAttention-2), a forward's tiles, or a
+    backward plan."""
+    from lightning_gem.ops.attention.impl.triton._tuning import FLASH, VARLEN
 
     if choice == FLASH:
         return "fa4"
+    if choice == VARLEN:
+        return "varlen"
     if not hasattr(choice, "dkdv"):
         return choice.label
     if choice.short:
@@ -562,7 +566,7 @@ def _label(choice: object) -> str:
 
 def _tuned(before: dict) -> dict[str, dict[str, float]]:
     """The tuner's own measurements of the keys it timed since ``before`` (a :func:`tuning_times` snapshot):
-    ``{"fwd": {candidate: ms}, "bwd": ...}``, FlashAttention-4 as ``fa4``."""
+    ``{"fwd": {candidate: ms}, "bwd": ...}``, the library kernels as ``fa4`` and ``varlen``."""
     from lightning_gem.ops.attention.impl.triton._tuning import tuning_times
 
     tuned: dict[str, dict[str, float]] = {}

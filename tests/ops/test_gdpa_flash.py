@@ -159,8 +159,8 @@ def auto_with_stand_in(monkeypatch: pytest.MonkeyPatch) -> dict:
         registry[key] = choice
         return choice
 
-    monkeypatch.setattr(forward, "flash_candidate", lambda *args: True)
-    monkeypatch.setattr(backward, "flash_candidate", lambda *args: True)
+    monkeypatch.setattr(forward, "library_candidates", lambda *args: [_tuning.FLASH])
+    monkeypatch.setattr(backward, "library_candidates", lambda *args: [_tuning.FLASH])
     monkeypatch.setattr(flash, "flash_forward", stand_in_forward)
     monkeypatch.setattr(flash, "flash_backward", stand_in_backward)
     monkeypatch.setattr(_tuning, "pick_fastest", pick)

@@ -104,15 +104,15 @@ def gdpa(
             ``TRITON_INTERPRET=1``; fp16/bf16/fp32), ``"flash"`` (FlashAttention-4's varlen kernels, the optional
             ``[fa4]`` extra: plain softmax modes only, fp16/bf16 on sm_90+; no targets, no ``kv_index``, blocks
             only in self-attention), or ``"auto"``: on CUDA sm_80+ for fp16/bf16/fp32, the fastest of the Triton
-            tile shapes and (where it computes the mode exactly, FA4 is installed and ``deterministic`` is off)
-            FlashAttention-4, timed on the first call of each key (mode, dtype, head dims, heads, length and work
-            buckets; the forward and the backward each on its own) and logged at INFO level; under
-            ``torch.compile`` the Triton kernels with the tiles timed in eager for the key, else a default
-            shape; elsewhere the reference. ``"padded"``: the baseline a model without jagged kernels runs (padded
-            ``[B, H, Lmax, D]`` tensors, a dense mask, SDPA or eager pointwise; memory ``B * Lmax**2``),
-            kept to measure the kit against; with ``score_bias`` it is the dense path, scores in fp32 (einsum,
-            masked softmax or pointwise weights) instead of SDPA. A named impl never falls back: it raises if it
-            cannot run.
+            tile shapes and (where they compute the mode exactly and ``deterministic`` is off) FlashAttention-4, if
+            installed, and PyTorch's own FlashAttention-2 (the kernels of ``varlen_attn``), timed on the first
+            call of each key (mode, dtype, head dims, heads, length and work buckets; the forward and the backward
+            each on its own) and logged at INFO level; under ``torch.compile`` the Triton kernels with the tiles
+            timed in eager for the key, else a default shape; elsewhere the reference. ``"padded"``: the baseline
+            a model without jagged kernels runs (padded ``[B, H, Lmax, D]`` tensors, a dense mask, SDPA or eager
+            pointwise; memory ``B * Lmax**2``), kept to measure the kit against; with ``score_bias`` it is the
+            dense path, scores in fp32 (einsum, masked softmax or pointwise weights) instead of SDPA. A named impl
+            never falls back: it raises if it cannot run.
         check_offsets: validate offsets, indices and targets by reading their values (a device sync).
             Pass False only for offsets already validated upstream. Skipped under ``torch.compile``.
         deterministic: bitwise reproducible gradients. The Triton backward then computes dQ in a kernel of

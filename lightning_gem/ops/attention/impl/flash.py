@@ -41,6 +41,7 @@ __all__ = [
     "flash_forward",
     "gdpa_flash",
     "lse_to_base2",
+    "mode_unsupported",
     "require_flash",
     "unsupported",
 ]
@@ -60,18 +61,10 @@ def unsupported(
     self_attention: bool,
 ) -> str | None:
     """Why FA4 cannot compute this call exactly (a phrase naming the argument), or None when it can."""
-    if activation != "softmax":
-        return f"`activation={activation!r}` (FlashAttention-4 computes softmax attention only)"
-    if num_targets is not None:
-        return "`num_targets` (targets see the history and themselves only: no FlashAttention-4 mask does that)"
-    if kv_index is not None:
-        return "`kv_index` (query segments sharing a kv segment)"
-    if block_size is not None and not self_attention:
-        return "`block_size` with cross-attention (blocks follow the query positions p(i) = i + Lk - Lq)"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"`q` of dtype {q.dtype} (FlashAttention-4 takes float16 and bfloat16)"
-    if not q.is_cuda:
-        return f"`q` on {q.device} (FlashAttention-4 runs on CUDA GPUs)"
+    reason = mode_unsupported(q, activation=activation, block_size=block_size, kv_index=kv_index,
+                              num_targets=num_targets, self_attention=self_attention)  # fmt: skip
+    if reason is not None:
+        return reason
     major = device_capability(q.device)[0]
     if major not in (9, 10, 11):
         return f"`q` on a GPU of compute capability {major}.x (FlashAttention-4 runs on 9.x, 10.x and 11.x)"
@@ -81,6 +74,33 @@ def unsupported(
         fits = fits and (max(dim, dim_v) <= 128 or dim == dim_v == 256)
     if not fits:
         return f"head dims ({dim}, {dim_v}) of `q` and `v` (FlashAttention-4 on sm_{major}x: multiples of 8 up to 256)"
+    return None
+
+
+def mode_unsupported(
+    q: Tensor,
+    *,
+    activation: str,
+    block_size: int | None,
+    kv_index: Tensor | None,
+    num_targets: Tensor | None,
+    self_attention: bool,
+) -> str | None:
+    """Why no FlashAttention varlen kernel (FA4's, or PyTorch's FA2) computes this call's mode exactly on ``q``'s
+    dtype and device type (a phrase naming the argument), or None; each library adds its own GPU and head-dim rules.
+    """
+    if activation != "softmax":
+        return f"`activation={activation!r}` (FlashAttention computes softmax attention only)"
+    if num_targets is not None:
+        return "`num_targets` (targets see the history and themselves only: no FlashAttention mask does that)"
+    if kv_index is not None:
+        return "`kv_index` (query segments sharing a kv segment)"
+    if block_size is not None and not self_attention:
+        return "`block_size` with cross-attention (blocks follow the query positions p(i) = i + Lk - Lq)"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"`q` of dtype {q.dtype} (FlashAttention kernels take float16 and bfloat16)"
+    if not q.is_cuda:
+        return f"`q` on {q.device} (FlashAttention kernels run on CUDA GPUs)"
     return None
 
 

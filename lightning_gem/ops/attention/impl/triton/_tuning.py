@@ -2,14 +2,15 @@
 
 The key is what changes the best shape: the kernel, head dims, dtype, the mode's compile-time flags, the
 length hints bucketed to powers of two, the number of heads and the total work (``Tq x H x Tk / Bkv``, queries
-times heads times the mean kv segment, bucketed to powers of two), and for a forward with FlashAttention-4 among
+times heads times the mean kv segment, bucketed to powers of two), and for a forward with library kernels among
 its candidates whether the call keeps the log-sum-exp. Lengths stay runtime values in the kernels, so
 a new batch neither recompiles nor retunes unless its longest segment or its work crosses a power of two: a
 training run whose batches hold about the same number of tokens tunes a key or two per layer shape.
 
-``impl="auto"`` adds :data:`FLASH` (FlashAttention-4, :mod:`..flash`) to the candidates where it computes the mode
-exactly; its key says so. The fastest Triton candidate of that timing is remembered too, under the key without
-FlashAttention-4, which is what a traced call of the same shape (``torch.compile``, where only the Triton kernels
+``impl="auto"`` adds the library kernels that compute the mode exactly to the candidates: :data:`FLASH`
+(FlashAttention-4, :mod:`..flash`, where installed) and :data:`VARLEN` (PyTorch's own FlashAttention-2,
+:mod:`..varlen`); its key says so. The fastest Triton candidate of that timing is remembered too, under the key
+without library kernels, which is what a traced call of the same shape (``torch.compile``, where only the Triton kernels
 are traced) then uses. Each such choice is logged at INFO level with the times it was made on. Likewise a forward
 key that allows descriptor loads (``Tiles.tma``) leaves its fastest pointer tile under the key of a call that
 cannot take them (a traced one).
@@ -37,6 +38,8 @@ from lightning_gem.ops.attention.impl.triton._common import next_power_of_2
 
 __all__ = [
     "FLASH",
+    "LIBRARIES",
+    "VARLEN",
     "BackwardTiles",
     "Tiles",
     "backward_candidates",
@@ -95,8 +98,12 @@ class BackwardTiles(NamedTuple):
     dv_stages: int = 0
 
 
-# The candidate that runs FlashAttention-4's kernel instead of a Triton launch (``impl="auto"`` only).
+# The candidates that run a library's kernels instead of a Triton launch (``impl="auto"`` only): FlashAttention-4
+# (:mod:`..flash`) and PyTorch's own FlashAttention-2 (:mod:`..varlen`).
 FLASH = "flash"
+VARLEN = "varlen"
+LIBRARIES = (FLASH, VARLEN)
+_NAMES = {FLASH: "FlashAttention-4", VARLEN: "PyTorch FlashAttention-2"}
 
 # The longest query segment the short-query backward holds in one tile.
 SHORT_QUERY_ROWS = 64
@@ -371,8 +378,8 @@ def pick_tiles(
     launches the kernel with that candidate on the call's own buffers, ``tensors`` are the call's inputs). The
     candidates are only listed for a key not chosen yet. ``LIGHTNING_GEM_GDPA_TUNE=0`` turns timing off.
 
-    A key whose last entry is True holds :data:`FLASH` among its candidates (``impl="auto"``): the best Triton
-    candidate is remembered under the same key ending in False too, and the choice is logged."""
+    A key whose last entry is True holds library kernels (:data:`LIBRARIES`) among its candidates (``impl="auto"``):
+    the best Triton candidate is remembered under the same key ending in False too, and the choice is logged."""
     try:
         chosen = _CHOSEN.get(key)
     except TypeError:  # an unhashable SymInt in the key (tracing with dynamic shapes): nothing is looked up or kept
@@ -386,9 +393,9 @@ def pick_tiles(
     chosen = pick_fastest(_CHOSEN, key, listed, run, tensors, timing=timing, compile_first=True, timings=timings)
     if timings:
         _TIMES[key] = dict(timings)
-        _FAILED.update((static, c) for c in listed if c not in timings and c != FLASH)
-        if FLASH in listed:
-            _remember_auto(key, chosen, timings)
+        _FAILED.update((static, c) for c in listed if c not in timings and c not in LIBRARIES)
+        if any(c in LIBRARIES for c in listed):
+            _remember_auto(key, chosen, timings, listed)
         if key[0] == "fwd" and key[6]:
             _remember_pointer_tiles(key, timings)
     return chosen
@@ -397,25 +404,27 @@ def pick_tiles(
 def _compiled_part(key: tuple) -> tuple:
     """What of a key fixes the compiled kernels (kernel, head dims, dtype, mode flags, block size, and the forward's
     descriptor loads or the backward's determinism): the keys of :mod:`.forward` and :mod:`.backward` end in their
-    length buckets, heads, work bucket and FlashAttention-4 flags."""
+    length buckets, heads, work bucket and library-kernel flags."""
     return key[:7]
 
 
-def _remember_auto(key: tuple, chosen: object, timings: dict) -> None:
-    """After an ``impl="auto"`` timing: the fastest Triton candidate under the key without FlashAttention-4 (the
-    forward's with its no-log-sum-exp flag off too: a call without FA4 keys on neither), and a log line of what was
+def _remember_auto(key: tuple, chosen: object, timings: dict, listed: list) -> None:
+    """After an ``impl="auto"`` timing: the fastest Triton candidate under the key without library kernels (the
+    forward's with its no-log-sum-exp flag off too: a call without them keys on neither), and a log line of what was
     chosen."""
-    kernels = {c: ms for c, ms in timings.items() if c != FLASH}
+    kernels = {c: ms for c, ms in timings.items() if c not in LIBRARIES}
     if kernels:
         triton_key = (*key[:-2], False, False) if key[0] == "fwd" else (*key[:-1], False)
         _CHOSEN.setdefault(triton_key, min(kernels, key=kernels.__getitem__))
     best_kernel = min(kernels.items(), key=lambda item: item[1]) if kernels else None
+    libraries = ", ".join(f"{_NAMES[c]} " + (f"{timings[c]:.3f} ms" if c in timings else "failed")
+                          for c in LIBRARIES if c in listed)  # fmt: skip
     log.info(
-        "GDPA impl='auto' %s: %s (%.3f ms); FlashAttention-4 %s, best Triton %s",
+        "GDPA impl='auto' %s: %s (%.3f ms); %s; best Triton %s",
         key[0],
-        "FlashAttention-4" if chosen == FLASH else f"Triton {_label(chosen)}",
+        _NAMES[chosen] if chosen in LIBRARIES else f"Triton {_label(chosen)}",
         timings.get(chosen, float("nan")),
-        f"{timings[FLASH]:.3f} ms" if FLASH in timings else "failed",
+        libraries or "no library kernel",
         f"{_label(best_kernel[0])} {best_kernel[1]:.3f} ms" if best_kernel else "none",
     )
 
@@ -426,7 +435,7 @@ def _label(choice: Tiles | BackwardTiles) -> str:
 
 def _remember_pointer_tiles(key: tuple, timings: dict) -> None:
     """After timing a forward key that allows descriptor loads: its fastest pointer tile under the key of a call of
-    the same shape that allows neither descriptors nor FlashAttention-4 (a traced one), which then runs that tile
+    the same shape that allows neither descriptors nor library kernels (a traced one), which then runs that tile
     instead of its first candidate."""
     pointer = {c: ms for c, ms in timings.items() if isinstance(c, Tiles) and not c.tma}
     if pointer:
@@ -483,7 +492,8 @@ def chosen_tiles() -> dict[tuple, Tiles | BackwardTiles]:
 
 def tuning_times() -> dict[tuple, dict]:
     """The measurements behind the choices timed so far in this process: ``{key: {candidate: ms}}`` (each
-    candidate's median per run on the call that tuned the key; :data:`FLASH` among them where it was a candidate)."""
+    candidate's median per run on the call that tuned the key; library kernels among them where they were
+    candidates)."""
     return {key: dict(times) for key, times in _TIMES.items()}
 
 

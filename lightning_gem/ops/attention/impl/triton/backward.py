@@ -48,6 +48,7 @@ from lightning_gem.ops.attention.impl.triton._common import (
 )
 from lightning_gem.ops.attention.impl.triton._tuning import (
     FLASH,
+    LIBRARIES,
     SHORT_QUERY_ROWS,
     BackwardTiles,
     Tiles,
@@ -65,7 +66,7 @@ from lightning_gem.ops.attention.impl.triton.backward_programs import (
     _dq_program,
 )
 from lightning_gem.ops.attention.impl.triton.backward_short import _gdpa_bwd_short_kernel
-from lightning_gem.ops.attention.impl.triton.forward import flash_candidate
+from lightning_gem.ops.attention.impl.triton.forward import library_candidates
 from lightning_gem.ops.attention.impl.triton.quantize import quantize_rows_triton
 from lightning_gem.ops.attention.spec import Spec
 
@@ -304,16 +305,16 @@ def gdpa_backward(
     halves of the head dim's columns (:mod:`.backward_programs`); ``dv_stages`` (with ``split_dkdv`` and atomic dQ)
     launches the dV programs after the dK ones, on their own, pipelined over that many stages. Returns ``(dq, dk,
     dv)`` in the inputs' dtypes.
-    ``flash`` (``impl="auto"``, softmax modes FlashAttention-4 computes exactly) lets the tuner pick
-    FlashAttention-4's backward instead, from the same ``out`` and ``lse``.
-    ``natural_lse``: ``lse`` is FlashAttention-4's own (:func:`.forward.gdpa_forward`'s ``lse_format``), handed to
-    its backward as it is and converted for the Triton kernels.
+    ``flash`` (``impl="auto"``, softmax modes a library's FlashAttention kernel computes exactly) lets the tuner
+    pick that library's backward instead (:func:`.forward.library_candidates`), from the same ``out`` and ``lse``.
+    ``natural_lse``: ``lse`` is a library kernel's own (:func:`.forward.gdpa_forward`'s ``lse_format``), handed to
+    the library backwards and converted for the Triton kernels.
     """
     q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size, scale = spec[:9]
     max_seq_len_q, max_seq_len_kv, deterministic = spec.max_seq_len_q, spec.max_seq_len_kv, spec.deterministic
     fp8 = spec.precision == "fp8"
-    use_flash = flash and not fp8 and flash_candidate(q, k, v, spec)
-    flash_inputs = (grad_out, q, k, v, out, lse, spec)
+    libraries = library_candidates(q, k, v, spec) if flash and not fp8 else []
+    library_inputs = (grad_out, q, k, v, out, lse, spec)
     grad_out, do_strides = dense_rows(grad_out)
     (q, q_strides), (k, k_strides), (v, v_strides) = dense_rows(q), dense_rows(k), dense_rows(v)
     num_q, heads, head_dim = q.shape
@@ -380,15 +381,13 @@ def gdpa_backward(
         return converted[0]
 
     def options(plan: BackwardTiles | str) -> dict[str, object]:
-        if plan == FLASH:
+        if plan in LIBRARIES:
             return {}
         return plan_meta(plan, {**kernel_options(head_dim, head_dim_v, flags, q.dtype, fast), "FP8": fp8})
 
     def run(plan: BackwardTiles | str, meta: dict[str, object]) -> None:
-        if plan == FLASH:
-            from lightning_gem.ops.attention.impl.flash import flash_backward
-
-            flash_backward(*flash_inputs, natural_lse=natural_lse)
+        if plan in LIBRARIES:
+            library_backward(plan, *library_inputs, natural_lse=natural_lse)
             return
         tiles = plan.dkdv
         if plan.short:  # softmax's delta comes from the kernel's own rows of O and dO
@@ -463,20 +462,41 @@ def gdpa_backward(
         # The key fixes short_query too: the flags hold kv_index and targets, the bucket the longest query segment.
         key = ("bwd", deterministic, head_dim, head_dim_v, torch.float8_e4m3fn if fp8 else q.dtype, flags, block_size,
                length_bucket(max_seq_len_q), length_bucket(max_seq_len_kv), heads,
-               work_bucket(num_q, heads, k.shape[0], num_kv_segments), use_flash)  # fmt: skip
+               work_bucket(num_q, heads, k.shape[0], num_kv_segments), bool(libraries))  # fmt: skip
 
         def candidates() -> list[BackwardTiles | str]:
             plans = backward_candidates(q.dtype, q.device, head_dim, deterministic=deterministic,
                                         block_size=block_size, max_len_q=max_seq_len_q, short_query=short_query,
                                         tma=bulk_reduction_ok(q))  # fmt: skip
-            return [*plans, FLASH] if use_flash else plans
+            return [*plans, *libraries]
 
         plan, meta = pick_launch(
             key, (q.device.type, fast), candidates, lambda p: run(p, options(p)), (q, k, v, grad_out), options
         )
-    if plan == FLASH:
-        from lightning_gem.ops.attention.impl.flash import flash_backward
-
-        return flash_backward(*flash_inputs, natural_lse=natural_lse)
+    if plan in LIBRARIES:
+        return library_backward(plan, *library_inputs, natural_lse=natural_lse)
     run(plan, meta)
     return dq_buffers[q.dtype], dk, dv
+
+
+def library_backward(
+    name: str,
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    spec: Spec,
+    *,
+    natural_lse: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward of library kernel ``name`` (:data:`FLASH` or :data:`VARLEN`): ``(dq, dk, dv)`` from the forward's
+    ``out`` and ``lse`` (base 2, or a library's natural-log one with ``natural_lse``)."""
+    if name == FLASH:
+        from lightning_gem.ops.attention.impl.flash import flash_backward
+
+        return flash_backward(grad_out, q, k, v, out, lse, spec, natural_lse=natural_lse)
+    from lightning_gem.ops.attention.impl.varlen import varlen_backward
+
+    return varlen_backward(grad_out, q, k, v, out, lse, spec, natural_lse=natural_lse)

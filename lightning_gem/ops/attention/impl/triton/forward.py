@@ -64,6 +64,8 @@ from lightning_gem.ops.attention.impl.triton._common import (
 )
 from lightning_gem.ops.attention.impl.triton._tuning import (
     FLASH,
+    LIBRARIES,
+    VARLEN,
     Tiles,
     candidate_tiles,
     forward_tiles_fault,
@@ -355,9 +357,10 @@ def gdpa_forward(
 ) -> tuple[Tensor, Tensor]:
     """Launch the forward kernel. Returns ``out [Tq, H, DV]`` (q's dtype) and ``lse [H, Tq]`` (fp32, base 2;
     empty for pointwise activations). The spec's ``max_seq_len_q`` sizes the grid and must bound every ``Lq``;
-    ``tiles`` overrides the tuned choice (:mod:`._tuning`). ``flash`` (``impl="auto"``) lets the tuner pick
-    FlashAttention-4 instead (:func:`flash_candidate`), which needs ``max_seq_len_kv`` too; ``need_lse=False``
-    (nothing differentiates the call) lets FlashAttention-4 skip the log-sum-exp (the returned one is then empty).
+    ``tiles`` overrides the tuned choice (:mod:`._tuning`). ``flash`` (``impl="auto"``) lets the tuner pick a
+    library's FlashAttention kernel instead (:func:`library_candidates`), which needs ``max_seq_len_kv`` too;
+    ``need_lse=False`` (nothing differentiates the call) lets FlashAttention-4 skip the log-sum-exp (the returned one
+    is then empty).
     Tiles with ``tma`` read key and value tiles through tensor descriptors where :func:`kv_descriptors_ok` (else
     through pointers); the tuner lists such candidates for softmax (:func:`._tuning.candidate_tiles`).
     ``warp_specialize`` (with ``tiles`` of 4 warps and ``tma``, bf16 or fp16, q's heads one dense row of
@@ -365,9 +368,9 @@ def gdpa_forward(
     else it needs), another variant the sweep times, never the tuner's. ``spec.precision == "fp8"`` quantizes q, k
     and v (:func:`lightning_gem.ops.attention.fp8.quantize_fp8`) (the same codes from
     :func:`.quantize.quantize_fp8_triton`) and runs the kernel's products on them; the output is in q's dtype either
-    way. ``lse_format`` (a dict): where FlashAttention-4 runs, its own log-sum-exp is returned
-    (natural log, ``-inf`` where a row sees nothing; two launches fewer) and ``lse_format["natural"]`` set True, for a
-    backward told so (:func:`.backward.gdpa_backward`'s ``natural_lse``).
+    way. ``lse_format`` (a dict): where a library kernel runs, its own log-sum-exp is returned
+    (natural log; a row that sees nothing ``-inf`` in FA4's, ``+inf`` in FA2's; two launches fewer) and
+    ``lse_format["natural"]`` set True, for a backward told so (:func:`.backward.gdpa_backward`'s ``natural_lse``).
     """
     q_offsets, kv_offsets, kv_index, num_targets, activation, causal, window, block_size, scale = spec[:9]
     max_seq_len_q = spec.max_seq_len_q
@@ -412,11 +415,11 @@ def gdpa_forward(
             raise ValueError(f"`warp_specialize=True`: {reason}")
     fast = fast_math(q)
 
-    use_flash = flash and not fp8 and flash_candidate(q, k, v, spec)
+    libraries = library_candidates(q, k, v, spec) if flash and not fp8 else []
     dtype = operands[0].dtype  # of the kernel's products: the inputs', or E4M3
 
     def options(tiles: Tiles | str) -> dict[str, object]:
-        if tiles == FLASH:
+        if tiles in LIBRARIES:
             return {}
         tma = descriptors and tiles.tma
         # Triton 3.6 miscompiles the one-instruction tanh of the pointwise activations in a loop fed by descriptor
@@ -426,10 +429,8 @@ def gdpa_forward(
         return {**meta, "TMA": tma, "FP8": fp8, "WS": warp_specialize}
 
     def run(tiles: Tiles | str, meta: dict[str, object]) -> None:
-        if tiles == FLASH:
-            from lightning_gem.ops.attention.impl.flash import flash_forward
-
-            flash_forward(q, k, v, spec, need_lse=need_lse, natural_lse=lse_format is not None)  # timed as called
+        if tiles in LIBRARIES:
+            library_forward(tiles, q, k, v, spec, need_lse=need_lse, natural_lse=lse_format is not None)  # as called
             return
         grid = (num_segments, heads, max(1, cdiv(max_seq_len_q, tiles.block_m)))
         descriptors = _kv_descriptors(k, v, tiles.block_n) if meta["TMA"] else (k, v)
@@ -438,17 +439,17 @@ def gdpa_forward(
 
     pointwise_targets = not softmax and num_targets is not None
     if tiles is None:
-        # With FlashAttention-4 a candidate, a call that keeps no log-sum-exp (nothing differentiates it) is its own
-        # key: FA4 skips computing it there, so the fastest candidate can differ from a training call's.
+        # With library kernels among the candidates, a call that keeps no log-sum-exp (nothing differentiates it) is
+        # its own key: FA4 skips computing it there, so the fastest candidate can differ from a training call's.
         key = ("fwd", head_dim, head_dim_v, dtype, flags, block_size, descriptors, length_bucket(max_seq_len_q), heads,
-               work_bucket(num_q, heads, k.shape[0], kv_offsets.shape[0] - 1), use_flash and not need_lse,
-               use_flash)  # fmt: skip
+               work_bucket(num_q, heads, k.shape[0], kv_offsets.shape[0] - 1), bool(libraries) and not need_lse,
+               bool(libraries))  # fmt: skip
 
         def candidates() -> list[Tiles | str]:
             tiles = candidate_tiles("fwd", q.dtype, q.device, head_dim, block_size=block_size, max_len_q=max_seq_len_q,
                                     fp8=fp8, pointwise_targets=pointwise_targets, pointwise=not softmax,
                                     descriptors=descriptors)  # fmt: skip
-            return [*tiles, FLASH] if use_flash else tiles
+            return [*tiles, *libraries]
 
         tiles, meta = pick_launch(
             key, (q.device.type, fast), candidates, lambda t: run(t, options(t)), (q, k, v), options
@@ -466,27 +467,47 @@ def gdpa_forward(
             raise ValueError(f"tiles={tiles}: the FP8 forward of a pointwise activation with targets at head dim "
                              f"{head_dim} takes tiles over 8 warps")  # fmt: skip
         meta = options(tiles)
-    if tiles == FLASH:
-        from lightning_gem.ops.attention.impl.flash import flash_forward
-
+    if tiles in LIBRARIES:
         if lse_format is not None:
             lse_format["natural"] = True
-        return flash_forward(q, k, v, spec, need_lse=need_lse, natural_lse=lse_format is not None)
+        return library_forward(tiles, q, k, v, spec, need_lse=need_lse, natural_lse=lse_format is not None)
     run(tiles, meta)
     return out, lse
 
 
-def flash_candidate(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> bool:
-    """Whether ``impl="auto"`` may time FlashAttention-4 on this call: a plain eager call (nothing traces it), a
-    mode FA4 computes exactly (:func:`lightning_gem.ops.attention.impl.flash.unsupported`) and FA4 installed."""
+def library_candidates(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> list[str]:
+    """The library kernels ``impl="auto"`` may time on this call, in a plain eager call (nothing traces it):
+    :data:`FLASH` (FlashAttention-4) where installed and computing the mode exactly
+    (:func:`lightning_gem.ops.attention.impl.flash.unsupported`), :data:`VARLEN` (PyTorch's FlashAttention-2) where
+    it does (:func:`lightning_gem.ops.attention.impl.varlen.varlen_unsupported`)."""
     if not q.is_cuda or not plain_eager((q, k, v)):
-        return False
+        return []
     from lightning_gem.imports import FA4_AVAILABLE
     from lightning_gem.ops.attention.impl.flash import unsupported
+    from lightning_gem.ops.attention.impl.varlen import varlen_unsupported
 
+    libraries = []
     reason = unsupported(q, v, activation=spec.activation, block_size=spec.block_size, kv_index=spec.kv_index,
                          num_targets=spec.num_targets, self_attention=spec.kv_offsets is spec.q_offsets)  # fmt: skip
-    return reason is None and bool(FA4_AVAILABLE)
+    if reason is None and FA4_AVAILABLE:
+        libraries.append(FLASH)
+    if varlen_unsupported(q, v, spec) is None:
+        libraries.append(VARLEN)
+    return libraries
+
+
+def library_forward(
+    name: str, q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, need_lse: bool, natural_lse: bool
+) -> tuple[Tensor, Tensor]:
+    """The forward of library kernel ``name`` (:data:`FLASH` or :data:`VARLEN`): ``(out, lse)``, the log-sum-exp in
+    base 2, or the library's natural-log one with ``natural_lse``."""
+    if name == FLASH:
+        from lightning_gem.ops.attention.impl.flash import flash_forward
+
+        return flash_forward(q, k, v, spec, need_lse=need_lse, natural_lse=natural_lse)
+    from lightning_gem.ops.attention.impl.varlen import varlen_forward
+
+    return varlen_forward(q, k, v, spec, need_lse=need_lse, natural_lse=natural_lse)
 
 
 def kv_descriptors_ok(q: Tensor, k: Tensor, v: Tensor) -> bool:

@@ -32,8 +32,8 @@ def _forward(*arguments: object) -> tuple[Tensor, Tensor]:
     """Forward: ``(out [Tq, H, Dv], lse [H, Tq] fp32 base-2 log-sum-exp; empty unless softmax)``.
 
     The arguments (:data:`_FORWARD`) are ``q, k, v``, a :class:`Spec`'s fields, then ``flash`` (``impl="auto"``):
-    FlashAttention-4 is one more candidate of the tuner, forward and backward, in plain eager calls of the modes it
-    computes exactly. ``deterministic`` is for the backward (saved with the inputs); the forward is deterministic
+    the library kernels are candidates of the tuner too, forward and backward, in plain eager calls of the modes they
+    compute exactly. ``deterministic`` is for the backward (saved with the inputs); the forward is deterministic
     anyway.
     """
     q, k, v, *spec, flash = _all_arguments(_FORWARD, arguments)
@@ -43,7 +43,7 @@ def _forward(*arguments: object) -> tuple[Tensor, Tensor]:
 def _backward_kernels(*arguments: object) -> tuple[Tensor, Tensor, Tensor]:
     """Backward: ``(dq, dk, dv)`` from ``grad_out, q, k, v, out, lse``, a :class:`Spec`'s fields and ``flash``
     (:data:`_BACKWARD`). ``out`` and ``lse`` are read for softmax only; ``deterministic``: dQ without atomics (bitwise
-    reproducible); ``flash``: FlashAttention-4's backward is one more candidate (``impl="auto"``)."""
+    reproducible); ``flash``: the library kernels' backwards are candidates too (``impl="auto"``)."""
     arguments = _all_arguments(_BACKWARD, arguments)
     *spec, flash = arguments[6:]
     return gdpa_backward(*arguments[:6], Spec(*spec), flash=flash)
@@ -121,8 +121,8 @@ class _GDPAEager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, spec, flash):
-        # Where FlashAttention-4 runs the forward, its own log-sum-exp is kept for the backward (which converts it
-        # only if a Triton kernel reads it): two launches fewer a call, and none back for FA4's backward.
+        # Where a library kernel runs the forward, its own log-sum-exp is kept for the backward (which converts it
+        # only if a Triton kernel reads it): two launches fewer a call, and none back for a library's backward.
         lse_format: dict[str, bool] = {}
         out, lse = gdpa_forward(q, k, v, spec, flash=flash, lse_format=lse_format)
         _save(ctx, q, k, v, spec, flash, out, lse)
@@ -145,10 +145,10 @@ def gdpa_triton(q: Tensor, k: Tensor, v: Tensor, spec: Spec, *, flash: bool = Fa
     ``spec`` as for :func:`lightning_gem.ops.attention.impl.reference.gdpa_reference` (``kv_offsets`` is
     ``q_offsets`` for self-attention), with its length hints and ``deterministic`` (the backward computes dQ in its
     own kernel instead of accumulating it with fp32 atomics: bitwise reproducible, somewhat slower); ``flash``
-    (``impl="auto"``): FlashAttention-4 among the tuner's candidates, where it computes the mode exactly and the call
-    is plain eager; never with ``deterministic``. A missing hint is read from the offsets (one device sync) in eager
-    mode and replaced by the token count under ``torch.compile`` (correct, but launches more empty programs): pass
-    the hints on hot paths.
+    (``impl="auto"``): the library kernels (FlashAttention-4 where installed, PyTorch's FlashAttention-2) among the
+    tuner's candidates, where they compute the mode exactly and the call is plain eager; never with
+    ``deterministic``. A missing hint is read from the offsets (one device sync) in eager mode and replaced by the
+    token count under ``torch.compile`` (correct, but launches more empty programs): pass the hints on hot paths.
 
     Returns:
         ``[Tq, H, Dv]`` in q's dtype.
