@@ -4,6 +4,7 @@ timed once on the call's own buffers and remembered in the caller's registry."""
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Hashable
 from typing import TypeVar
 
@@ -49,30 +50,43 @@ def _compile_all(candidates: list[T], run: Callable[[T], None]) -> None:
                     continue
 
 
-def measure(candidates: list[T], run: Callable[[T], None], *, rounds: int = 3, reps: int = 3) -> dict[T, float]:
-    """Milliseconds per run of each candidate: each runs once (compiling it), then ``rounds`` rounds take the
-    candidates in turn and time ``reps`` runs of each between CUDA events; a candidate's time is the median of its
-    rounds (interleaving spreads clock and thermal drift over every candidate alike). One that fails to run (out of
-    shared memory and kin) is left out."""
-    usable = []
+# The most runs one round of :func:`measure` times of a candidate.
+MAX_REPS = 64
+
+
+def measure(
+    candidates: list[T], run: Callable[[T], None], *, rounds: int = 3, reps: int = 3, round_ms: float = 1.0
+) -> dict[T, float]:
+    """Milliseconds per run of each candidate: each runs once (compiling it) and once more between CUDA events,
+    which sizes its rounds: at least ``reps`` runs, and about ``round_ms`` of them for a short one (up to
+    :data:`MAX_REPS`), so a call of a few microseconds is timed over many runs rather than three. Then ``rounds``
+    rounds take the candidates in turn and time each one's runs between CUDA events; a candidate's time is the median
+    of its rounds (interleaving spreads clock and thermal drift over every candidate alike). One that fails to run
+    (out of shared memory and kin) is left out."""
+    sized: dict[T, int] = {}
     for candidate in candidates:
         try:
             run(candidate)
             torch.cuda.synchronize()
         except Exception:
             continue
-        usable.append(candidate)
-    samples: dict[T, list[float]] = {c: [] for c in usable}
+        sized[candidate] = min(MAX_REPS, max(reps, math.ceil(round_ms / max(_time_runs(run, candidate, 1), 1e-3))))
+    samples: dict[T, list[float]] = {c: [] for c in sized}
     for _ in range(rounds):
-        for candidate in usable:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                run(candidate)
-            end.record()
-            end.synchronize()
-            samples[candidate].append(start.elapsed_time(end) / reps)
+        for candidate, count in sized.items():
+            samples[candidate].append(_time_runs(run, candidate, count))
     return {c: sorted(times)[len(times) // 2] for c, times in samples.items()}
+
+
+def _time_runs(run: Callable[[T], None], candidate: T, count: int) -> float:
+    """Milliseconds per run of ``count`` runs of ``candidate`` back to back, between CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(count):
+        run(candidate)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / count
 
 
 def pick_fastest(

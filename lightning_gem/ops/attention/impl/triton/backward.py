@@ -32,6 +32,7 @@ import triton.language as tl
 from torch import Tensor
 
 from lightning_gem.ops._launch import device_capability, plain_eager
+from lightning_gem.ops.attention.impl import flash as fa4
 from lightning_gem.ops.attention.impl.derived import segments_by_length
 from lightning_gem.ops.attention.impl.triton._common import (
     _load_tile,
@@ -68,6 +69,7 @@ from lightning_gem.ops.attention.impl.triton.backward_programs import (
 from lightning_gem.ops.attention.impl.triton.backward_short import _gdpa_bwd_short_kernel
 from lightning_gem.ops.attention.impl.triton.forward import library_candidates
 from lightning_gem.ops.attention.impl.triton.quantize import quantize_rows_triton
+from lightning_gem.ops.attention.impl.varlen import varlen_backward
 from lightning_gem.ops.attention.spec import Spec
 
 __all__ = ["gdpa_backward"]
@@ -375,9 +377,7 @@ def gdpa_backward(
         if not (natural_lse and softmax):
             return lse
         if not converted:
-            from lightning_gem.ops.attention.impl.flash import lse_to_base2
-
-            converted.append(lse_to_base2(lse))
+            converted.append(fa4.lse_to_base2(lse))
         return converted[0]
 
     def options(plan: BackwardTiles | str) -> dict[str, object]:
@@ -494,9 +494,5 @@ def library_backward(
     """The backward of library kernel ``name`` (:data:`FLASH` or :data:`VARLEN`): ``(dq, dk, dv)`` from the forward's
     ``out`` and ``lse`` (base 2, or a library's natural-log one with ``natural_lse``)."""
     if name == FLASH:
-        from lightning_gem.ops.attention.impl.flash import flash_backward
-
-        return flash_backward(grad_out, q, k, v, out, lse, spec, natural_lse=natural_lse)
-    from lightning_gem.ops.attention.impl.varlen import varlen_backward
-
+        return fa4.flash_backward(grad_out, q, k, v, out, lse, spec, natural_lse=natural_lse)
     return varlen_backward(grad_out, q, k, v, out, lse, spec, natural_lse=natural_lse)

@@ -32,9 +32,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from lightning_gem.imports import FA4_AVAILABLE
 from lightning_gem.ops._launch import device_capability, plain_eager
 from lightning_gem.ops.attention.fp8 import BOUND_SLACK as _BOUND_SLACK
 from lightning_gem.ops.attention.fp8 import P_SCALE
+from lightning_gem.ops.attention.impl import flash as fa4
 from lightning_gem.ops.attention.impl.derived import segments_by_length
 from lightning_gem.ops.attention.impl.triton._common import (
     E4M3_GRID_FIRST,
@@ -76,6 +78,7 @@ from lightning_gem.ops.attention.impl.triton._tuning import (
     work_bucket,
 )
 from lightning_gem.ops.attention.impl.triton.quantize import quantize_fp8_triton
+from lightning_gem.ops.attention.impl.varlen import varlen_forward, varlen_unsupported
 from lightning_gem.ops.attention.spec import Spec
 
 __all__ = ["gdpa_forward"]
@@ -482,12 +485,8 @@ def library_candidates(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> list[str]
     it does (:func:`lightning_gem.ops.attention.impl.varlen.varlen_unsupported`)."""
     if not q.is_cuda or not plain_eager((q, k, v)):
         return []
-    from lightning_gem.imports import FA4_AVAILABLE
-    from lightning_gem.ops.attention.impl.flash import unsupported
-    from lightning_gem.ops.attention.impl.varlen import varlen_unsupported
-
     libraries = []
-    reason = unsupported(q, v, activation=spec.activation, block_size=spec.block_size, kv_index=spec.kv_index,
+    reason = fa4.unsupported(q, v, activation=spec.activation, block_size=spec.block_size, kv_index=spec.kv_index,
                          num_targets=spec.num_targets, self_attention=spec.kv_offsets is spec.q_offsets)  # fmt: skip
     if reason is None and FA4_AVAILABLE:
         libraries.append(FLASH)
@@ -502,11 +501,7 @@ def library_forward(
     """The forward of library kernel ``name`` (:data:`FLASH` or :data:`VARLEN`): ``(out, lse)``, the log-sum-exp in
     base 2, or the library's natural-log one with ``natural_lse``."""
     if name == FLASH:
-        from lightning_gem.ops.attention.impl.flash import flash_forward
-
-        return flash_forward(q, k, v, spec, need_lse=need_lse, natural_lse=natural_lse)
-    from lightning_gem.ops.attention.impl.varlen import varlen_forward
-
+        return fa4.flash_forward(q, k, v, spec, need_lse=need_lse, natural_lse=natural_lse)
     return varlen_forward(q, k, v, spec, need_lse=need_lse, natural_lse=natural_lse)
 
 
