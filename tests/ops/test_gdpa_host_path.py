@@ -206,3 +206,25 @@ def test_host_only_profile_runs_on_cpu() -> None:
                           capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     assert "_gdpa_bwd_short_kernel" in done.stdout and "+ launch()" in done.stdout
+
+
+def test_missing_length_hints_are_read_once_per_offsets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without length hints, the longest segment is read from the offsets (a device sync on a GPU) once per offsets
+    tensor while it lives unchanged, not once per call: every layer of a step takes the same offsets."""
+    from lightning_gem.ops.attention.impl import derived
+    from lightning_gem.ops.attention.spec import with_length_hints
+
+    reads = []
+    real = derived.max_length_hint
+    monkeypatch.setattr(derived, "max_length_hint", lambda *args: reads.append(args) or real(*args))
+    offsets, kv_offsets = torch.tensor([0, 3, 10, 10, 12]), torch.tensor([0, 5, 6, 6, 15])
+    q, k = torch.randn(12, 2, 4), torch.randn(15, 2, 4)
+    spec = Spec(offsets, kv_offsets, None, None, "softmax", False, None, None, 0.5)
+    for _ in range(3):
+        assert with_length_hints(spec, q, k)[9:11] == (7, 9)
+    assert len(reads) == 2  # the query and the kv offsets, once each
+    kv_offsets[-1] = 16  # changed in place: read again
+    assert with_length_hints(spec, q, k)[9:11] == (7, 10)
+    assert len(reads) == 3
+    assert with_length_hints(spec._replace(max_seq_len_q=8, max_seq_len_kv=9), q, k)[9:11] == (8, 9)
+    assert len(reads) == 3  # hints given: nothing read

@@ -13,7 +13,7 @@ from typing import NamedTuple, get_type_hints
 
 from torch import Tensor
 
-from lightning_gem.jagged import max_length_hint
+from lightning_gem.ops.attention.impl.derived import longest_segment
 
 __all__ = ["HINTS_SCHEMA", "MODE_SCHEMA", "Spec", "op_signature", "with_length_hints"]
 
@@ -74,12 +74,13 @@ def op_signature(before: dict[str, object], after: dict[str, bool], returns: obj
 
 def with_length_hints(spec: Spec, q: Tensor, k: Tensor) -> Spec:
     """``spec`` with the length hints it lacks read from its offsets (:func:`lightning_gem.jagged.max_length_hint`:
-    one device sync in eager mode, the token count under ``torch.compile``); ``spec`` itself when it has both."""
+    one device sync in eager mode, once per offsets tensor (:func:`.impl.derived.longest_segment`); the token count
+    under ``torch.compile``); ``spec`` itself when it has both."""
     max_q, max_kv = spec.max_seq_len_q, spec.max_seq_len_kv
     if max_q is not None and max_kv is not None:
         return spec
     if max_q is None:
-        max_q = max_length_hint(spec.q_offsets, q.shape[0])
+        max_q = longest_segment(spec.q_offsets, q.shape[0])
     if max_kv is None:
-        max_kv = max_length_hint(spec.kv_offsets, k.shape[0])
+        max_kv = longest_segment(spec.kv_offsets, k.shape[0])
     return spec._replace(max_seq_len_q=max_q, max_seq_len_kv=max_kv)
