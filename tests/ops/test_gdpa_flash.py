@@ -81,23 +81,26 @@ def test_varlen_arguments_made_once_per_offsets() -> None:
     backward reuse them), again after the offsets change in place, and int32 offsets are passed through."""
     offsets = lengths_to_offsets([5, 0, 12, 3])
     spec = Spec(offsets, offsets, None, None, "softmax", True, None, None, 0.5, 12, 12)
-    first = flash._varlen_args(spec, 20)
-    again = flash._varlen_args(spec, 20)
+    first = flash.varlen_arguments(spec, 20)
+    again = flash.varlen_arguments(spec, 20)
     assert first["cu_seqlens_q"] is again["cu_seqlens_q"] is again["cu_seqlens_k"]
     assert first["cu_seqlens_q"].dtype == torch.int32 and first["cu_seqlens_q"].tolist() == offsets.tolist()
     assert (first["max_seqlen_q"], first["max_seqlen_k"]) == (12, 12)
     offsets[2] = 4  # in place: the version moves, the int32 copy is made again
-    changed = flash._varlen_args(spec, 20)["cu_seqlens_q"]
+    changed = flash.varlen_arguments(spec, 20)["cu_seqlens_q"]
     assert changed is not first["cu_seqlens_q"] and changed.tolist() == offsets.tolist()
     as_int32 = offsets.to(torch.int32)
-    assert flash._varlen_args(spec._replace(q_offsets=as_int32, kv_offsets=as_int32), 20)["cu_seqlens_q"] is as_int32
-    blocks = flash._varlen_args(spec._replace(block_size=4, max_seq_len_q=12), 20)
     assert (
-        blocks["cu_seqlens_q"] is flash._varlen_args(spec._replace(block_size=4, max_seq_len_q=12), 20)["cu_seqlens_k"]
+        flash.varlen_arguments(spec._replace(q_offsets=as_int32, kv_offsets=as_int32), 20)["cu_seqlens_q"] is as_int32
+    )
+    blocks = flash.varlen_arguments(spec._replace(block_size=4, max_seq_len_q=12), 20)
+    assert (
+        blocks["cu_seqlens_q"]
+        is flash.varlen_arguments(spec._replace(block_size=4, max_seq_len_q=12), 20)["cu_seqlens_k"]
     )
     assert blocks["cu_seqlens_q"].tolist() == flash.block_offsets(offsets, 4, 20).tolist()
     assert blocks["max_seqlen_q"] == 4
-    assert flash._varlen_args(spec._replace(block_size=8), 20)["cu_seqlens_q"] is not blocks["cu_seqlens_q"]
+    assert flash.varlen_arguments(spec._replace(block_size=8), 20)["cu_seqlens_q"] is not blocks["cu_seqlens_q"]
 
 
 def test_window_keywords() -> None:

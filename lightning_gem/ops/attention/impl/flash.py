@@ -42,8 +42,10 @@ __all__ = [
     "gdpa_flash",
     "lse_to_base2",
     "mode_unsupported",
+    "no_work",
     "require_flash",
     "unsupported",
+    "varlen_arguments",
 ]
 
 _LOG2E = math.log2(math.e)
@@ -134,8 +136,9 @@ def _int32(offsets: Tensor) -> Tensor:
     return made_from(offsets, ("int32",), lambda: offsets.to(torch.int32))
 
 
-def _varlen_args(spec: Spec, num_q: int) -> dict[str, object]:
-    """FA4's varlen keywords: int32 cumulative lengths and Python-int maximum lengths."""
+def varlen_arguments(spec: Spec, num_q: int) -> dict[str, object]:
+    """The varlen keywords of FlashAttention's kernels (FA4's names; PyTorch's FA2 takes the same values): int32
+    cumulative lengths (BlockAttention: one segment per block) and Python-int maximum lengths."""
     if spec.block_size is not None:  # self-attention: queries and keys share the block segments
         size, offsets = spec.block_size, spec.q_offsets
         blocks = made_from(offsets, ("blocks", size, num_q), lambda: block_offsets(offsets, size, num_q))
@@ -158,7 +161,8 @@ def _window(causal: bool, window: int | None) -> dict[str, int | None]:
     return dict(window_size_left=window, window_size_right=None if causal else window)
 
 
-def _empty(q: Tensor, v: Tensor) -> bool:
+def no_work(q: Tensor, v: Tensor) -> bool:
+    """Whether a call has nothing to compute (no queries, no heads or no keys): the varlen kernels are not called."""
     return q.shape[0] == 0 or q.shape[1] == 0 or v.shape[0] == 0
 
 
@@ -171,14 +175,14 @@ def flash_forward(
     (natural log, ``-inf`` where a row sees nothing), for a backward told so (:func:`flash_backward`,
     :func:`lse_to_base2`): two launches fewer."""
     num_q, heads = q.shape[0], q.shape[1]
-    if _empty(q, v):
+    if no_work(q, v):
         out = q.new_zeros(num_q, heads, v.shape[2])
         nothing = float("-inf") if natural_lse else float("inf")
         return out, torch.full((heads, num_q if need_lse else 0), nothing, dtype=torch.float32, device=q.device)
     from flash_attn.cute.interface import _flash_attn_fwd
 
     out, lse, *_ = _flash_attn_fwd(
-        q, k, v, **_varlen_args(spec, num_q), softmax_scale=spec.scale, causal=spec.causal,
+        q, k, v, **varlen_arguments(spec, num_q), softmax_scale=spec.scale, causal=spec.causal,
         **_window(spec.causal, spec.window), return_lse=need_lse,
     )  # fmt: skip
     if not need_lse:
@@ -205,7 +209,7 @@ def flash_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """FA4's backward from a forward's ``out`` and the kit's base-2 ``lse`` (FA4's own with ``natural_lse``):
     ``(dq, dk, dv)``. The spec's ``deterministic`` is handed to FA4 (its dQ accumulation in a fixed order)."""
-    if _empty(q, v):
+    if no_work(q, v):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     from flash_attn.cute.interface import _flash_attn_bwd
 
@@ -213,7 +217,7 @@ def flash_backward(
     grads = _flash_attn_bwd(
         q, k, v, out, grad_out.contiguous(), lse if natural_lse else lse * _LN2, softmax_scale=spec.scale,
         causal=spec.causal,
-        **_window(spec.causal, spec.window), **_varlen_args(spec, q.shape[0]), deterministic=spec.deterministic,
+        **_window(spec.causal, spec.window), **varlen_arguments(spec, q.shape[0]), deterministic=spec.deterministic,
     )  # fmt: skip
     return grads[0], grads[1], grads[2]
 

@@ -20,7 +20,12 @@ import torch
 from torch import Tensor
 
 from lightning_gem.ops._launch import device_capability
-from lightning_gem.ops.attention.impl.flash import _empty, _varlen_args, lse_to_base2, mode_unsupported
+from lightning_gem.ops.attention.impl.flash import (
+    lse_to_base2,
+    mode_unsupported,
+    no_work,
+    varlen_arguments,
+)
 from lightning_gem.ops.attention.spec import Spec
 
 __all__ = ["varlen_backward", "varlen_forward", "varlen_unsupported"]
@@ -60,10 +65,10 @@ def varlen_forward(
     """FlashAttention-2's forward on validated inputs with length hints: ``(out [Tq, H, D], lse [H, Tq])``, the
     log-sum-exp in base 2, or its own natural-log one with ``natural_lse``; ``[H, 0]`` when not ``need_lse``."""
     num_q, heads = q.shape[0], q.shape[1]
-    if _empty(q, v):
+    if no_work(q, v):
         lse = torch.full((heads, num_q if need_lse else 0), float("inf"), dtype=torch.float32, device=q.device)
         return q.new_zeros(num_q, heads, v.shape[2]), lse
-    offsets = _varlen_args(spec, num_q)
+    offsets = varlen_arguments(spec, num_q)
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
         q, k, v, offsets["cu_seqlens_q"], offsets["cu_seqlens_k"], offsets["max_seqlen_q"], offsets["max_seqlen_k"],
         0.0, spec.causal, False, scale=spec.scale, **_window(spec),
@@ -87,11 +92,11 @@ def varlen_backward(
     """FlashAttention-2's backward from a forward's ``out`` and the kit's base-2 ``lse`` (a natural-log one, either
     library's, with ``natural_lse``): ``(dq, dk, dv)``. Not for ``spec.deterministic`` (its dQ adds up in any order
     unless PyTorch's deterministic mode is on)."""
-    if _empty(q, v):
+    if no_work(q, v):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     # Rows that see no key: +inf (exp(s - inf) = 0, no gradient); -inf there would make NaN of the masked scores.
     lse = lse.nan_to_num(posinf=float("inf"), neginf=float("inf")) if natural_lse else lse * _LN2
-    offsets = _varlen_args(spec, q.shape[0])
+    offsets = varlen_arguments(spec, q.shape[0])
     rng_state, unused = q.new_empty(2, dtype=torch.uint64), q.new_empty(0)  # read only with dropout
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
         grad_out.contiguous(), q, k, v, out, lse, offsets["cu_seqlens_q"], offsets["cu_seqlens_k"],
