@@ -12,6 +12,7 @@ useful work for both implementations.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -248,7 +249,15 @@ GRID_MODES = ["softmax causal", "softmax bidirectional", "silu causal", "silu ca
 
 
 def _supports(impl: str, inputs: object, mode: dict) -> bool:
-    """Whether ``impl`` computes ``mode`` on these inputs (``flash``: FA4's exact modes, FA4 installed)."""
+    """Whether ``impl`` computes ``mode`` on these inputs (``flash``: FA4's exact modes, FA4 installed; ``varlen``:
+    PyTorch's FlashAttention-2, the same modes)."""
+    if impl == "varlen":
+        from lightning_gem.ops.attention.impl.varlen import varlen_unsupported
+
+        spec = Spec(inputs.q_offsets, inputs.q_offsets if inputs.kv_offsets is None else inputs.kv_offsets,
+                    inputs.kv_index, inputs.num_targets, mode["activation"], mode.get("causal", False),
+                    mode.get("window"), mode.get("block_size"), 1.0)  # fmt: skip
+        return varlen_unsupported(inputs.q, inputs.v, spec) is None
     if impl != "flash":  # the kit's own, in any precision
         return True
     from lightning_gem.imports import FA4_AVAILABLE
@@ -258,6 +267,28 @@ def _supports(impl: str, inputs: object, mode: dict) -> bool:
                          kv_index=inputs.kv_index, num_targets=inputs.num_targets,
                          self_attention=inputs.kv_offsets is None)  # fmt: skip
     return reason is None and bool(FA4_AVAILABLE)
+
+
+@contextlib.contextmanager
+def _tuner_picks(candidate: str):
+    """Inside: GDPA's tuner chooses ``candidate`` (a library backend, e.g. ``"varlen"``) for every key, untimed and
+    not remembered, and raises where it is not a candidate, so ``impl="auto"`` runs that backend forward and
+    backward or fails."""
+    from lightning_gem.ops.attention.impl.triton import _tuning
+
+    def pick(registry, key, candidates, run, tensors, **options):
+        if candidate not in candidates:
+            raise RuntimeError(f"{candidate!r} is not a candidate of {key[0]} here: {candidates}")
+        return candidate
+
+    real = _tuning.pick_fastest
+    _tuning.pick_fastest = pick
+    _tuning.forget_choices()
+    try:
+        yield
+    finally:
+        _tuning.pick_fastest = real
+        _tuning.forget_choices()
 
 
 def _sweep(
@@ -276,7 +307,9 @@ def _sweep(
     tensor's scale (the case's largest exact value where the tensor is exactly zero, as a gradient is when every
     query sees a single key). An impl written ``triton-fp8`` (or ``auto-fp8``) runs ``precision="fp8"``: its ``x_ref``
     are the FP8 emulations of the forward and the backward (``gdpa_fp8_reference`` and
-    ``gdpa_fp8_reference_backward`` of :mod:`lightning_gem.ops.attention.fp8`). Returns the number of failures."""
+    ``gdpa_fp8_reference_backward`` of :mod:`lightning_gem.ops.attention.fp8`). ``varlen`` is ``impl="auto"`` made
+    to run PyTorch's FlashAttention-2 forward and backward (:func:`_tuner_picks`), in the modes it computes. Returns
+    the number of failures."""
     from lightning_gem.ops import gdpa
     from lightning_gem.ops.attention.fp8 import gdpa_fp8_reference, gdpa_fp8_reference_backward
     from lightning_gem.testing.jagged_inputs import make_gdpa_inputs, random_lengths
@@ -329,10 +362,12 @@ def _sweep(
                     emulated = gdpa_fp8_reference(q, k, v, fp8_spec)
                     refs = [emulated, *gdpa_fp8_reference_backward(grad_out, q, k, v, emulated, fp8_spec)]
                 leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-                out = gdpa(*leaves, inputs.q_offsets, inputs.kv_offsets, kv_index=inputs.kv_index,
-                           num_targets=inputs.num_targets, impl=base, precision=precision or None,
-                           **gdpa_options)  # fmt: skip
-                grads = torch.autograd.grad(out, leaves, grad_out) if q.shape[0] else (q, k, v)
+                forced = _tuner_picks(base) if base == "varlen" else contextlib.nullcontext()
+                with forced:  # "varlen": impl="auto" made to run PyTorch's FlashAttention-2 both ways
+                    out = gdpa(*leaves, inputs.q_offsets, inputs.kv_offsets, kv_index=inputs.kv_index,
+                               num_targets=inputs.num_targets, impl="auto" if base == "varlen" else base,
+                               precision=precision or None, **gdpa_options)  # fmt: skip
+                    grads = torch.autograd.grad(out, leaves, grad_out) if q.shape[0] else (q, k, v)
                 bad = non_finite = False
                 worst = 0.0
                 for got, exact, ref in zip([out, *grads], oracle, refs, strict=True):
@@ -468,7 +503,11 @@ def main() -> None:
         help=f"comma-separated sweep modes or their indices, or 'grid' (default all): {', '.join(SWEEP_MODES)}",
     )
     parser.add_argument("--shapes", type=int, default=200, help="random shapes per sweep mode (default 200)")
-    parser.add_argument("--impls", default="triton", help="comma-separated gdpa impls of the sweep (default triton)")
+    parser.add_argument(
+        "--impls",
+        default="triton",
+        help="comma-separated gdpa impls of the sweep (default triton; varlen: auto running PyTorch's FA2)",
+    )
     parser.add_argument("--dims", default="32,64,128", help="comma-separated head dims of the sweep")
     parser.add_argument("--out", help="also write the sweep's failure count here (JSON)")
     args = parser.parse_args()
