@@ -13,8 +13,6 @@ from typing import NamedTuple, get_type_hints
 
 from torch import Tensor
 
-from lightning_gem.ops.attention.impl.derived import longest_segment
-
 __all__ = ["HINTS_SCHEMA", "MODE_SCHEMA", "Spec", "op_signature", "with_length_hints"]
 
 
@@ -79,6 +77,9 @@ def with_length_hints(spec: Spec, q: Tensor, k: Tensor) -> Spec:
     max_q, max_kv = spec.max_seq_len_q, spec.max_seq_len_kv
     if max_q is not None and max_kv is not None:
         return spec
+    # Imported here: it loads Triton, which importing the kit must not.
+    from lightning_gem.ops.attention.impl.derived import longest_segment
+
     if max_q is None:
         max_q = longest_segment(spec.q_offsets, q.shape[0])
     if max_kv is None:
