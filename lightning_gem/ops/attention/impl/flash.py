@@ -37,6 +37,7 @@ from lightning_gem.ops.mx.saved import save_exact
 
 __all__ = [
     "block_offsets",
+    "device_unsupported",
     "flash_backward",
     "flash_forward",
     "gdpa_flash",
@@ -65,8 +66,12 @@ def unsupported(
     """Why FA4 cannot compute this call exactly (a phrase naming the argument), or None when it can."""
     reason = mode_unsupported(q, activation=activation, block_size=block_size, kv_index=kv_index,
                               num_targets=num_targets, self_attention=self_attention)  # fmt: skip
-    if reason is not None:
-        return reason
+    return reason or device_unsupported(q, v)
+
+
+def device_unsupported(q: Tensor, v: Tensor) -> str | None:
+    """Why FA4 cannot run on ``q``'s GPU at these head dims (a call whose mode it computes, on CUDA:
+    :func:`mode_unsupported`), or None."""
     major = device_capability(q.device)[0]
     if major not in (9, 10, 11):
         return f"`q` on a GPU of compute capability {major}.x (FlashAttention-4 runs on 9.x, 10.x and 11.x)"

@@ -28,7 +28,7 @@ from lightning_gem.ops.attention.impl.flash import (
 )
 from lightning_gem.ops.attention.spec import Spec
 
-__all__ = ["varlen_backward", "varlen_forward", "varlen_unsupported"]
+__all__ = ["device_unsupported", "varlen_backward", "varlen_forward", "varlen_unsupported"]
 
 _LN2 = math.log(2.0)
 
@@ -38,8 +38,12 @@ def varlen_unsupported(q: Tensor, v: Tensor, spec: Spec) -> str | None:
     self_attention = spec.kv_offsets is spec.q_offsets
     reason = mode_unsupported(q, activation=spec.activation, block_size=spec.block_size, kv_index=spec.kv_index,
                               num_targets=spec.num_targets, self_attention=self_attention)  # fmt: skip
-    if reason is not None:
-        return reason
+    return reason or device_unsupported(q, v)
+
+
+def device_unsupported(q: Tensor, v: Tensor) -> str | None:
+    """Why PyTorch's FlashAttention-2 cannot run on ``q``'s GPU at these head dims (a call whose mode it computes, on
+    CUDA: :func:`lightning_gem.ops.attention.impl.flash.mode_unsupported`), or None."""
     major = device_capability(q.device)[0]
     if major < 8:
         return f"`q` on a GPU of compute capability {major}.x (PyTorch's FlashAttention-2 runs on 8.0 and later)"

@@ -37,6 +37,7 @@ from lightning_gem.ops._launch import device_capability, plain_eager
 from lightning_gem.ops.attention.fp8 import BOUND_SLACK as _BOUND_SLACK
 from lightning_gem.ops.attention.fp8 import P_SCALE
 from lightning_gem.ops.attention.impl import flash as fa4
+from lightning_gem.ops.attention.impl import varlen as fa2
 from lightning_gem.ops.attention.impl.derived import segments_by_length
 from lightning_gem.ops.attention.impl.triton._common import (
     E4M3_GRID_FIRST,
@@ -78,7 +79,6 @@ from lightning_gem.ops.attention.impl.triton._tuning import (
     work_bucket,
 )
 from lightning_gem.ops.attention.impl.triton.quantize import quantize_fp8_triton
-from lightning_gem.ops.attention.impl.varlen import varlen_forward, varlen_unsupported
 from lightning_gem.ops.attention.spec import Spec
 
 __all__ = ["gdpa_forward"]
@@ -479,18 +479,20 @@ def gdpa_forward(
 
 
 def library_candidates(q: Tensor, k: Tensor, v: Tensor, spec: Spec) -> list[str]:
-    """The library kernels ``impl="auto"`` may time on this call, in a plain eager call (nothing traces it):
-    :data:`FLASH` (FlashAttention-4) where installed and computing the mode exactly
-    (:func:`lightning_gem.ops.attention.impl.flash.unsupported`), :data:`VARLEN` (PyTorch's FlashAttention-2) where
-    it does (:func:`lightning_gem.ops.attention.impl.varlen.varlen_unsupported`)."""
+    """The library kernels ``impl="auto"`` may time on this call, in a plain eager call (nothing traces it) of a mode
+    they compute exactly (:func:`lightning_gem.ops.attention.impl.flash.mode_unsupported`): :data:`FLASH`
+    (FlashAttention-4) where installed and its GPU and head dims allow, :data:`VARLEN` (PyTorch's FlashAttention-2)
+    where its own rules do (each module's ``device_unsupported``)."""
     if not q.is_cuda or not plain_eager((q, k, v)):
         return []
+    self_attention = spec.kv_offsets is spec.q_offsets
+    if fa4.mode_unsupported(q, activation=spec.activation, block_size=spec.block_size, kv_index=spec.kv_index,
+                            num_targets=spec.num_targets, self_attention=self_attention) is not None:  # fmt: skip
+        return []
     libraries = []
-    reason = fa4.unsupported(q, v, activation=spec.activation, block_size=spec.block_size, kv_index=spec.kv_index,
-                         num_targets=spec.num_targets, self_attention=spec.kv_offsets is spec.q_offsets)  # fmt: skip
-    if reason is None and FA4_AVAILABLE:
+    if FA4_AVAILABLE and fa4.device_unsupported(q, v) is None:
         libraries.append(FLASH)
-    if varlen_unsupported(q, v, spec) is None:
+    if fa2.device_unsupported(q, v) is None:
         libraries.append(VARLEN)
     return libraries
 
@@ -502,7 +504,7 @@ def library_forward(
     base 2, or the library's natural-log one with ``natural_lse``."""
     if name == FLASH:
         return fa4.flash_forward(q, k, v, spec, need_lse=need_lse, natural_lse=natural_lse)
-    return varlen_forward(q, k, v, spec, need_lse=need_lse, natural_lse=natural_lse)
+    return fa2.varlen_forward(q, k, v, spec, need_lse=need_lse, natural_lse=natural_lse)
 
 
 def kv_descriptors_ok(q: Tensor, k: Tensor, v: Tensor) -> bool:
